@@ -1,0 +1,128 @@
+"""The public entry points: config -> request -> backend -> plan -> pools."""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import torch
+
+from kvcore.backend import PoolRequest
+from kvcore.config import EngineConfig
+from kvcore.errors import PluginError
+from kvcore.layout import PoolLayout
+from kvcore.planner import MemoryPlan, memory_budget, plan_from_layouts
+from kvcore.plugins import Registry, get_registry
+from kvcore.selection import Selection, select_backend
+
+logger = logging.getLogger(__name__)
+
+
+def make_request(cfg: EngineConfig, pp_rank: int | None = None) -> PoolRequest:
+    """The per-rank :class:`PoolRequest` for ``cfg`` (``pp_rank`` defaults to ``parallel.pp_rank``)."""
+    if pp_rank is not None:
+        cfg = attrs.evolve(cfg, parallel=attrs.evolve(cfg.parallel, pp_rank=pp_rank))
+    start, end = cfg.layer_range
+    model = cfg.model
+    return PoolRequest(
+        attention=model.attention,
+        kv_dtype=cfg.kv_dtype,
+        model_dtype=cfg.model_dtype,
+        device=cfg.hardware.device,
+        vendor=cfg.hardware.vendor,
+        page_size=cfg.kv_cache.page_size,
+        layer_num=end - start,
+        start_layer=start,
+        end_layer=end - 1,
+        head_num=cfg.kv_heads_per_rank,
+        head_dim=model.head_dim,
+        v_head_dim=model.v_head_dim or model.head_dim,
+        kernels=cfg.hardware.kernels,
+        backend=cfg.kv_cache.backend,
+        options=cfg.kv_cache.options,
+        model=model,
+    )
+
+
+def select(cfg: EngineConfig, registry: Registry | None = None) -> Selection:
+    """Which backend serves ``cfg``, with the reasons for every registered backend."""
+    return select_backend(registry or get_registry(), make_request(cfg))
+
+
+def buffer_layout(selection: Selection, registry: Registry, request: PoolRequest) -> PoolLayout:
+    layout = registry.hook.kvcore_buffer_layout(backend=selection.backend, request=request)
+    if not isinstance(layout, PoolLayout):
+        raise PluginError(
+            f"plugin {selection.backend.plugin!r}: the buffer layout of backend {selection.backend.name!r} "
+            f"is {type(layout).__name__}, expected kvcore.layout.PoolLayout"
+        )
+    return layout
+
+
+def plan_memory(
+    cfg: EngineConfig,
+    *,
+    registry: Registry | None = None,
+    free_memory_bytes: int | None = None,
+    weights_loaded: bool = False,
+) -> MemoryPlan:
+    """Size every pool for ``cfg`` without allocating anything.
+
+    :param free_memory_bytes: free device memory an engine profiled before loading the model (default: the
+        hardware profile's memory).
+    :param weights_loaded: the profile was taken after the weights loaded; do not charge them again.
+    """
+    registry = registry or get_registry()
+    selection = select_backend(registry, make_request(cfg))
+    layouts = []
+    for rank in range(cfg.parallel.pp_size):
+        request = make_request(cfg, pp_rank=rank)
+        layouts.append(buffer_layout(selection, registry, request))
+    budget = memory_budget(cfg, free_memory_bytes=free_memory_bytes, weights_loaded=weights_loaded)
+    return plan_from_layouts(cfg, layouts, budget)
+
+
+@attrs.frozen(eq=False)
+class Pools:
+    """What an engine needs: the two pools, the allocator, and the plan they were sized from."""
+
+    req_to_token_pool: object
+    token_to_kv_pool: object
+    token_to_kv_pool_allocator: object
+    plan: MemoryPlan
+    selection: Selection
+
+
+def build_pools(
+    cfg: EngineConfig,
+    *,
+    registry: Registry | None = None,
+    plan: MemoryPlan | None = None,
+    free_memory_bytes: int | None = None,
+    weights_loaded: bool = False,
+) -> Pools:
+    """Plan (unless ``plan`` is given) and allocate the pools for this rank."""
+    registry = registry or get_registry()
+    request = make_request(cfg)
+    if request.device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"hardware={cfg.hardware.name} allocates on CUDA, but no CUDA device is visible; "
+            "use `kvcore plan` to size pools without a device, or hardware=cpu"
+        )
+    selection = select_backend(registry, request)
+    if plan is None:
+        plan = plan_memory(cfg, registry=registry, free_memory_bytes=free_memory_bytes, weights_loaded=weights_loaded)
+    hook = registry.hook
+    token_to_kv_pool = hook.kvcore_create_pool(
+        backend=selection.backend, request=request, layout=plan.layout, sizes=plan.sizes
+    )
+    req_to_token_pool = hook.kvcore_create_req_to_token_pool(
+        backend=selection.backend, request=request, size=plan.max_running_requests, max_context_len=plan.context_length
+    )
+    allocator = hook.kvcore_choose_allocator(
+        backend=selection.backend, request=request, pool=token_to_kv_pool, sizes=plan.sizes
+    )
+    for what, value in (("pool", token_to_kv_pool), ("allocator", allocator), ("request pool", req_to_token_pool)):
+        if value is None:
+            raise PluginError(f"no plugin created the {what} for backend {selection.backend.name!r}")
+    return Pools(req_to_token_pool, token_to_kv_pool, allocator, plan, selection)

@@ -1,0 +1,129 @@
+"""The records plugins and the core exchange: what a backend offers, and what a model asks for.
+
+A plugin describes each pool backend it provides as a frozen :class:`BackendSpec` (yielded from the
+``kvcore_register_backends`` hook).  The core turns a loaded config into a :class:`PoolRequest` and picks the
+backend whose declared capabilities match it; :func:`kvcore.selection.select_backend` explains the choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+import torch
+
+ANY = "*"
+
+
+def _tuple_of_str(value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(str(v) for v in value)
+
+
+def _dtypes(value) -> tuple[torch.dtype, ...] | None:
+    if value is None:
+        return None
+    return tuple(value)
+
+
+def _frozen_mapping(value) -> Mapping[str, Any]:
+    return MappingProxyType(dict(value or {}))
+
+
+@attrs.frozen(kw_only=True)
+class PoolRequest:
+    """What the engine asks a backend to hold, for one rank; a pure function of the config.
+
+    Dimensions are per rank: ``head_num`` is the KV heads this tensor-parallel rank stores, ``layer_num`` the
+    layers of this pipeline stage (global ids ``start_layer .. end_layer``).
+    """
+
+    attention: str
+    kv_dtype: torch.dtype
+    model_dtype: torch.dtype
+    device: str
+    vendor: str
+    page_size: int
+    layer_num: int
+    start_layer: int
+    end_layer: int
+    head_num: int
+    head_dim: int
+    v_head_dim: int
+    kernels: str = "auto"
+    backend: str = "auto"
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+    model: Any = None  # the full model config, for family-specific dimensions (kv_lora_rank, ...)
+
+    @property
+    def device_type(self) -> str:
+        return torch.device(self.device).type
+
+
+LayoutFn = Callable[[PoolRequest], Any]
+PoolFactory = Callable[..., Any]
+
+
+@attrs.frozen(kw_only=True)
+class BackendSpec:
+    """One pool backend a plugin provides.
+
+    :param name: unique backend name (``kv_cache.backend`` selects it explicitly).
+    :param attention: attention kinds served (``"mha"``, ``"mla"``, ...).
+    :param layout: ``layout(request) -> PoolLayout``: the buffers the pool will allocate; must not allocate.
+    :param create_pool: ``create_pool(request, layout, sizes) -> KVCache``: builds the pool; ``sizes`` maps
+        each size group of the layout (``"tokens"``, ...) to its planned size.
+    :param kv_dtypes: cache dtypes served, or None for any.
+    :param devices: device types served (``"cuda"``, ``"cpu"``), or ``("*",)``.
+    :param vendors: hardware vendors served; ``("*",)`` for any.  A backend naming the requested vendor
+        explicitly beats a generic one.
+    :param page_sizes: page sizes served, or None for any.
+    :param priority: higher wins among equally specific matches.
+    :param description: one line for ``kvcore plugins``.
+    :param plugin: the registering plugin's name; filled in by the plugin manager.
+    """
+
+    name: str = attrs.field(validator=attrs.validators.matches_re(r"^[A-Za-z0-9_.\-]+$"))
+    attention: tuple[str, ...] = attrs.field(converter=_tuple_of_str)
+    layout: LayoutFn = attrs.field(validator=attrs.validators.is_callable())
+    create_pool: PoolFactory = attrs.field(validator=attrs.validators.is_callable())
+    kv_dtypes: tuple[torch.dtype, ...] | None = attrs.field(default=None, converter=_dtypes)
+    devices: tuple[str, ...] = attrs.field(default=(ANY,), converter=_tuple_of_str)
+    vendors: tuple[str, ...] = attrs.field(default=(ANY,), converter=_tuple_of_str)
+    page_sizes: tuple[int, ...] | None = attrs.field(default=None)
+    priority: int = 0
+    description: str = ""
+    plugin: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if not self.attention:
+            raise ValueError(f"backend {self.name!r} declares no attention kinds")
+        if self.kv_dtypes is not None and not all(isinstance(d, torch.dtype) for d in self.kv_dtypes):
+            raise TypeError(f"backend {self.name!r}: kv_dtypes must be torch dtypes, got {self.kv_dtypes!r}")
+
+    def mismatches(self, request: PoolRequest) -> list[str]:
+        """Why this backend cannot serve ``request``; empty when it can."""
+        reasons = []
+        if request.attention not in self.attention:
+            reasons.append(f"serves attention {'/'.join(self.attention)}, model needs {request.attention}")
+        if self.kv_dtypes is not None and request.kv_dtype not in self.kv_dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.kv_dtypes)
+            reasons.append(f"kv dtype {str(request.kv_dtype).removeprefix('torch.')} not in [{names}]")
+        if ANY not in self.devices and request.device_type not in self.devices:
+            reasons.append(f"device {request.device_type} not in [{', '.join(self.devices)}]")
+        if ANY not in self.vendors and request.vendor not in self.vendors:
+            reasons.append(f"vendor {request.vendor} not in [{', '.join(self.vendors)}]")
+        if self.page_sizes is not None and request.page_size not in self.page_sizes:
+            reasons.append(f"page size {request.page_size} not in {list(self.page_sizes)}")
+        return reasons
+
+    def specificity(self, request: PoolRequest) -> int:
+        """2 when the backend names the requested vendor, 1 for the device, else 0."""
+        if request.vendor in self.vendors:
+            return 2
+        if request.device_type in self.devices:
+            return 1
+        return 0

@@ -1,0 +1,183 @@
+"""``kvcore`` command line: ``up``, ``plan``, ``plugins``.
+
+Every command takes an optional engine YAML first, then overrides::
+
+    kvcore up                                        # embedded CPU default
+    kvcore plan model=llama-3-70b hardware=h200 parallel.tp_size=8
+    kvcore plugins --explain model=llama-3-8b hardware=h100 kv_cache.dtype=float8_e4m3fn
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvcore import api
+from kvcore.config import EngineConfig, available_options, load_config
+from kvcore.errors import KVCoreError
+from kvcore.planner import GiB, MemoryPlan
+from kvcore.plugins import get_registry
+
+
+def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    if args and "=" not in args[0] and args[0].endswith((".yaml", ".yml")):
+        return args[0], list(args[1:])
+    return None, list(args)
+
+
+def _load(args: Sequence[str]) -> EngineConfig:
+    path, overrides = _split_args(args)
+    return load_config(*overrides, path=path)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _describe_config(cfg: EngineConfig) -> list[str]:
+    start, end = cfg.layer_range
+    m = cfg.model
+    return [
+        f"model      {m.name} ({m.architecture}): {m.num_hidden_layers} layers, {m.num_key_value_heads} KV heads "
+        f"x {m.head_dim}, {m.num_parameters / 1e9:.2f}B params, {m.dtype}",
+        f"hardware   {cfg.hardware.name}: {cfg.hardware.device} ({cfg.hardware.vendor}), "
+        f"{cfg.hardware.memory_gib:g} GiB, kernels={cfg.hardware.kernels}",
+        f"parallel   tp={cfg.parallel.tp_size} pp={cfg.parallel.pp_size} (this rank: layers {start}..{end - 1}, "
+        f"{cfg.kv_heads_per_rank} KV head(s))",
+        f"kv cache   dtype={str(cfg.kv_dtype).removeprefix('torch.')} page_size={cfg.kv_cache.page_size} "
+        f"backend={cfg.kv_cache.backend}",
+    ]
+
+
+def _describe_plan(plan: MemoryPlan) -> list[str]:
+    b = plan.budget
+    lines = [
+        f"budget     {b.source}",
+        f"           - weights per rank {_gib(b.weight_bytes)} - runtime slack {_gib(b.slack_bytes)} "
+        f"= KV budget {_gib(b.kv_budget_bytes)}",
+        f"backend    {plan.backend}: " + ", ".join(
+            f"{buf.name} {list(buf.row_shape)} {str(buf.dtype).removeprefix('torch.')} x {buf.layers} layers"
+            for buf in plan.layout.buffers
+        ),
+        f"per token  {plan.bytes_per_token} bytes per token per rank",
+        f"tokens     max_total_num_tokens = {plan.max_total_num_tokens} (page-aligned to {plan.page_size}"
+        + (f"; pipeline rank {plan.limiting_pp_rank} limits" if plan.limiting_pp_rank else "")
+        + ")",
+    ]
+    if plan.swa_max_total_num_tokens is not None:
+        lines.append(f"swa tokens {plan.swa_max_total_num_tokens}")
+    lines += [
+        f"requests   max_running_requests = {plan.max_running_requests} (context {plan.context_length})",
+        f"memory     KV pools {_gib(plan.kv_cache_bytes)} + request table {_gib(plan.req_to_token_bytes)}",
+    ]
+    lines += [f"warning    {w}" for w in plan.warnings]
+    lines += [f"note       {n}" for n in plan.layout.notes]
+    return lines
+
+
+def _print(lines: Sequence[str]) -> None:
+    for line in lines:
+        print(line, flush=True)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    cfg = _load(args.overrides)
+    _print(_describe_config(cfg))
+    _print(_describe_plan(api.plan_memory(cfg)))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from kvcore.selfcheck import run_self_check
+
+    cfg = _load(args.overrides)
+    _print(["[1/4] config"] + ["  " + line for line in _describe_config(cfg)])
+    registry = get_registry()
+    selection = api.select(cfg, registry)
+    _print(["[2/4] backend"] + ["  " + line for line in selection.explain()])
+    free = None
+    if cfg.hardware.device == "cuda" and torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+    plan = api.plan_memory(cfg, registry=registry, free_memory_bytes=free)
+    _print(["[3/4] plan (nothing allocated yet)"] + ["  " + line for line in _describe_plan(plan)])
+    print(f"[4/4] allocating {_gib(plan.kv_cache_bytes + plan.req_to_token_bytes)} on {cfg.hardware.device} ...",
+          flush=True)
+    started = time.perf_counter()
+    pools = api.build_pools(cfg, registry=registry, plan=plan)
+    allocated = pools.token_to_kv_pool.get_kv_size_bytes()
+    allocated = sum(allocated) if isinstance(allocated, tuple) else allocated
+    print(f"  allocated {_gib(allocated)} of KV pools in {time.perf_counter() - started:.2f} s "
+          f"({type(pools.token_to_kv_pool).__name__}, {type(pools.token_to_kv_pool_allocator).__name__})")
+    if allocated != plan.kv_cache_bytes:
+        print(f"  FAIL layout declared {plan.kv_cache_bytes} bytes, pool allocated {allocated}")
+        return 1
+    results = run_self_check(pools)
+    for r in results:
+        print(f"  {'ok  ' if r.ok else 'FAIL'} {r.name:<12} {r.detail}")
+    failed = [r for r in results if not r.ok]
+    print(f"kvcore up: {'FAILED' if failed else 'ready'}: {plan.max_total_num_tokens} tokens, "
+          f"{plan.max_running_requests} requests, backend {plan.backend}")
+    return 1 if failed else 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    registry = get_registry()
+    print("backends:")
+    for backend in sorted(registry.backends.values(), key=lambda b: b.name):
+        dtypes = "any" if backend.kv_dtypes is None else ", ".join(str(d).removeprefix("torch.") for d in backend.kv_dtypes)
+        print(f"  {backend.name:<10} plugin={backend.plugin:<10} attention={'/'.join(backend.attention)} "
+              f"dtypes={dtypes} devices={'/'.join(backend.devices)} vendors={'/'.join(backend.vendors)} "
+              f"priority={backend.priority}")
+        if backend.description:
+            print(f"             {backend.description}")
+    print("plugins loaded: " + (", ".join(registry.plugins) or "none"))
+    for name, why in sorted(registry.skipped.items()):
+        print(f"plugin skipped: {name} ({why})")
+    for failure in registry.failures:
+        print(f"plugin FAILED: {failure.describe()}")
+    if args.explain is not None:
+        cfg = _load(args.explain)
+        print(f"explain for model={cfg.model.name} hardware={cfg.hardware.name}:")
+        _print("  " + line for line in api.select(cfg, registry).explain())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcore", description="KV-cache memory pools: plan, build and check.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    help_overrides = "optional engine YAML, then overrides: model=NAME hardware=NAME key.path=value"
+    up = sub.add_parser("up", help="plan, allocate and self-check the pools (default: embedded CPU config)")
+    up.add_argument("overrides", nargs="*", help=help_overrides)
+    up.set_defaults(func=cmd_up)
+    plan = sub.add_parser("plan", help="size the pools without allocating (works for GPU profiles on a CPU)")
+    plan.add_argument("overrides", nargs="*", help=help_overrides)
+    plan.set_defaults(func=cmd_plan)
+    plugins = sub.add_parser("plugins", help="list backends and the plugins that registered them")
+    plugins.add_argument("--explain", nargs="*", metavar="OVERRIDE",
+                         help="for this config, say which backend is chosen and why the others are not")
+    plugins.set_defaults(func=cmd_plugins)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KVCoreError as exc:
+        print(f"kvcore: error: {exc}", file=sys.stderr)
+        if "model=" in str(exc) or "hardware=" in str(exc):
+            print(f"  models: {', '.join(available_options('model'))}", file=sys.stderr)
+            print(f"  hardware: {', '.join(available_options('hardware'))}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Declarative buffer layouts: what a pool will allocate, before anything is allocated.
+
+A backend describes its pool as a :class:`PoolLayout`, a tuple of :class:`BufferLayout` records.  The
+planner sizes pools from these alone (it never allocates), and the conformance kit checks that a built
+pool allocated exactly the bytes its layout declared.
+
+Each buffer is a stack of ``layers`` copies of ``rows x row_shape`` elements.  How many rows a pool of a
+given size needs depends on what a row holds:
+
+* one token per row (``tokens_per_row=1``, the common case): ``rows = size + pad_tokens``, where the
+  padding is the reserved page 0 (``pad_tokens = page_size``) that padded tokens write into;
+* a whole page per row (``tokens_per_row=page_size``, e.g. an indexer page of keys plus scales):
+  ``rows = (size + pad_tokens) // tokens_per_row``;
+* one request's state per row (``sized_by="requests"``, recurrent state): ``rows = requests + pad``.
+
+``sized_by`` names the size a buffer scales with: ``"tokens"`` (the main pool), ``"swa_tokens"``
+(a sliding-window sub-pool) or ``"requests"`` (per-request state).  The planner turns a byte budget into
+one number per group; family plugins only declare which group each buffer belongs to.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+SIZE_GROUPS = ("tokens", "swa_tokens", "requests")
+
+
+def _as_shape(value) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+def _check_shape(instance, attribute, value: tuple[int, ...]) -> None:
+    if any(v <= 0 for v in value):
+        raise ValueError(f"buffer {instance.name!r}: every dimension of row_shape must be positive, got {value}")
+
+
+@attrs.frozen
+class BufferLayout:
+    """One named buffer of a pool: ``layers`` stacked copies of ``[rows, *row_shape]`` of ``dtype``.
+
+    :param name: stable name, also used to match the allocated tensor (``"k"``, ``"v"``, ``"kv"``, ...).
+    :param layers: how many layer copies (the layers this rank owns that use this buffer).
+    :param row_shape: the shape of one row (e.g. ``(head_num, head_dim)``).
+    :param dtype: the *storage* dtype (fp8 caches are stored as ``torch.uint8``).
+    :param sized_by: the size group the row count follows (see module docstring).
+    :param tokens_per_row: tokens held by one row (1, or the page size for page-granular buffers).
+    :param pad_tokens: tokens' worth of rows added to the size before dividing (the padding page).
+    """
+
+    name: str
+    layers: int = attrs.field(validator=attrs.validators.ge(0))
+    row_shape: tuple[int, ...] = attrs.field(converter=_as_shape, validator=_check_shape)
+    dtype: torch.dtype = attrs.field(validator=attrs.validators.instance_of(torch.dtype))
+    sized_by: str = attrs.field(default="tokens", validator=attrs.validators.in_(SIZE_GROUPS))
+    tokens_per_row: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    pad_tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of one layer."""
+        return math.prod(self.row_shape) * self.dtype.itemsize
+
+    def rows(self, size: int) -> int:
+        """Rows of one layer for a pool of ``size`` tokens (or requests)."""
+        return (size + self.pad_tokens) // self.tokens_per_row
+
+    def shape(self, size: int) -> tuple[int, ...]:
+        """The stacked tensor shape ``(layers, rows, *row_shape)`` for a pool of ``size``."""
+        return (self.layers, self.rows(size), *self.row_shape)
+
+    def total_bytes(self, size: int) -> int:
+        """Bytes this buffer allocates, all layers, for a pool of ``size``."""
+        return self.layers * self.rows(size) * self.row_bytes
+
+    @property
+    def bytes_per_unit(self) -> float:
+        """Marginal bytes per token (or per request) across all layers; fractional for page rows."""
+        return self.layers * self.row_bytes / self.tokens_per_row
+
+
+@attrs.frozen
+class PoolLayout:
+    """Everything one backend allocates for one rank, as buffers; no tensors.
+
+    :param backend: the backend that declared it.
+    :param buffers: the buffers, in allocation order.
+    :param notes: short human-readable facts for plan reports (e.g. ``"fp8 stored as uint8"``).
+    """
+
+    backend: str
+    buffers: tuple[BufferLayout, ...] = attrs.field(converter=tuple)
+    notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        names = [b.name for b in self.buffers]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"backend {self.backend!r} declared buffer names twice: {duplicates}")
+
+    def group(self, sized_by: str) -> tuple[BufferLayout, ...]:
+        """The buffers that follow one size group."""
+        return tuple(b for b in self.buffers if b.sized_by == sized_by)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """Size groups present in this layout, in :data:`SIZE_GROUPS` order."""
+        present = {b.sized_by for b in self.buffers}
+        return tuple(g for g in SIZE_GROUPS if g in present)
+
+    def bytes_per_unit(self, sized_by: str = "tokens") -> float:
+        """Marginal bytes per token (or request) of one size group, all its buffers and layers."""
+        return sum(b.bytes_per_unit for b in self.group(sized_by))
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes per token of the main token group, rounded up to whole bytes."""
+        return math.ceil(self.bytes_per_unit("tokens"))
+
+    def total_bytes(self, sizes: Mapping[str, int]) -> int:
+        """Exact bytes allocated for the given sizes (one entry per size group present)."""
+        missing = [g for g in self.groups if g not in sizes]
+        if missing:
+            raise KeyError(f"backend {self.backend!r}: no size given for group(s) {missing}")
+        return sum(b.total_bytes(sizes[b.sized_by]) for b in self.buffers)
+
+    def fixed_bytes(self, sized_by: str = "tokens") -> int:
+        """Bytes one size group allocates at size 0 (padding rows)."""
+        return sum(b.total_bytes(0) for b in self.group(sized_by))
+
+    def by_name(self) -> dict[str, BufferLayout]:
+        return {b.name: b for b in self.buffers}

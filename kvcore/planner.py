@@ -1,0 +1,231 @@
+"""Memory budget -> pool sizes: the seed configurator's arithmetic, on declared layouts only.
+
+Nothing here allocates or touches a device: the inputs are the config, the :class:`~kvcore.layout.PoolLayout`
+of every pipeline rank and, when an engine has profiled its device, the free memory it measured.
+
+1. **Budget** (:func:`memory_budget`).  ``pre`` is the device memory free before the model loads (the
+   hardware profile's ``memory_gib``, or the profiled value).  Weights per rank (parameters x weight bytes /
+   (tp x pp)) are charged unless the caller profiled after loading them.  The runtime slack is
+   ``pre x (1 - mem_fraction_static)``.  ``budget = pre - weights - slack``.  ``memory.budget_gib`` replaces
+   all of this with an explicit budget.
+2. **Tokens** (:func:`tokens_that_fit`).  The largest token count whose layout bytes (padding rows
+   included, so the plan is exact) fit the budget; with a sliding-window group, full and window tokens are
+   solved jointly with ``swa_tokens = swa_full_tokens_ratio x tokens``.  The smallest count over pipeline
+   ranks wins (each rank may hold a different number of layers).
+3. **Cap and page alignment.**  ``memory.max_total_tokens`` caps the count (a warning when the cap is
+   larger than what fits); the result is rounded down to whole pages.
+4. **Requests** (:func:`resolve_max_running_requests`): the seed's estimate ``tokens / context x 512``
+   clamped to [2048, 4096], or the user's value divided over data-parallel workers; never more than half
+   the tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import attrs
+
+from kvcore.config import EngineConfig
+from kvcore.errors import PlanningError
+from kvcore.layout import PoolLayout
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+REQ_TO_TOKEN_ITEMSIZE = 4  # int32 token indices
+
+
+@attrs.frozen
+class MemoryBudget:
+    """Where the KV budget comes from, in bytes."""
+
+    source: str
+    pre_model_load_bytes: int
+    weight_bytes: int
+    slack_bytes: int
+    kv_budget_bytes: int
+
+
+@attrs.frozen
+class MemoryPlan:
+    """The sizes every pool will get, and how they were derived.  Nothing is allocated."""
+
+    backend: str
+    layout: PoolLayout
+    budget: MemoryBudget
+    page_size: int
+    bytes_per_token: int
+    max_total_num_tokens: int
+    max_running_requests: int
+    context_length: int
+    sizes: Mapping[str, int] = attrs.field(converter=lambda m: MappingProxyType(dict(m)))
+    kv_cache_bytes: int = 0
+    req_to_token_bytes: int = 0
+    limiting_pp_rank: int = 0
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def swa_max_total_num_tokens(self) -> int | None:
+        return self.sizes.get("swa_tokens")
+
+
+def memory_budget(
+    cfg: EngineConfig, *, free_memory_bytes: int | None = None, weights_loaded: bool = False
+) -> MemoryBudget:
+    """The KV byte budget of one rank.
+
+    :param free_memory_bytes: device memory free before the model loads, as profiled by an engine; default:
+        the hardware profile's ``memory_gib``.
+    :param weights_loaded: the profile was taken after loading the weights, so they are not charged again.
+    :raises PlanningError: when weights and slack leave nothing, naming the value that would fit.
+    """
+    if cfg.memory.budget_gib is not None:
+        budget = int(cfg.memory.budget_gib * GiB)
+        return MemoryBudget("memory.budget_gib", budget, 0, 0, budget)
+
+    if free_memory_bytes is None:
+        pre = int(cfg.hardware.memory_gib * GiB)
+        source = f"hardware profile {cfg.hardware.name} ({cfg.hardware.memory_gib:g} GiB)"
+    else:
+        pre = int(free_memory_bytes)
+        source = f"profiled free memory ({pre / GiB:.2f} GiB)"
+    weights = 0 if weights_loaded else cfg.weight_bytes_per_rank
+    mfs = cfg.memory.mem_fraction_static
+    slack = int(pre * (1 - mfs))
+    available = pre - weights
+    rest = available - slack
+    if available <= 0:
+        raise PlanningError(
+            f"model {cfg.model.name} needs {weights / GiB:.2f} GiB of weights per rank but {source} has "
+            f"{pre / GiB:.2f} GiB: raise parallel.tp_size (now {cfg.parallel.tp_size}) or parallel.pp_size "
+            f"(now {cfg.parallel.pp_size}), or use a device with more memory"
+        )
+    if rest <= 0:
+        minimum = 1 - available / pre
+        suggested = math.ceil(minimum * 1000) / 1000
+        raise PlanningError(
+            f"loaded weights ({weights / GiB:.2f} GiB per rank) leave no memory for the KV cache under "
+            f"memory.mem_fraction_static={mfs}: raise memory.mem_fraction_static above {suggested:.3f} "
+            f"(minimum viable = 1 - available/pre = {minimum:.4f})"
+        )
+    return MemoryBudget(source, pre, weights, slack, rest)
+
+
+def tokens_that_fit(layout: PoolLayout, budget_bytes: int, swa_full_tokens_ratio: float) -> dict[str, int]:
+    """The largest sizes whose exact layout bytes fit ``budget_bytes``.
+
+    :returns: ``{"tokens": n}``, plus ``"swa_tokens"`` when the layout has a sliding-window group.
+    :raises PlanningError: for size groups the core planner cannot solve on its own.
+    """
+    unsupported = [g for g in layout.groups if g not in ("tokens", "swa_tokens")]
+    if unsupported:
+        raise PlanningError(
+            f"backend {layout.backend!r} declares buffers sized by {unsupported}; the planner sizes only "
+            "'tokens' and 'swa_tokens' groups"
+        )
+    ratio = swa_full_tokens_ratio if "swa_tokens" in layout.groups else 0.0
+    per_token = layout.bytes_per_unit("tokens") + ratio * layout.bytes_per_unit("swa_tokens")
+    fixed = layout.total_bytes(_sizes(layout, 0, ratio))
+    if per_token <= 0:
+        raise PlanningError(f"backend {layout.backend!r} declares no per-token bytes")
+    tokens = max(0, int((budget_bytes - fixed) // per_token))
+    # Page-granular rows round up, and the ratio rounds down: step back until the exact bytes fit.
+    while tokens > 0 and layout.total_bytes(_sizes(layout, tokens, ratio)) > budget_bytes:
+        tokens -= 1
+    return _sizes(layout, tokens, ratio)
+
+
+def resolve_max_running_requests(
+    cfg: EngineConfig, max_total_num_tokens: int
+) -> tuple[int, list[str]]:
+    """The seed's ``resolve_max_num_reqs``: requests one data-parallel worker serves at once."""
+    warnings: list[str] = []
+    estimated = int(max_total_num_tokens / cfg.model.context_length * 512)
+    estimated = max(min(estimated, 4096), 2048)
+    requested = cfg.memory.max_running_requests
+    if requested is not None:
+        per_worker = requested // cfg.parallel.dp_size
+        result = min(per_worker, max_total_num_tokens // 2)
+        if result < per_worker:
+            warnings.append(
+                f"memory.max_running_requests reduced from {per_worker} to {result} per data-parallel worker: "
+                f"the KV pool holds {max_total_num_tokens} tokens (at most half of them may be requests)"
+            )
+    else:
+        result = min(estimated, max_total_num_tokens // 2)
+    if result <= 0:
+        raise PlanningError(
+            f"the KV pool holds {max_total_num_tokens} tokens, too few for one request; "
+            "raise memory.mem_fraction_static or memory.max_total_tokens"
+        )
+    return result, warnings
+
+
+def plan_from_layouts(
+    cfg: EngineConfig,
+    layouts: Sequence[PoolLayout],
+    budget: MemoryBudget,
+) -> MemoryPlan:
+    """Size the pools of this rank from the layouts of every pipeline rank (index = pp rank)."""
+    if len(layouts) != cfg.parallel.pp_size:
+        raise ValueError(f"expected {cfg.parallel.pp_size} layouts (one per pipeline rank), got {len(layouts)}")
+    warnings: list[str] = []
+    page_size = cfg.kv_cache.page_size
+    ratio = cfg.memory.swa_full_tokens_ratio
+    per_rank = [tokens_that_fit(layout, budget.kv_budget_bytes, ratio)["tokens"] for layout in layouts]
+    limiting = min(range(len(per_rank)), key=per_rank.__getitem__)
+    tokens = per_rank[limiting]
+    layout = layouts[cfg.parallel.pp_rank]
+
+    cap = cfg.memory.max_total_tokens
+    if cap is not None:
+        if cap > tokens:
+            message = (
+                f"memory.max_total_tokens={cap} is larger than the {tokens} tokens that fit; "
+                f"using {tokens}"
+            )
+            logger.warning(message)
+            warnings.append(message)
+        tokens = min(tokens, cap)
+    aligned = tokens // page_size * page_size
+    if aligned <= 0:
+        needed = layout.total_bytes(_sizes(layout, page_size, ratio)) + budget.weight_bytes
+        hint = ""
+        if budget.pre_model_load_bytes and budget.source != "memory.budget_gib":
+            fraction = math.ceil(needed / budget.pre_model_load_bytes * 1000) / 1000
+            hint = f"raise memory.mem_fraction_static to at least {fraction:.3f}, "
+        raise PlanningError(
+            f"the KV budget of {budget.kv_budget_bytes / GiB:.3f} GiB fits {tokens} tokens, less than one page of "
+            f"kv_cache.page_size={page_size} ({layout.bytes_per_token} bytes per token): "
+            f"{hint}lower kv_cache.page_size, or choose a smaller kv_cache.dtype"
+        )
+    sizes = _sizes(layout, aligned, ratio)
+    if "swa_tokens" in sizes:
+        sizes["swa_tokens"] = sizes["swa_tokens"] // page_size * page_size
+    max_running_requests, request_warnings = resolve_max_running_requests(cfg, aligned)
+    warnings.extend(request_warnings)
+    return MemoryPlan(
+        backend=layout.backend,
+        layout=layout,
+        budget=budget,
+        page_size=page_size,
+        bytes_per_token=layout.bytes_per_token,
+        max_total_num_tokens=aligned,
+        max_running_requests=max_running_requests,
+        context_length=cfg.model.context_length,
+        sizes=sizes,
+        kv_cache_bytes=layout.total_bytes(sizes),
+        req_to_token_bytes=max_running_requests * cfg.model.context_length * REQ_TO_TOKEN_ITEMSIZE,
+        limiting_pp_rank=limiting,
+        warnings=tuple(warnings),
+    )
+
+
+def _sizes(layout: PoolLayout, tokens: int, ratio: float) -> dict[str, int]:
+    sizes = {"tokens": tokens}
+    if "swa_tokens" in layout.groups:
+        sizes["swa_tokens"] = int(tokens * ratio)
+    return sizes

@@ -1,0 +1,241 @@
+"""Pool contracts and the family-independent pools.
+
+Two levels, as in SGLang: :class:`ReqToTokenPool` maps a request slot to the token locations it owns;
+a :class:`KVCache` (one subclass per attention family, in the plugins) holds the keys/values at those
+locations.  Allocators (:mod:`kvcore.allocators`) hand out the locations.
+
+Conventions every pool follows:
+
+* Row 0 (page 0) of every token-indexed buffer is padding: padded tokens of a batch write there, and
+  allocators never hand it out.
+* fp8 caches are stored as ``torch.uint8`` (``store_dtype``) and viewed back as ``dtype`` when read.
+* A pool stores the layers ``start_layer .. end_layer`` (global ids, inclusive) of its pipeline stage; every
+  accessor takes a global layer id, or any object with a ``layer_id`` attribute.
+* Each buffer is one stacked tensor ``[layer_num, rows, ...]`` (:meth:`KVCache.buffers`) so kernels reach
+  every layer in one launch; per-layer lists (``k_buffer[i]``) are views of it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+GB = 1 << 30
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """How a cache of ``dtype`` is stored: fp8 as uint8 (index_put has no fp8 kernels), others as is."""
+    return torch.uint8 if dtype in FP8_DTYPES else dtype
+
+
+def check_memory_saver(enable_memory_saver: bool) -> None:
+    if enable_memory_saver:
+        raise NotImplementedError(
+            "enable_memory_saver=True needs torch_memory_saver, which kvcore does not integrate; pass False"
+        )
+
+
+def layer_id_of(layer: Any) -> int:
+    """A layer given as an int, or as an object with ``layer_id`` (an attention module)."""
+    if isinstance(layer, int):
+        return layer
+    layer_id = getattr(layer, "layer_id", None)
+    if not isinstance(layer_id, int):
+        raise TypeError(f"layer must be an int or have an int .layer_id, got {type(layer).__name__}")
+    return layer_id
+
+
+def pin_if_cuda(tensor: torch.Tensor) -> torch.Tensor:
+    """Page-lock a host tensor when CUDA is present, so device copies run asynchronously at full rate."""
+    return tensor.pin_memory() if torch.cuda.is_available() else tensor
+
+
+class ReqToTokenPool:
+    """Maps each request slot to the token locations of its sequence (``int32 [size, max_context_len]``)."""
+
+    def __init__(self, size: int, max_context_len: int, device: str, enable_memory_saver: bool = False):
+        check_memory_saver(enable_memory_saver)
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.free_slots = list(range(size))
+
+    def write(self, indices, values) -> None:
+        self.req_to_token[indices] = values
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int) -> list[int] | None:
+        """Take ``need_size`` request slots, or return None (and take nothing) when too few are free."""
+        if need_size > len(self.free_slots):
+            return None
+        selected, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        return selected
+
+    def free(self, free_index: int | Sequence[int]) -> None:
+        if isinstance(free_index, int):
+            self.free_slots.append(free_index)
+        else:
+            self.free_slots.extend(int(i) for i in free_index)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+    @property
+    def mem_usage(self) -> float:
+        return self.req_to_token.nbytes / GB
+
+
+class KVCache(abc.ABC):
+    """Base of every token-to-KV pool: bookkeeping shared by all families.
+
+    Subclasses allocate their stacked buffers, report them from :meth:`buffers`, and implement the
+    accessors.  CPU offload (:meth:`get_cpu_copy` / :meth:`load_cpu_copy`) works on :meth:`buffers` and
+    so serves every family that keeps token-indexed stacked buffers.
+    """
+
+    #: tokens per device->host transfer chunk in CPU offload.
+    cpu_offloading_chunk_size = 8192
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        layer_num: int,
+        device: str,
+        enable_memory_saver: bool,
+        start_layer: int | None = None,
+        end_layer: int | None = None,
+    ):
+        check_memory_saver(enable_memory_saver)
+        if size <= 0 or page_size <= 0 or layer_num <= 0:
+            raise ValueError(f"size, page_size and layer_num must be positive, got {size}, {page_size}, {layer_num}")
+        self.size = size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.store_dtype = storage_dtype(dtype)
+        self.device = device
+        self.layer_num = layer_num
+        self.start_layer = start_layer or 0
+        self.end_layer = end_layer if end_layer is not None else self.start_layer + layer_num - 1
+        if self.end_layer - self.start_layer + 1 != layer_num:
+            raise ValueError(
+                f"start_layer={self.start_layer}, end_layer={self.end_layer} span "
+                f"{self.end_layer - self.start_layer + 1} layers, but layer_num={layer_num}"
+            )
+        self.mem_usage = 0.0
+        self.layer_transfer_counter = None
+
+    # -- layers ------------------------------------------------------------------------------------------
+
+    def local_layer(self, layer: Any) -> int:
+        """Index into the stacked buffers for a global layer id (or an object with ``layer_id``)."""
+        layer_id = layer_id_of(layer)
+        if not self.start_layer <= layer_id <= self.end_layer:
+            raise IndexError(
+                f"layer {layer_id} is not stored by this {type(self).__name__} "
+                f"(it holds layers {self.start_layer}..{self.end_layer})"
+            )
+        return layer_id - self.start_layer
+
+    def register_layer_transfer_counter(self, layer_transfer_counter) -> None:
+        """Make attention-side reads wait until a layer's host->device load is done (layer-wise loading)."""
+        self.layer_transfer_counter = layer_transfer_counter
+
+    def _wait_for_layer(self, local_layer: int) -> None:
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(local_layer)
+
+    # -- buffers -----------------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every stacked buffer by its layout name (``{"k": [L, rows, H, D], ...}``)."""
+
+    def token_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers indexed by token location (row = token); CPU offload copies these."""
+        return self.buffers()
+
+    def get_kv_size_bytes(self):
+        """Bytes of all buffers."""
+        return sum(t.nbytes for t in self.buffers().values())
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """Per layer and buffer: (data pointer, bytes, bytes of one page) for transfer engines."""
+        ptrs, lens, item_lens = [], [], []
+        for stacked in self.token_buffers().values():
+            for layer in stacked.unbind(0):
+                ptrs.append(layer.data_ptr())
+                lens.append(layer.nbytes)
+                item_lens.append(layer[0].nbytes * self.page_size)
+        return ptrs, lens, item_lens
+
+    def _finalize_allocation(self) -> None:
+        self.mem_usage = self.get_kv_size_bytes() / GB
+
+    # -- accessors every family provides -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor: ...
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    @abc.abstractmethod
+    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, *args, **kwargs) -> None: ...
+
+    @abc.abstractmethod
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Copy rows ``src_loc`` to ``tgt_loc`` in every layer, as if all sources were read first."""
+
+    # -- CPU offload -------------------------------------------------------------------------------------
+
+    def get_cpu_copy(self, indices: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """Copy the rows ``indices`` of every token buffer (all layers) to host memory, in chunks.
+
+        :returns: ``{buffer name: [chunk tensors of shape [layer_num, chunk, ...]]}``, page-locked when CUDA
+            is present; pass it to :meth:`load_cpu_copy`.
+        """
+        indices = torch.as_tensor(indices, device=self.device).long()
+        chunk = self.cpu_offloading_chunk_size
+        copy: dict[str, list[torch.Tensor]] = {}
+        for name, stacked in self.token_buffers().items():
+            parts = []
+            for start in range(0, indices.numel(), chunk):
+                rows = stacked.index_select(1, indices[start : start + chunk])
+                host = pin_if_cuda(torch.empty(rows.shape, dtype=rows.dtype))
+                host.copy_(rows, non_blocking=True)
+                parts.append(host)
+            copy[name] = parts
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return copy
+
+    def load_cpu_copy(self, kv_cache_cpu: dict[str, list[torch.Tensor]], indices: torch.Tensor) -> None:
+        """Write a :meth:`get_cpu_copy` result back at (possibly different) rows ``indices``."""
+        indices = torch.as_tensor(indices, device=self.device).long()
+        chunk = self.cpu_offloading_chunk_size
+        buffers = self.token_buffers()
+        if set(kv_cache_cpu) != set(buffers):
+            raise ValueError(f"cpu copy holds buffers {sorted(kv_cache_cpu)}, this pool has {sorted(buffers)}")
+        for name, stacked in buffers.items():
+            for i, start in enumerate(range(0, indices.numel(), chunk)):
+                rows = indices[start : start + chunk]
+                host = kv_cache_cpu[name][i]
+                if host.shape[1] != rows.numel():
+                    raise ValueError(
+                        f"cpu copy chunk {i} of buffer {name!r} holds {host.shape[1]} rows, indices give {rows.numel()}"
+                    )
+                stacked.index_copy_(1, rows, host.to(stacked.device, non_blocking=True))
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()

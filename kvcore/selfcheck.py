@@ -1,0 +1,112 @@
+"""The checks ``kvcore up`` runs on freshly built pools, through the family-independent pool API only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from kvcore.api import Pools
+
+
+@attrs.frozen
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _random_like_rows(shape, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
+    values = torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu") * 2
+    return values.to(dtype if dtype.is_floating_point and dtype.itemsize > 1 else torch.bfloat16).to(device)
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def run_self_check(pools: Pools, *, tokens: int = 64, seed: int = 0) -> list[CheckResult]:
+    """Allocate, write, read, move, offload and free a few tokens; every check reports what it saw."""
+    pool, allocator = pools.token_to_kv_pool, pools.token_to_kv_pool_allocator
+    page = pool.page_size
+    tokens = max(page, tokens // page * page)
+    generator = torch.Generator().manual_seed(seed)
+    results: list[CheckResult] = []
+
+    def check(name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+        try:
+            ok, detail = fn()
+        except Exception as exc:  # a self-check reports, it does not crash the report
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        results.append(CheckResult(name, ok, detail))
+
+    before = allocator.available_size()
+    padding = {name: buf[:, :page].clone() for name, buf in pool.token_buffers().items()}
+    state: dict[str, torch.Tensor] = {}
+
+    def alloc() -> tuple[bool, str]:
+        loc = allocator.alloc(2 * tokens)
+        if loc is None:
+            return False, f"allocator could not give {2 * tokens} tokens of {before} free"
+        state["loc"] = loc
+        fine = int(loc.min()) >= page and allocator.available_size() == before - 2 * tokens
+        return fine, f"{2 * tokens} slots, {allocator.available_size()} of {before} left, slot 0 untouched"
+
+    check("alloc", alloc)
+    if "loc" not in state:
+        return results
+    loc = state["loc"]
+    src, dst = loc[:tokens], loc[tokens:]
+
+    def write_read() -> tuple[bool, str]:
+        layers = range(pool.start_layer, pool.end_layer + 1)
+        for layer in layers:
+            k_rows = pool.get_key_buffer(layer).shape[1:]
+            v_rows = pool.get_value_buffer(layer).shape[1:]
+            cache_k = _random_like_rows((tokens, *k_rows), pool.dtype, pool.device, generator)
+            cache_v = _random_like_rows((tokens, *v_rows), pool.dtype, pool.device, generator)
+            pool.set_kv_buffer(layer, src, cache_k, cache_v)
+            if not _same_bytes(pool.get_key_buffer(layer)[src], cache_k.to(pool.dtype)):
+                return False, f"layer {layer}: keys read back differ from keys written"
+            value = pool.get_value_buffer(layer)
+            if not _aliases(value, pool.get_key_buffer(layer)) and not _same_bytes(value[src], cache_v.to(pool.dtype)):
+                return False, f"layer {layer}: values read back differ from values written"
+        return True, f"{tokens} tokens x {len(layers)} layers written with set_kv_buffer and read back bit-exact"
+
+    def move() -> tuple[bool, str]:
+        expected = {name: buf[:, src].clone() for name, buf in pool.token_buffers().items()}
+        pool.move_kv_cache(dst, src)
+        for name, buf in pool.token_buffers().items():
+            if not _same_bytes(buf[:, dst], expected[name]):
+                return False, f"buffer {name!r}: moved rows differ from their sources"
+        return True, f"{tokens} slots moved in all layers of {', '.join(expected)}"
+
+    def offload() -> tuple[bool, str]:
+        copy = pool.get_cpu_copy(dst)
+        expected = {name: buf[:, dst].clone() for name, buf in pool.token_buffers().items()}
+        pool.load_cpu_copy(copy, src)
+        for name, buf in pool.token_buffers().items():
+            if not _same_bytes(buf[:, src], expected[name]):
+                return False, f"buffer {name!r}: rows loaded from the CPU copy differ"
+        return True, "device -> host -> device round trip bit-exact"
+
+    def padding_untouched() -> tuple[bool, str]:
+        for name, buf in pool.token_buffers().items():
+            if not _same_bytes(buf[:, :page], padding[name]):
+                return False, f"buffer {name!r}: the padding page was written"
+        return True, "page 0 (padding) unchanged"
+
+    def free() -> tuple[bool, str]:
+        allocator.free(loc)
+        after = allocator.available_size()
+        return after == before, f"{after} of {before} slots free after freeing"
+
+    for name, fn in (("write/read", write_read), ("move", move), ("cpu offload", offload),
+                     ("padding", padding_untouched), ("free", free)):
+        check(name, fn)
+    return results

@@ -1,0 +1,1 @@
+"""kvcore_mha: the MHA/GQA pool family (plugin ``mha``)."""

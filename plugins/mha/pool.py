@@ -1,0 +1,123 @@
+"""MHA/GQA token-to-KV pool: per-layer K and V rows of ``[head_num, head_dim]`` (V may be narrower)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.kernel_mode import use_triton
+from kvcore.pools import KVCache, layer_id_of
+from kvcore_mha import kernels
+
+
+class MHATokenToKVPool(KVCache):
+    """Keys and values of multi-head / grouped-query attention layers.
+
+    ``k_buffer[i]`` / ``v_buffer[i]`` are the ``[size + page_size, head_num, head_dim]`` rows of local layer
+    ``i``, views of the stacked ``k_cache`` / ``v_cache``.  Row 0 (the first page) is padding.
+
+    :param kernels: ``auto`` (Triton on CUDA), ``triton`` or ``native`` (torch reference).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str,
+        enable_memory_saver: bool,
+        v_head_dim: int | None = None,
+        swa_head_num: int | None = None,
+        swa_head_dim: int | None = None,
+        swa_v_head_dim: int | None = None,
+        start_layer: int | None = None,
+        end_layer: int | None = None,
+        enable_alt_stream: bool = True,
+        enable_kv_cache_copy: bool = False,
+        kernels: str = "auto",
+    ):
+        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer)
+        # The swa_* dimensions let a sliding-window sub-pool differ from the full-attention one.
+        self.head_num = swa_head_num if swa_head_num is not None else head_num
+        self.head_dim = swa_head_dim if swa_head_dim is not None else head_dim
+        if swa_v_head_dim is not None:
+            self.v_head_dim = swa_v_head_dim
+        else:
+            self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
+        self.kernels = kernels
+        self._use_triton = use_triton(kernels, device)
+        rows = size + page_size
+        self.k_cache = torch.zeros((layer_num, rows, self.head_num, self.head_dim), dtype=self.store_dtype, device=device)
+        self.v_cache = torch.zeros((layer_num, rows, self.head_num, self.v_head_dim), dtype=self.store_dtype, device=device)
+        self.k_buffer = list(self.k_cache.unbind(0))
+        self.v_buffer = list(self.v_cache.unbind(0))
+        self._finalize_allocation()
+
+    # -- layout and sizes --------------------------------------------------------------------------------
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {"k": self.k_cache, "v": self.v_cache}
+
+    def get_kv_size_bytes(self) -> tuple[int, int]:
+        """(K bytes, V bytes) over all layers, padding included."""
+        return self.k_cache.nbytes, self.v_cache.nbytes
+
+    # -- reads -------------------------------------------------------------------------------------------
+
+    def _view(self, stacked: torch.Tensor, layer_id: int) -> torch.Tensor:
+        local = self.local_layer(layer_id)
+        self._wait_for_layer(local)
+        buf = stacked[local]
+        return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._view(self.k_cache, layer_id)
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._view(self.v_cache, layer_id)
+
+    # -- writes ------------------------------------------------------------------------------------------
+
+    def set_kv_buffer(
+        self,
+        layer,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
+        layer_id_override: int | None = None,
+    ) -> None:
+        """Store K and V of ``loc.numel()`` tokens into ``layer`` (an int or anything with ``layer_id``).
+
+        Inputs of another dtype are converted (divided by ``k_scale``/``v_scale`` first, for fp8) inside the
+        kernel; the inputs themselves are never modified.
+        """
+        layer_id = layer_id_override if layer_id_override is not None else layer_id_of(layer)
+        local = self.local_layer(layer_id)
+        expected_k = (self.head_num, self.head_dim)
+        expected_v = (self.head_num, self.v_head_dim)
+        cache_k = cache_k.view(-1, *expected_k) if cache_k.dim() == 2 else cache_k
+        cache_v = cache_v.view(-1, *expected_v) if cache_v.dim() == 2 else cache_v
+        if tuple(cache_k.shape[1:]) != expected_k or tuple(cache_v.shape[1:]) != expected_v:
+            raise ValueError(
+                f"layer {layer_id}: cache_k {tuple(cache_k.shape)} / cache_v {tuple(cache_v.shape)} do not match "
+                f"the pool's rows [N, {self.head_num}, {self.head_dim}] / [N, {self.head_num}, {self.v_head_dim}]"
+            )
+        if cache_k.shape[0] != loc.numel() or cache_v.shape[0] != loc.numel():
+            raise ValueError(
+                f"layer {layer_id}: {loc.numel()} locations but {cache_k.shape[0]} K / {cache_v.shape[0]} V rows"
+            )
+        store = kernels.store_kv_triton if self._use_triton else kernels.store_kv_native
+        store(self.k_cache, self.v_cache, local, loc, cache_k, cache_v, k_scale=k_scale, v_scale=v_scale, cache_dtype=self.dtype)
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Copy rows ``src_loc`` to ``tgt_loc`` in all layers of K and V at once; overlapping sets are safe."""
+        if tgt_loc.numel() != src_loc.numel():
+            raise ValueError(f"move_kv_cache: {tgt_loc.numel()} targets but {src_loc.numel()} sources")
+        if tgt_loc.numel() == 0:
+            return
+        move = kernels.move_kv_cache_triton if self._use_triton else kernels.move_kv_cache_native
+        move(self.k_cache, self.v_cache, tgt_loc, src_loc)
