@@ -66,7 +66,7 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
         ),
         f"per token  {plan.bytes_per_token} bytes per token per rank",
         f"tokens     max_total_num_tokens = {plan.max_total_num_tokens} (page-aligned to {plan.page_size}"
-        + (f"; pipeline rank {plan.limiting_pp_rank} limits" if plan.limiting_pp_rank else "")
+        + (f"; pipeline rank {plan.limiting_pp_rank} limits" if plan.pp_size > 1 else "")
         + ")",
     ]
     if plan.swa_max_total_num_tokens is not None:

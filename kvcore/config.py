@@ -153,7 +153,7 @@ class EngineConfig:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        if self.kv_cache.dtype == "auto":
+        if self.kv_cache.dtype.lower() == "auto":
             return self.model_dtype
         return parse_dtype(self.kv_cache.dtype, "kv_cache.dtype")
 
@@ -231,8 +231,10 @@ def available_options(group: str, engine_file: Path | None = None) -> list[str]:
 
 def _group_file(group: str, option: str, engine_file: Path) -> Path:
     candidate = Path(option)
-    if candidate.suffix in (".yaml", ".yml") and candidate.is_file():
-        return candidate
+    if candidate.suffix in (".yaml", ".yml"):
+        for path in (candidate, engine_file.parent / candidate):
+            if path.is_file():
+                return path
     for d in _group_dirs(group, engine_file):
         path = d / f"{option}.yaml"
         if path.is_file():

@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from kvcore.errors import ConfigError
+
 KERNEL_MODES = ("auto", "triton", "native")
 
 
@@ -24,17 +26,17 @@ def use_triton(mode: str, device: torch.device | str) -> bool:
 
     :param mode: ``auto``, ``triton`` or ``native``.
     :returns: True when the Triton kernel should run.
-    :raises ValueError: for an unknown mode, or ``triton`` on a CPU device without the interpreter.
+    :raises ConfigError: for an unknown mode, or ``triton`` on a CPU device without the interpreter.
     """
     if mode not in KERNEL_MODES:
-        raise ValueError(f"hardware.kernels={mode!r} is not one of {', '.join(KERNEL_MODES)}")
+        raise ConfigError(f"hardware.kernels={mode!r} is not one of {', '.join(KERNEL_MODES)}")
     device_type = torch.device(device).type
     if mode == "native":
         return False
     if mode == "auto":
         return device_type == "cuda"
     if device_type != "cuda" and not triton_interpreting():
-        raise ValueError(
+        raise ConfigError(
             f"hardware.kernels=triton needs a CUDA device, got {device_type!r}; "
             "use hardware.kernels=native (or auto) on the CPU, or set TRITON_INTERPRET=1 to interpret the kernels"
         )

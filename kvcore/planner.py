@@ -65,6 +65,7 @@ class MemoryPlan:
     kv_cache_bytes: int = 0
     req_to_token_bytes: int = 0
     limiting_pp_rank: int = 0
+    pp_size: int = 1
     warnings: tuple[str, ...] = ()
 
     @property
@@ -149,11 +150,19 @@ def resolve_max_running_requests(
     if requested is not None:
         per_worker = requested // cfg.parallel.dp_size
         result = min(per_worker, max_total_num_tokens // 2)
+        if per_worker <= 0:
+            raise PlanningError(
+                f"memory.max_running_requests={requested} leaves {per_worker} requests to each of "
+                f"parallel.dp_size={cfg.parallel.dp_size} workers: set memory.max_running_requests to at least "
+                f"{cfg.parallel.dp_size}"
+            )
         if result < per_worker:
-            warnings.append(
+            message = (
                 f"memory.max_running_requests reduced from {per_worker} to {result} per data-parallel worker: "
                 f"the KV pool holds {max_total_num_tokens} tokens (at most half of them may be requests)"
             )
+            logger.warning(message)
+            warnings.append(message)
     else:
         result = min(estimated, max_total_num_tokens // 2)
     if result <= 0:
@@ -181,16 +190,15 @@ def plan_from_layouts(
     layout = layouts[cfg.parallel.pp_rank]
 
     cap = cfg.memory.max_total_tokens
-    if cap is not None:
-        if cap > tokens:
-            message = (
-                f"memory.max_total_tokens={cap} is larger than the {tokens} tokens that fit; "
-                f"using {tokens}"
-            )
-            logger.warning(message)
-            warnings.append(message)
-        tokens = min(tokens, cap)
-    aligned = tokens // page_size * page_size
+    capped = tokens if cap is None else min(tokens, cap)
+    aligned = capped // page_size * page_size
+    if cap is not None and cap > tokens:
+        message = (
+            f"memory.max_total_tokens={cap} is larger than the {tokens} tokens that fit; using {aligned}"
+            + (f" (whole pages of {page_size})" if aligned != tokens else "")
+        )
+        logger.warning(message)
+        warnings.append(message)
     if aligned <= 0:
         needed = layout.total_bytes(_sizes(layout, page_size, ratio)) + budget.weight_bytes
         hint = ""
@@ -198,7 +206,7 @@ def plan_from_layouts(
             fraction = math.ceil(needed / budget.pre_model_load_bytes * 1000) / 1000
             hint = f"raise memory.mem_fraction_static to at least {fraction:.3f}, "
         raise PlanningError(
-            f"the KV budget of {budget.kv_budget_bytes / GiB:.3f} GiB fits {tokens} tokens, less than one page of "
+            f"the KV budget of {budget.kv_budget_bytes / GiB:.3f} GiB fits {capped} tokens, less than one page of "
             f"kv_cache.page_size={page_size} ({layout.bytes_per_token} bytes per token): "
             f"{hint}lower kv_cache.page_size, or choose a smaller kv_cache.dtype"
         )
@@ -220,6 +228,7 @@ def plan_from_layouts(
         kv_cache_bytes=layout.total_bytes(sizes),
         req_to_token_bytes=max_running_requests * cfg.model.context_length * REQ_TO_TOKEN_ITEMSIZE,
         limiting_pp_rank=limiting,
+        pp_size=len(layouts),
         warnings=tuple(warnings),
     )
 

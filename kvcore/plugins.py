@@ -100,6 +100,22 @@ class Registry:
             self.manager.unregister(name=name)
             self._fail(name, "hooks", f"implements a hook no spec defines (misspelt kvcore_ name?): {exc}")
             return False
+        undecorated = sorted(
+            attr
+            for attr in dir(plugin)
+            if attr.startswith("kvcore_")
+            and callable(getattr(plugin, attr))
+            and self.manager.parse_hookimpl_opts(plugin, attr) is None
+        )
+        if undecorated:
+            self.manager.unregister(name=name)
+            self._fail(
+                name,
+                "hooks",
+                f"{', '.join(undecorated)} look(s) like hook implementations but lack @kvcore.hookimpl; "
+                "decorate them (or rename them without the kvcore_ prefix)",
+            )
+            return False
         if not self._collect_backends(name):
             self.manager.unregister(name=name)
             return False
@@ -112,7 +128,10 @@ class Registry:
         found: list[BackendSpec] = []
         for impl in impls:
             try:
-                records = list(impl.function() or ())
+                result = impl.function()
+                if isinstance(result, (Mapping, str, bytes)):
+                    raise TypeError(f"returned a {type(result).__name__}, not an iterable of BackendSpec records")
+                records = list(result or ())
             except Exception as exc:
                 self._fail(name, "register", f"kvcore_register_backends raised {type(exc).__name__}: {exc}")
                 return False
@@ -169,6 +188,7 @@ def load_registry(
 
     if entry_points is None:
         entry_points = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    entry_points = list(entry_points)
     for ep in sorted(entry_points, key=lambda e: e.name):
         if allow is not None and ep.name not in allow:
             registry.skipped[ep.name] = "not in KVCORE_PLUGINS"
@@ -183,6 +203,9 @@ def load_registry(
             registry._fail(ep.name, "import", f"cannot import {ep.value!r}: {last}")
             continue
         registry.register(plugin, ep.name)
+    for name in sorted((allow or set()) - {ep.name for ep in entry_points}):
+        registry.skipped[name] = "named in KVCORE_PLUGINS but not installed"
+        logger.warning("KVCORE_PLUGINS names %r, but no such kvcore plugin is installed", name)
     for name, plugin in extra_plugins:
         registry.register(plugin, name)
     return registry

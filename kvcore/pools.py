@@ -117,6 +117,8 @@ class KVCache(abc.ABC):
         check_memory_saver(enable_memory_saver)
         if size <= 0 or page_size <= 0 or layer_num <= 0:
             raise ValueError(f"size, page_size and layer_num must be positive, got {size}, {page_size}, {layer_num}")
+        if size % page_size:
+            raise ValueError(f"size={size} is not a whole number of pages of page_size={page_size}; round it down")
         self.size = size
         self.page_size = page_size
         self.dtype = dtype
@@ -178,7 +180,7 @@ class KVCache(abc.ABC):
         return ptrs, lens, item_lens
 
     def _finalize_allocation(self) -> None:
-        self.mem_usage = self.get_kv_size_bytes() / GB
+        self.mem_usage = sum(t.nbytes for t in self.buffers().values()) / GB
 
     # -- accessors every family provides -----------------------------------------------------------------
 

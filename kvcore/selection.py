@@ -68,15 +68,14 @@ def select_backend(registry: Registry, request: PoolRequest) -> Selection:
     if request.backend != "auto":
         chosen = registry.backends.get(request.backend)
         if chosen is None:
-            failed = registry.failure_of(request.backend)
-            if failed is not None or registry.failures:
-                raise PluginError(
-                    f"kv_cache.backend={request.backend!r} is not available; plugins that failed to load:{failures}"
-                )
-            raise SelectionError(
-                f"kv_cache.backend={request.backend!r} is not a registered backend; registered: "
-                f"{', '.join(sorted(registry.backends)) or 'none'} (see `kvcore plugins`)"
+            registered = ", ".join(sorted(registry.backends)) or "none"
+            message = (
+                f"kv_cache.backend={request.backend!r} is not a registered backend; registered: {registered} "
+                "(see `kvcore plugins`)"
             )
+            if registry.failures:
+                raise PluginError(f"{message}; plugins that failed to load, one may provide it:{failures}")
+            raise SelectionError(message)
         reasons = chosen.mismatches(request)
         if reasons:
             raise SelectionError(f"kv_cache.backend={request.backend!r} cannot serve this model: {'; '.join(reasons)}")

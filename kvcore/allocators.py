@@ -1,0 +1,395 @@
+"""Token-slot allocators over a KV cache: hand out and take back cache locations, one token or one page at a time.
+
+The behaviour follows SGLang's ``TokenToKVPoolAllocator`` and ``PagedTokenToKVPoolAllocator`` (same class,
+method and keyword names), so an engine written against those can use these.
+
+Shared rules:
+
+* Slot 0 (page 0 when paged) is padding and is never handed out; the free list starts at 1.  A paged
+  allocator over ``size`` tokens has ``size // page_size`` pages, ids ``1 .. num_pages``, and token indices up
+  to ``(num_pages + 1) * page_size - 1``: the KV buffer needs ``size + page_size`` slots.
+* Free lists are int64 tensors on the allocator's device and are never written in place, so
+  :meth:`~BaseTokenToKVPoolAllocator.backup_state` is a cheap, exact snapshot.
+* An allocation that does not fit returns ``None`` and leaves the allocator as it was.
+* ``need_sort=True`` defers freed slots to ``release_pages``; they are merged into ``free_pages`` and sorted
+  only when an allocation would otherwise fall short, so allocations stay as contiguous as they can.
+* Between :meth:`~BaseTokenToKVPoolAllocator.free_group_begin` and
+  :meth:`~BaseTokenToKVPoolAllocator.free_group_end`, frees are collected and released together at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from kvcore import allocator_kernels as _k
+from kvcore.errors import ConfigError
+from kvcore.kernel_mode import use_triton
+
+__all__ = [
+    "BaseTokenToKVPoolAllocator",
+    "TokenToKVPoolAllocator",
+    "PagedTokenToKVPoolAllocator",
+]
+
+
+def _empty_index(device: torch.device) -> torch.Tensor:
+    return torch.empty((0,), dtype=torch.int64, device=device)
+
+
+class BaseTokenToKVPoolAllocator:
+    """State and bookkeeping shared by the token and paged allocators.
+
+    Subclasses implement :meth:`clear`, :meth:`alloc`, :meth:`free`, :meth:`alloc_extend` and
+    :meth:`alloc_decode`.  ``free_pages`` / ``release_pages`` hold *page* ids (token ids when
+    ``page_size == 1``).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kvcache: Any,
+        need_sort: bool,
+        kernels: str = "auto",
+    ):
+        if int(size) <= 0:
+            raise ConfigError(f"allocator size must be a positive number of tokens, got size={size}")
+        if int(page_size) <= 0:
+            raise ConfigError(f"page_size must be a positive number of tokens, got page_size={page_size}")
+        self.size = int(size)
+        self.page_size = int(page_size)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._kvcache = kvcache
+        self.need_sort = bool(need_sort)
+        self.kernels = kernels
+        # Resolved once: raises ConfigError here, not on the first allocation, for a mode the device cannot run.
+        self._use_triton = use_triton(kernels, self.device)
+
+        self.free_pages: torch.Tensor = _empty_index(self.device)
+        self.release_pages: torch.Tensor = _empty_index(self.device)
+        self.is_not_in_free_group = True
+        self.free_group: list[torch.Tensor] = []
+
+    # -- queries ------------------------------------------------------------------------------------------
+
+    def debug_print(self) -> str:
+        return ""
+
+    def available_size(self) -> int:
+        """Tokens that can still be allocated (free plus deferred-release pages, times ``page_size``)."""
+        return (len(self.free_pages) + len(self.release_pages)) * self.page_size
+
+    def get_kvcache(self) -> Any:
+        """The KV cache object this allocator hands out locations of."""
+        return self._kvcache
+
+    # -- state --------------------------------------------------------------------------------------------
+
+    def backup_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Snapshot of the free lists, for :meth:`restore_state` (cheap: the lists are never mutated in place)."""
+        return (self.free_pages, self.release_pages)
+
+    def restore_state(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Put back the free lists saved by :meth:`backup_state`; allocations made since are forgotten."""
+        self.free_pages, self.release_pages = state
+
+    def clear(self) -> None:
+        """Back to the fresh state: every slot but the padding one free, no free group open."""
+        raise NotImplementedError
+
+    # -- free groups --------------------------------------------------------------------------------------
+
+    def free_group_begin(self) -> None:
+        """Start collecting frees; they are released together by :meth:`free_group_end`."""
+        self.is_not_in_free_group = False
+        self.free_group = []
+
+    def free_group_end(self) -> None:
+        """Release everything freed since :meth:`free_group_begin` in one go."""
+        self.is_not_in_free_group = True
+        if self.free_group:
+            group, self.free_group = self.free_group, []
+            self.free(torch.cat(group))
+
+    # -- free-list maintenance ----------------------------------------------------------------------------
+
+    def merge_and_sort_free(self) -> None:
+        """Move deferred releases into the free list and sort it (``need_sort`` mode)."""
+        if len(self.release_pages) > 0:
+            merged = torch.cat((self.free_pages, self.release_pages))
+            self.free_pages = torch.sort(merged).values
+            self.release_pages = _empty_index(self.device)
+
+    def _ensure_free_pages(self, num_pages: int) -> bool:
+        """True when ``num_pages`` pages can be taken from the front of ``free_pages``.
+
+        Merges deferred releases first when that is what makes them fit; leaves everything as it was when
+        even that would not be enough.
+        """
+        if num_pages <= len(self.free_pages):
+            return True
+        if num_pages > len(self.free_pages) + len(self.release_pages):
+            return False
+        self.merge_and_sort_free()
+        return True
+
+    def _release(self, ids: torch.Tensor, *, prepend: bool) -> None:
+        if self.need_sort:
+            self.release_pages = torch.cat((ids, self.release_pages) if prepend else (self.release_pages, ids))
+        else:
+            self.free_pages = torch.cat((ids, self.free_pages) if prepend else (self.free_pages, ids))
+
+    # -- to implement -------------------------------------------------------------------------------------
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def free(self, free_index: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def alloc_extend(self, *args, **kwargs) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def alloc_decode(self, *args, **kwargs) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def get_cpu_copy(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} does not support offloading the KV cache to the CPU")
+
+    def load_cpu_copy(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} does not support offloading the KV cache to the CPU")
+
+
+class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
+    """Allocator of single token slots ``1 .. size`` (``page_size == 1``).
+
+    :param size: number of allocatable token slots; the KV buffer needs ``size + 1`` (slot 0 is padding).
+    :param dtype: KV cache dtype (recorded for the engine).
+    :param device: device of the index tensors.
+    :param kvcache: the KV cache object, returned by :meth:`get_kvcache`.
+    :param need_sort: defer frees and hand out sorted slots (see the module docstring).
+    :param kernels: accepted for symmetry with the paged allocator (``auto|triton|native``); the token
+        allocator needs no kernel.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kvcache: Any,
+        need_sort: bool,
+        kernels: str = "auto",
+    ):
+        super().__init__(size, 1, dtype, device, kvcache, need_sort, kernels)
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_pages = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        self.release_pages = _empty_index(self.device)
+        self.is_not_in_free_group = True
+        self.free_group = []
+
+    def available_size(self) -> int:
+        return len(self.free_pages) + len(self.release_pages)
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """Take ``need_size`` token slots from the front of the free list.
+
+        :returns: int64 ``[need_size]`` token indices, or ``None`` (nothing changed) when fewer are free.
+        """
+        if not self._ensure_free_pages(need_size):
+            return None
+        select_index = self.free_pages[:need_size]
+        self.free_pages = self.free_pages[need_size:]
+        return select_index
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """Give token slots back (appended to the free list, or deferred when ``need_sort``).
+
+        Empty input is a no-op; inside a free group the slots are held until :meth:`free_group_end`.
+        """
+        if free_index.numel() == 0:
+            return
+        if not self.is_not_in_free_group:
+            self.free_group.append(free_index)
+            return
+        self._release(free_index.to(dtype=torch.int64).reshape(-1), prepend=False)
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        *,
+        prefix_lens_cpu: Optional[torch.Tensor] = None,
+        seq_lens_cpu: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
+        """With one-token pages an extend is ``alloc(extend_num_tokens)``; the other arguments are unused."""
+        return self.alloc(extend_num_tokens)
+
+    def alloc_decode(
+        self,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor,
+        *,
+        seq_lens_cpu: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
+        """With one-token pages a decode step is ``alloc(len(seq_lens))``."""
+        return self.alloc(seq_lens.numel())
+
+
+class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
+    """Allocator of whole pages of ``page_size`` token slots; pages ``1 .. size // page_size``.
+
+    Token index of offset ``o`` in page ``p`` is ``p * page_size + o``; the KV buffer needs
+    ``(size // page_size + 1) * page_size`` slots (page 0 is padding).
+
+    :param size: allocatable tokens (rounded down to whole pages).
+    :param page_size: tokens per page.
+    :param dtype: KV cache dtype (recorded for the engine).
+    :param device: device of the index tensors.
+    :param kvcache: the KV cache object, returned by :meth:`get_kvcache`.
+    :param need_sort: defer frees and hand out sorted pages (see the module docstring).
+    :param kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``native`` for
+        :meth:`alloc_extend` / :meth:`alloc_decode`.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kvcache: Any,
+        need_sort: bool,
+        kernels: str = "auto",
+    ):
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort, kernels)
+        self.num_pages = self.size // self.page_size
+        if self.num_pages == 0:
+            raise ConfigError(
+                f"size={size} holds no whole page of page_size={page_size}; give a size of at least one page"
+            )
+        self._page_offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        if self._use_triton:
+            self._extend_impl, self._decode_impl = _k.alloc_extend_triton, _k.alloc_decode_triton
+        else:
+            self._extend_impl, self._decode_impl = _k.alloc_extend_native, _k.alloc_decode_native
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        self.release_pages = _empty_index(self.device)
+        self.is_not_in_free_group = True
+        self.free_group = []
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """Take ``need_size // page_size`` whole pages and return their token indices, page after page.
+
+        :raises ValueError: when ``need_size`` is not a multiple of ``page_size``.
+        :returns: int64 ``[need_size]``, or ``None`` (nothing changed) when too few pages are free.
+        """
+        if need_size % self.page_size != 0:
+            raise ValueError(
+                f"paged alloc needs whole pages: need_size={need_size} is not a multiple of "
+                f"page_size={self.page_size}; round it up, or use alloc_extend for a partial last page"
+            )
+        num_pages = need_size // self.page_size
+        if not self._ensure_free_pages(num_pages):
+            return None
+        out_pages = self.free_pages[:num_pages]
+        self.free_pages = self.free_pages[num_pages:]
+        return (out_pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        *,
+        prefix_lens_cpu: Optional[torch.Tensor] = None,
+        seq_lens_cpu: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
+        """Locations for tokens ``prefix_lens[i] .. seq_lens[i]-1`` of each request, concatenated in order.
+
+        Each request first fills the rest of its last prefix page (from ``last_loc[i] + 1``), then takes
+        new pages from the free list in request order.
+
+        :param prefix_lens: ``[bs]`` tokens already cached per request (device).
+        :param seq_lens: ``[bs]`` sequence lengths after the extend (device).
+        :param last_loc: ``[bs]`` token index of each request's last prefix token (read only when the prefix
+            ends inside a page; ``-1`` otherwise by habit).
+        :param extend_num_tokens: ``sum(seq_lens - prefix_lens)``.
+        :param prefix_lens_cpu: CPU copy of ``prefix_lens``; with ``seq_lens_cpu`` it lets the page count be
+            taken without a device sync.
+        :param seq_lens_cpu: CPU copy of ``seq_lens``.
+        :returns: int64 ``[extend_num_tokens]``, or ``None`` (nothing changed) when too few pages are free.
+        """
+        if prefix_lens_cpu is not None and seq_lens_cpu is not None:
+            pre_c, seq_c = prefix_lens_cpu, seq_lens_cpu
+            # Cheap on the CPU and catches a mismatch that would otherwise write past the output.
+            total = int((seq_c - pre_c).sum())
+            if total != extend_num_tokens:
+                raise ValueError(
+                    f"extend_num_tokens={extend_num_tokens} but sum(seq_lens_cpu - prefix_lens_cpu)={total}; "
+                    "pass the number of tokens being extended"
+                )
+        else:
+            pre_c, seq_c = prefix_lens, seq_lens  # syncs with the device
+        num_new_pages = _k.num_new_pages_extend(pre_c, seq_c, self.page_size)
+        if not self._ensure_free_pages(num_new_pages):
+            return None
+        out_indices = self._extend_impl(
+            prefix_lens, seq_lens, last_loc, self.free_pages, self.page_size, extend_num_tokens
+        )
+        self.free_pages = self.free_pages[num_new_pages:]
+        return out_indices
+
+    def alloc_decode(
+        self,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor,
+        *,
+        seq_lens_cpu: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
+        """One new token location per request; ``seq_lens`` already counts the new token.
+
+        Request ``i`` takes a new page iff ``(seq_lens[i] - 1) % page_size == 0`` (its location is then
+        ``new_page * page_size``), else its location is ``last_loc[i] + 1``.
+
+        :param seq_lens: ``[bs]`` sequence lengths including the new token (device, each >= 1).
+        :param last_loc: ``[bs]`` token index of each request's previous last token.
+        :param seq_lens_cpu: CPU copy of ``seq_lens``, to count new pages without a device sync.
+        :returns: int64 ``[bs]``, or ``None`` (nothing changed) when too few pages are free.
+        """
+        num_new_pages = _k.num_new_pages_decode(
+            seq_lens_cpu if seq_lens_cpu is not None else seq_lens, self.page_size
+        )
+        if not self._ensure_free_pages(num_new_pages):
+            return None
+        out_indices = self._decode_impl(seq_lens, last_loc, self.free_pages, self.page_size)
+        self.free_pages = self.free_pages[num_new_pages:]
+        return out_indices
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """Give back the pages holding ``free_index`` (``unique(free_index // page_size)``).
+
+        Freed pages go to the front of the free list (reused first, as in SGLang), or are deferred when
+        ``need_sort``.  Empty input is a no-op; inside a free group they are held until
+        :meth:`free_group_end`.  Every token of a freed page is freed: free whole requests' pages only.
+        """
+        if free_index.numel() == 0:
+            return
+        if not self.is_not_in_free_group:
+            self.free_group.append(free_index)
+            return
+        free_page_indices = torch.unique(free_index.reshape(-1).to(torch.int64) // self.page_size)
+        self._release(free_page_indices, prepend=True)

@@ -1,0 +1,227 @@
+"""Bit-exact float encodings shared by every pool family's kernels: fp8 (e4m3fn, e5m2) and bf16.
+
+Why integer bit operations instead of ``x.to(tl.float8e4nv)``: Triton's CPU interpreter rounds float -> fp8
+(and float -> bf16) casts wrongly (triton-lang/triton#8322: 126.2 becomes 64; bf16 is truncated), while
+the GPU rounds correctly.  Encoding from the float32 bits with integer arithmetic gives the same bytes on the
+interpreter and on every GPU, and lets the tests compare a kernel bit-exactly against torch.
+
+Torch semantics matched (``tensor.to(torch.float8_e4m3fn)`` / ``.to(torch.float8_e5m2)``, CPU and CUDA share
+the same c10 conversion):
+
+* Rounding is round-to-nearest-even on the float32 value, including into the subnormal range
+  (e4m3fn subnormals are multiples of 2**-9, e5m2 subnormals multiples of 2**-16); float32 subnormals become 0.
+* The sign is always kept: -0.0 -> 0x80, tiny negatives -> 0x80.
+* NaN (any payload, either sign) -> 0x7F | sign.
+* e5m2 has infinities: |x| >= 61440 (half-way above the largest finite 57344) and +-inf -> 0x7C | sign.
+* e4m3fn has no infinity, and torch changed its overflow behaviour between releases:
+
+  - torch <= 2.11 (the ``non-saturating`` encoding): |x| > 464 (anything that rounds above 448) and +-inf
+    become NaN (0x7F | sign); 464 itself is a tie and rounds to even, 448.
+  - newer torch (the ``saturating`` encoding, seen in torch 2.13): every finite overflow and +-inf
+    saturates to +-448 (0x7E | sign); only NaN stays NaN.
+
+  :func:`torch_e4m3fn_saturates` probes the installed torch once; kernels pass the answer as the
+  ``SATURATE`` constexpr so they match whatever torch the process runs with.
+
+Decoders (``*_bits_to_f32``) are exact (every fp8 value is a float32) and reproduce torch's float32 bits,
+NaN payloads included (e4m3fn NaN -> 0x7FF00000 | sign, e5m2 NaN -> quiet NaN with the mantissa kept).
+
+All helpers take and return int32 tensors of bits (only the low 8 / 16 bits are meaningful for encoders'
+results; store them through a ``.to(tl.uint8)`` / ``.to(tl.int16)`` into a uint8 / int16 view of the cache)
+and use only Triton features available since 3.0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# Kind codes passed to kernels as constexprs (0 means "not fp8").
+FP8_NONE = 0
+FP8_E4M3FN = 1
+FP8_E5M2 = 2
+
+E4M3FN_MAX = 448.0
+E5M2_MAX = 57344.0
+
+
+def is_fp8_dtype(dtype: torch.dtype) -> bool:
+    """True for the fp8 cache dtypes kvcore supports (float8_e4m3fn, float8_e5m2)."""
+    return dtype in FP8_DTYPES
+
+
+def fp8_kind(dtype: torch.dtype) -> int:
+    """The kernel constexpr code of ``dtype``: FP8_E4M3FN, FP8_E5M2, or FP8_NONE for any other dtype."""
+    if dtype == torch.float8_e4m3fn:
+        return FP8_E4M3FN
+    if dtype == torch.float8_e5m2:
+        return FP8_E5M2
+    return FP8_NONE
+
+
+def storage_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a cache buffer is allocated with: torch.uint8 for fp8 caches, ``cache_dtype`` otherwise."""
+    return torch.uint8 if is_fp8_dtype(cache_dtype) else cache_dtype
+
+
+@functools.lru_cache(maxsize=None)
+def torch_e4m3fn_saturates() -> bool:
+    """Whether the installed torch saturates float32 -> float8_e4m3fn overflow (inf -> 448) instead of
+    producing NaN.  Probed once on the CPU (the CUDA conversion uses the same c10 code)."""
+    probe = torch.tensor([float("inf")], dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
+    return int(probe.item()) == 0x7E
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Encoders: float32 -> bits
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rne_shift_right(m, s):
+    """Round-to-nearest-even of ``m / 2**s`` for non-negative int32 ``m`` < 2**24 and 1 <= s <= 30."""
+    q = m >> s
+    rem = m & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    return q + up.to(tl.int32)
+
+
+@triton.jit
+def f32_to_e4m3fn_bits(x, SATURATE: tl.constexpr):
+    """float32 tensor -> int32 tensor holding float8_e4m3fn bits (0..255), bit-exact with torch.
+
+    ``SATURATE``: True for torch's saturating overflow (finite overflow and inf -> +-448), False for the
+    older NaN-on-overflow behaviour; pass ``torch_e4m3fn_saturates()``.
+    """
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # Normal range (|x| >= 2**-6): rebias the exponent (127 -> 7) and round the mantissa to 3 bits, half to
+    # even, in one add; |x| is clamped to 480 first so the add cannot overflow (the result is replaced below).
+    ac = tl.minimum(a, 0x43F00000)
+    normal = (ac - (120 << 23) + 0x7FFFF + ((ac >> 20) & 1)) >> 20
+    # Subnormal range: value / 2**-9 rounded half to even.  m * 2**(e - 150) * 2**9 = m >> (141 - e).
+    e = a >> 23
+    m = (a & 0x7FFFFF) | 0x800000
+    s = tl.minimum(141 - e, 30)
+    sub = _rne_shift_right(m, s)
+    r = tl.where(a < (121 << 23), sub, normal)
+    if SATURATE:
+        r = tl.where((a >= 0x43F00000) | (r == 0x7F), 0x7E, r)
+        r = tl.where(a > 0x7F800000, 0x7F, r)
+    else:
+        r = tl.where(a >= 0x43F00000, 0x7F, r)
+    return r | sign
+
+
+@triton.jit
+def f32_to_e5m2_bits(x):
+    """float32 tensor -> int32 tensor holding float8_e5m2 bits (0..255), bit-exact with torch
+    (overflow rounds to +-inf, NaN -> 0x7F | sign)."""
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    ac = tl.minimum(a, (143 << 23) - 1)
+    normal = (ac - (112 << 23) + 0xFFFFF + ((ac >> 21) & 1)) >> 21
+    e = a >> 23
+    m = (a & 0x7FFFFF) | 0x800000
+    s = tl.minimum(134 - e, 30)
+    sub = _rne_shift_right(m, s)
+    r = tl.where(a < (113 << 23), sub, normal)
+    r = tl.where(a >= (143 << 23), 0x7C, r)
+    r = tl.where(a > 0x7F800000, 0x7F, r)
+    return r | sign
+
+
+@triton.jit
+def f32_to_fp8_bits(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
+    """Dispatch on the fp8 kind constexpr (FP8_E4M3FN = 1, FP8_E5M2 = 2)."""
+    if KIND == 1:
+        r = f32_to_e4m3fn_bits(x, SATURATE)
+    else:
+        r = f32_to_e5m2_bits(x)
+    return r
+
+
+@triton.jit
+def f32_to_bf16_bits(x):
+    """float32 tensor -> int32 tensor holding bfloat16 bits (low 16 bits), round-to-nearest-even like torch
+    and the GPU's cvt.rn.bf16.f32 (the interpreter's ``.to(tl.bfloat16)`` truncates).  NaN -> 0x7FC0 | sign
+    (torch's own NaN bits differ between its CPU paths and CUDA; only NaN-ness is meaningful)."""
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    sign = (bits >> 16) & 0x8000
+    a = bits & 0x7FFFFFFF
+    r = (a + 0x7FFF + ((a >> 16) & 1)) >> 16
+    r = tl.where(a > 0x7F800000, 0x7FC0, r)
+    return r | sign
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decoders: bits -> float32
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def e4m3fn_bits_to_f32(b):
+    """Integer tensor of float8_e4m3fn bytes (e.g. loaded from a uint8 cache) -> float32, exact;
+    bits identical to torch's ``.float()`` (NaN -> 0x7FF00000 | sign)."""
+    b = b.to(tl.int32) & 0xFF
+    mag = b & 0x7F
+    normal = (mag + (120 << 3)) << 20
+    sub = ((mag & 7).to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    r = tl.where(mag < 8, sub, normal)
+    r = tl.where(mag == 0x7F, 0x7FF00000, r)
+    r = r | ((b & 0x80) << 24)
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e5m2_bits_to_f32(b):
+    """Integer tensor of float8_e5m2 bytes -> float32, exact; bits identical to torch's ``.float()``
+    (inf kept, NaN -> quiet NaN 0x7FC00000 | mantissa << 21 | sign)."""
+    b = b.to(tl.int32) & 0xFF
+    mag = b & 0x7F
+    normal = (mag + (112 << 2)) << 21
+    sub = ((mag & 3).to(tl.float32) * 0.0000152587890625).to(tl.int32, bitcast=True)
+    special = 0x7F800000 | ((mag & 3) << 21) | tl.where((mag & 3) != 0, 0x400000, 0)
+    r = tl.where(mag < 4, sub, normal)
+    r = tl.where(mag >= 0x7C, special, r)
+    r = r | ((b & 0x80) << 24)
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_bits_to_f32(b, KIND: tl.constexpr):
+    """Dispatch on the fp8 kind constexpr (FP8_E4M3FN = 1, FP8_E5M2 = 2)."""
+    if KIND == 1:
+        r = e4m3fn_bits_to_f32(b)
+    else:
+        r = e5m2_bits_to_f32(b)
+    return r
+
+
+__all__ = [
+    "E4M3FN_MAX",
+    "E5M2_MAX",
+    "FP8_DTYPES",
+    "FP8_E4M3FN",
+    "FP8_E5M2",
+    "FP8_NONE",
+    "e4m3fn_bits_to_f32",
+    "e5m2_bits_to_f32",
+    "f32_to_bf16_bits",
+    "f32_to_e4m3fn_bits",
+    "f32_to_e5m2_bits",
+    "f32_to_fp8_bits",
+    "fp8_bits_to_f32",
+    "fp8_kind",
+    "is_fp8_dtype",
+    "storage_dtype",
+    "torch_e4m3fn_saturates",
+]

@@ -1,0 +1,235 @@
+"""Conformance tests every token-to-KV pool must pass, as mixin classes.
+
+An implementer's whole test file is a subclass plus the fixtures below::
+
+    from kvcore.testing import KVCacheConformance
+
+    class TestAcmePool(KVCacheConformance):
+        @pytest.fixture
+        def kv_pool_factory(self): ...   # (size, page_size, start_layer) -> pool
+        @pytest.fixture
+        def kv_layout(self, kv_pool): ...  # the PoolLayout the backend declared for that pool
+        @pytest.fixture
+        def kv_writer(self): ...         # see KVWriter
+
+Fixtures the implementer may override: ``kv_capabilities`` (a set of capability names; tests that need
+a capability the pool does not declare are skipped by capability, never by backend name), ``kv_pool_size``
+and ``kv_page_size``.  Without the required fixtures every test fails with a message naming the fixture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import pytest
+import torch
+
+#: capability names a pool may declare through the ``kv_capabilities`` fixture.
+CAPABILITIES = frozenset({"move", "cpu_offload", "buffer_infos", "set_kv_buffer"})
+
+
+class KVWriter(Protocol):
+    """Writes random rows into ``pool`` at ``loc`` of ``layer`` through the family's own write API.
+
+    :returns: for every token buffer touched, the exact rows (storage dtype, shape ``[len(loc), ...]``)
+        that must now be at ``loc`` of that layer in ``pool.buffers()[name]``.
+    """
+
+    def __call__(self, pool, layer: int, loc: torch.Tensor, generator: torch.Generator) -> Mapping[str, torch.Tensor]: ...
+
+
+def mha_style_writer(pool, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A :class:`KVWriter` for pools whose ``set_kv_buffer`` stores K and V rows converted to ``pool.dtype``."""
+    k_rows = pool.get_key_buffer(layer).shape[1:]
+    v_rows = pool.get_value_buffer(layer).shape[1:]
+    cache_k = torch.randn((loc.numel(), *k_rows), generator=generator).to(pool.device)
+    cache_v = torch.randn((loc.numel(), *v_rows), generator=generator).to(pool.device)
+    source_dtype = torch.bfloat16 if pool.dtype.itemsize == 1 else pool.dtype
+    cache_k, cache_v = cache_k.to(source_dtype), cache_v.to(source_dtype)
+    pool.set_kv_buffer(layer, loc, cache_k, cache_v)
+    return {
+        "k": cache_k.to(pool.dtype).view(pool.store_dtype),
+        "v": cache_v.to(pool.dtype).view(pool.store_dtype),
+    }
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    a, e = _bytes(actual.cpu()), _bytes(expected.cpu())
+    if not torch.equal(a, e):
+        bad = (a != e).nonzero()
+        raise AssertionError(f"{what}: {bad.shape[0]} bytes differ, first at {bad[0].tolist()}")
+
+
+def randomize(pool, generator: torch.Generator) -> None:
+    """Fill every buffer with random bytes (tests never run on zeros)."""
+    for buf in pool.buffers().values():
+        raw = buf.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator).to(raw.device))
+
+
+class _Base:
+    @pytest.fixture
+    def generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(1234)
+
+    @pytest.fixture
+    def kv_pool(self, kv_pool_factory, kv_pool_size, kv_page_size):
+        return kv_pool_factory(size=kv_pool_size, page_size=kv_page_size, start_layer=0)
+
+    @staticmethod
+    def need(capabilities, name: str) -> None:
+        if name not in capabilities:
+            pytest.skip(f"pool does not declare capability {name!r}")
+
+    @staticmethod
+    def free_slots(pool, n: int, generator: torch.Generator, offset: int = 0) -> torch.Tensor:
+        """``n`` distinct non-padding slots, in random order."""
+        usable = torch.arange(pool.page_size, pool.size + pool.page_size)
+        picked = usable[torch.randperm(usable.numel(), generator=generator)[offset : offset + n]]
+        return picked.to(pool.device)
+
+
+class BaseLayoutTests(_Base):
+    def test_layout_bytes_equal_allocated_bytes(self, kv_pool, kv_layout):
+        buffers = kv_pool.buffers()
+        declared = kv_layout.by_name()
+        assert set(buffers) == set(declared), f"buffers {sorted(buffers)} != layout {sorted(declared)}"
+        size = kv_pool.size
+        for name, buf in buffers.items():
+            spec = declared[name]
+            assert tuple(buf.shape) == spec.shape(size), f"buffer {name}: shape {tuple(buf.shape)} != {spec.shape(size)}"
+            assert buf.dtype == spec.dtype, f"buffer {name}: dtype {buf.dtype} != layout {spec.dtype}"
+            assert buf.nbytes == spec.total_bytes(size)
+        assert sum(b.nbytes for b in buffers.values()) == kv_layout.total_bytes({"tokens": size})
+
+    def test_kv_size_bytes_counts_every_buffer(self, kv_pool):
+        reported = kv_pool.get_kv_size_bytes()
+        reported = sum(reported) if isinstance(reported, tuple) else reported
+        assert reported == sum(b.nbytes for b in kv_pool.buffers().values())
+
+    def test_fp8_is_stored_as_uint8(self, kv_pool):
+        if kv_pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            assert kv_pool.store_dtype == torch.uint8
+        else:
+            assert kv_pool.store_dtype == kv_pool.dtype
+
+
+class BaseStoreTests(_Base):
+    @pytest.mark.parametrize("n", [1, 5, 17])
+    @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+    def test_round_trip_only_target_rows_change(self, kv_pool, kv_writer, generator, n, index_dtype):
+        randomize(kv_pool, generator)
+        before = {name: buf.clone() for name, buf in kv_pool.buffers().items()}
+        layer = kv_pool.end_layer  # the last layer catches per-layer offset mistakes
+        local = layer - kv_pool.start_layer
+        loc = self.free_slots(kv_pool, n, generator).to(index_dtype)
+        expected = kv_writer(kv_pool, layer, loc, generator)
+        assert expected, "kv_writer returned no buffers"
+        for name, buf in kv_pool.buffers().items():
+            want = before[name].clone()
+            if name in expected:
+                want[local, loc.long()] = expected[name].to(want.device)
+            assert_same_bytes(buf, want, f"buffer {name} after writing {n} rows of layer {layer}")
+
+    def test_padding_page_untouched(self, kv_pool, kv_writer, generator):
+        randomize(kv_pool, generator)
+        page = kv_pool.page_size
+        padding = {name: buf[:, :page].clone() for name, buf in kv_pool.buffers().items()}
+        for layer in range(kv_pool.start_layer, kv_pool.end_layer + 1):
+            kv_writer(kv_pool, layer, self.free_slots(kv_pool, 8, generator), generator)
+        for name, buf in kv_pool.buffers().items():
+            assert_same_bytes(buf[:, :page], padding[name], f"padding page of buffer {name}")
+
+    def test_layer_object_with_layer_id_and_offset_layers(self, kv_pool_factory, kv_pool_size, kv_page_size, kv_writer, generator):
+        pool = kv_pool_factory(size=kv_pool_size, page_size=kv_page_size, start_layer=5)
+        assert pool.start_layer == 5 and pool.end_layer == 5 + pool.layer_num - 1
+        randomize(pool, generator)
+        loc = self.free_slots(pool, 3, generator)
+        expected = kv_writer(pool, pool.end_layer, loc, generator)
+        for name, rows in expected.items():
+            assert_same_bytes(pool.buffers()[name][pool.layer_num - 1, loc], rows, f"buffer {name}, global layer {pool.end_layer}")
+        with pytest.raises(IndexError, match="layer"):
+            pool.get_key_buffer(pool.start_layer - 1)
+        with pytest.raises(IndexError, match="layer"):
+            pool.get_key_buffer(pool.end_layer + 1)
+
+
+class BaseMoveTests(_Base):
+    @pytest.mark.parametrize("pattern", ["disjoint", "shift", "swap", "cycle", "identity"])
+    def test_move_matches_gather_then_scatter(self, kv_pool, kv_capabilities, generator, pattern):
+        self.need(kv_capabilities, "move")
+        randomize(kv_pool, generator)
+        n = 9
+        if pattern == "disjoint":
+            src = self.free_slots(kv_pool, n, generator)
+            tgt = self.free_slots(kv_pool, n, generator, offset=n)
+        else:
+            base = self.free_slots(kv_pool, n + 1, generator)
+            src = base[:n]
+            tgt = {
+                "shift": base[1 : n + 1],
+                "swap": src.view(-1, 1)[: n - 1].view(-1, 2).flip(1).reshape(-1),
+                "cycle": src.roll(1),
+                "identity": src,
+            }[pattern]
+            src = src[: tgt.numel()]
+        expected = {}
+        for name, buf in kv_pool.token_buffers().items():
+            want = buf.clone()
+            want[:, tgt] = buf[:, src].clone()
+            expected[name] = want
+        kv_pool.move_kv_cache(tgt, src)
+        for name, buf in kv_pool.token_buffers().items():
+            assert_same_bytes(buf, expected[name], f"buffer {name} after a {pattern} move of {src.numel()} slots")
+
+    def test_empty_move_is_a_no_op(self, kv_pool, kv_capabilities, generator):
+        self.need(kv_capabilities, "move")
+        randomize(kv_pool, generator)
+        before = {name: buf.clone() for name, buf in kv_pool.buffers().items()}
+        empty = torch.empty(0, dtype=torch.int64, device=kv_pool.device)
+        kv_pool.move_kv_cache(empty, empty)
+        for name, buf in kv_pool.buffers().items():
+            assert_same_bytes(buf, before[name], f"buffer {name} after an empty move")
+
+
+class BaseCpuCopyTests(_Base):
+    @pytest.mark.parametrize("chunk", [3, 8192])
+    def test_cpu_copy_round_trip(self, kv_pool, kv_capabilities, generator, chunk):
+        self.need(kv_capabilities, "cpu_offload")
+        kv_pool.cpu_offloading_chunk_size = chunk
+        randomize(kv_pool, generator)
+        src = self.free_slots(kv_pool, 10, generator)
+        dst = self.free_slots(kv_pool, 10, generator, offset=10)
+        saved = {name: buf[:, src].clone() for name, buf in kv_pool.token_buffers().items()}
+        copy = kv_pool.get_cpu_copy(src)
+        randomize(kv_pool, generator)  # the copy must not alias device memory
+        kv_pool.load_cpu_copy(copy, dst)
+        for name, buf in kv_pool.token_buffers().items():
+            assert_same_bytes(buf[:, dst], saved[name], f"buffer {name} rows loaded back from the CPU copy")
+
+
+class BaseBufferInfoTests(_Base):
+    def test_contiguous_buf_infos_match_buffers(self, kv_pool, kv_capabilities):
+        self.need(kv_capabilities, "buffer_infos")
+        ptrs, lens, item_lens = kv_pool.get_contiguous_buf_infos()
+        expected = [layer for buf in kv_pool.token_buffers().values() for layer in buf.unbind(0)]
+        assert len(ptrs) == len(lens) == len(item_lens) == len(expected)
+        for i, layer in enumerate(expected):
+            assert ptrs[i] == layer.data_ptr()
+            assert lens[i] == layer.nbytes
+            assert item_lens[i] == layer[0].nbytes * kv_pool.page_size
+            assert lens[i] % item_lens[i] == 0, "a layer must hold whole pages"
+
+
+class KVCacheConformance(BaseLayoutTests, BaseStoreTests, BaseMoveTests, BaseCpuCopyTests, BaseBufferInfoTests):
+    """Every conformance test; subclass it and provide the fixtures named in the module docstring."""
+
+
+PoolFactory = Callable[..., object]

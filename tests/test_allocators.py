@@ -1,0 +1,602 @@
+"""Token and paged KV allocators: kernels against torch references and a pure-Python model, and allocator
+bookkeeping (None-when-short, padding slot, need_sort deferral, free groups, backup/restore, clear), with a
+hypothesis state machine checking that live allocations never overlap.
+
+Triton kernels run under TRITON_INTERPRET=1 (set by the root conftest), so sizes stay small.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvcore import allocator_kernels as K
+from kvcore.errors import ConfigError
+from kvcore.allocators import (
+    BaseTokenToKVPoolAllocator,
+    PagedTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
+
+COMPILED = os.environ.get("KVCORE_TEST_COMPILED") == "1"
+if COMPILED and not torch.cuda.is_available():
+    pytest.skip("KVCORE_TEST_COMPILED=1 needs a CUDA device", allow_module_level=True)
+DEVICE = "cuda" if COMPILED else "cpu"
+
+KERNELS = ["triton", "native"]
+PAGE_SIZES = [1, 3, 16, 64]
+
+EXTEND_IMPLS = {"triton": K.alloc_extend_triton, "native": K.alloc_extend_native}
+DECODE_IMPLS = {"triton": K.alloc_decode_triton, "native": K.alloc_decode_native}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pure-Python model: walks the tokens one at a time, keeping a write cursor (independent of the closed-form
+# arithmetic the kernels and references use).
+# ------------------------------------------------------------------------------------------------------------
+
+
+def model_extend(pre, seq, last, free, ps):
+    """Returns (locations, pages used)."""
+    out, used = [], 0
+    for p, s, loc in zip(pre, seq, last):
+        for t in range(p, s):
+            if t % ps == 0:  # this token opens a page
+                loc = free[used] * ps
+                used += 1
+            else:  # next slot of the page the previous token is in
+                loc = loc + 1
+            out.append(loc)
+    return out, used
+
+
+def model_decode(seq, last, free, ps):
+    out, used = [], 0
+    for s, loc in zip(seq, last):
+        if (s - 1) % ps == 0:
+            out.append(free[used] * ps)
+            used += 1
+        else:
+            out.append(loc + 1)
+    return out, used
+
+
+def random_batch(rng: random.Random, ps: int, bs: int, max_len: int):
+    """prefix/seq lens (0 prefixes, page-aligned prefixes, zero-token extends) and consistent last_loc."""
+    pre, seq, last = [], [], []
+    for _ in range(bs):
+        kind = rng.randrange(4)
+        if kind == 0:
+            p = 0
+        elif kind == 1:
+            p = ps * rng.randint(1, 3)  # prefix ends exactly on a page boundary
+        else:
+            p = rng.randint(1, max_len)
+        s = p + (0 if rng.random() < 0.1 else rng.randint(1, max_len))
+        if p % ps:
+            loc = rng.randint(5000, 6000) * ps + (p - 1) % ps
+        elif p == 0:
+            loc = -1
+        else:  # ignored: either value must give the same result
+            loc = rng.choice([-1, rng.randint(5000, 6000) * ps + ps - 1])
+        pre.append(p)
+        seq.append(s)
+        last.append(loc)
+    return pre, seq, last
+
+
+def tensors(*lists, dtype=torch.int64):
+    return [torch.tensor(x, dtype=dtype, device=DEVICE) for x in lists]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Kernels vs references vs model
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("seed", range(4))
+def test_alloc_extend_kernel_matches_reference_and_model(ps, seed):
+    rng = random.Random(seed * 100 + ps)
+    bs = rng.randint(1, 6)
+    pre, seq, last = random_batch(rng, ps, bs, max_len=2 * ps + 5)
+    _, need = model_extend(pre, seq, last, list(range(10**6)), ps)
+    free = rng.sample(range(1, 4000), need + rng.randint(0, 3))  # shuffled, with spare pages
+    expected, used = model_extend(pre, seq, last, free, ps)
+    assert used == need == K.num_new_pages_extend(*tensors(pre, seq), ps)
+
+    lens_dtype = torch.int32 if seed % 2 else torch.int64
+    pre_t, seq_t = tensors(pre, seq, dtype=lens_dtype)
+    (last_t, free_t) = tensors(last, free)
+    n = sum(seq) - sum(pre)
+    results = {}
+    for name, fn in EXTEND_IMPLS.items():
+        out = fn(pre_t, seq_t, last_t, free_t, ps, n)
+        assert out.dtype == torch.int64 and out.shape == (n,)
+        assert out.tolist() == expected, name
+        results[name] = out
+    assert torch.equal(results["triton"], results["native"])
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("seed", range(4))
+def test_alloc_decode_kernel_matches_reference_and_model(ps, seed):
+    rng = random.Random(seed * 100 + ps + 7)
+    bs = rng.randint(1, 8)
+    seq, last = [], []
+    for _ in range(bs):
+        s = rng.choice([1, ps + 1, 2 * ps + 1, rng.randint(1, 4 * ps + 2)])  # page openers and others
+        seq.append(s)
+        last.append(rng.randint(5000, 6000) * ps + (s - 2) % ps if s > 1 else -1)
+    _, need = model_decode(seq, last, list(range(10**6)), ps)
+    free = rng.sample(range(1, 4000), need + rng.randint(0, 3))
+    expected, used = model_decode(seq, last, free, ps)
+    assert used == need == K.num_new_pages_decode(torch.tensor(seq), ps)
+
+    lens_dtype = torch.int32 if seed % 2 else torch.int64
+    (seq_t,) = tensors(seq, dtype=lens_dtype)
+    last_t, free_t = tensors(last, free)
+    results = {}
+    for name, fn in DECODE_IMPLS.items():
+        out = fn(seq_t, last_t, free_t, ps)
+        assert out.dtype == torch.int64 and out.shape == (bs,)
+        assert out.tolist() == expected, name
+        results[name] = out
+    assert torch.equal(results["triton"], results["native"])
+
+
+def test_kernels_large_batch_and_long_request():
+    """Batches longer than the kernels' request block and requests longer than their token block."""
+    rng = random.Random(1)
+    ps = 3
+    bs = K._BS_BLOCK + 20
+    pre, seq, last = random_batch(rng, ps, bs, max_len=4)
+    pre[5], seq[5], last[5] = 4, 4 + 2 * K._TOKEN_BLOCK + 7, 5000 * ps
+    _, need = model_extend(pre, seq, last, list(range(10**6)), ps)
+    free = rng.sample(range(1, 10**5), need)
+    expected, _ = model_extend(pre, seq, last, free, ps)
+    pre_t, seq_t, last_t, free_t = tensors(pre, seq, last, free)
+    n = sum(seq) - sum(pre)
+    for fn in EXTEND_IMPLS.values():
+        assert fn(pre_t, seq_t, last_t, free_t, ps, n).tolist() == expected
+
+    dseq = [s + 1 for s in seq]
+    dlast = [5000 * ps + (s - 1) % ps for s in seq]
+    expected, _ = model_decode(dseq, dlast, free, ps)
+    for fn in DECODE_IMPLS.values():
+        assert fn(*tensors(dseq, dlast), free_t, ps).tolist() == expected
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_kernels_empty_inputs(impl):
+    free = torch.arange(1, 5, device=DEVICE)
+    (z,) = tensors([])
+    assert EXTEND_IMPLS[impl](z, z, z, free, 4, 0).numel() == 0
+    assert DECODE_IMPLS[impl](z, z, free, 4).numel() == 0
+    one, four, fourteen = tensors([3], [4], [14])
+    assert EXTEND_IMPLS[impl](one, one, fourteen, free, 4, 0).numel() == 0  # zero-token extend
+    # No free page needed, empty free list.
+    out = EXTEND_IMPLS[impl](one, four, fourteen, z, 4, 1)
+    assert out.tolist() == [15]
+
+
+def test_kernel_arg_shape_errors():
+    a = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="one length"):
+        K.alloc_extend_native(a, a, torch.tensor([1]), a, 4, 2)
+    with pytest.raises(ValueError, match="seq_lens and last_loc"):
+        K.alloc_decode_native(a, torch.tensor([1]), a, 4)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Allocators
+# ------------------------------------------------------------------------------------------------------------
+
+
+def make(kind, size, ps=1, need_sort=False, kernels="native"):
+    if kind == "token":
+        return TokenToKVPoolAllocator(size, torch.float16, DEVICE, "KV", need_sort, kernels=kernels)
+    return PagedTokenToKVPoolAllocator(size, ps, torch.float16, DEVICE, "KV", need_sort, kernels=kernels)
+
+
+def state_lists(a):
+    return a.free_pages.tolist(), a.release_pages.tolist()
+
+
+def test_fresh_state_and_attributes():
+    a = make("token", 10)
+    assert isinstance(a, BaseTokenToKVPoolAllocator)
+    assert a.free_pages.tolist() == list(range(1, 11)) and a.free_pages.dtype == torch.int64
+    assert a.release_pages.numel() == 0 and a.page_size == 1 and a.size == 10
+    assert a.available_size() == 10 and a.get_kvcache() == "KV" and a.dtype == torch.float16
+    assert a.is_not_in_free_group and a.free_group == []
+
+    p = make("paged", 35, ps=4)
+    assert p.num_pages == 8 and p.free_pages.tolist() == list(range(1, 9))
+    assert p.available_size() == 32 and p.page_size == 4 and p.device == torch.device(DEVICE)
+
+
+def test_constructor_errors():
+    with pytest.raises(ConfigError, match="size"):
+        make("token", 0)
+    with pytest.raises(ConfigError, match="page_size"):
+        make("paged", 8, ps=0)
+    with pytest.raises(ConfigError, match="no whole page"):
+        make("paged", 3, ps=4)
+    with pytest.raises(ConfigError, match="hardware.kernels"):
+        make("paged", 8, ps=4, kernels="cuda")
+
+
+@pytest.mark.parametrize("need_sort", [False, True])
+def test_token_alloc_short_changes_nothing(need_sort):
+    a = make("token", 8, need_sort=need_sort)
+    x = a.alloc(5)
+    assert x.tolist() == [1, 2, 3, 4, 5]
+    a.free(x[:2])
+    before = state_lists(a)
+    assert a.alloc(7) is None
+    assert state_lists(a) == before and a.available_size() == 5
+    assert a.alloc(5) is not None and a.available_size() == 0
+    assert a.alloc(1) is None
+    assert a.alloc(0).numel() == 0
+
+
+@pytest.mark.parametrize("need_sort", [False, True])
+def test_paged_alloc_short_changes_nothing(need_sort):
+    a = make("paged", 16, ps=4, need_sort=need_sort)
+    x = a.alloc(8)
+    assert x.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    a.free(x[4:])
+    before = state_lists(a)
+    assert a.alloc(16) is None
+    assert state_lists(a) == before and a.available_size() == 12
+    pre, seq, last = tensors([0, 0], [5, 9], [-1, -1])
+    assert a.alloc_extend(pre, seq, last, 14) is None  # needs 2 + 3 pages, 3 left
+    assert state_lists(a) == before
+    assert a.alloc_decode(*tensors([1, 1, 5, 9], [-1, -1, 3, 7])) is None  # needs 4 pages
+    assert state_lists(a) == before
+
+
+def test_paged_alloc_needs_whole_pages():
+    a = make("paged", 16, ps=4)
+    with pytest.raises(ValueError, match=r"need_size=6 .* page_size=4"):
+        a.alloc(6)
+    assert a.available_size() == 16
+
+
+@pytest.mark.parametrize("kind,ps", [("token", 1), ("paged", 1), ("paged", 3)])
+def test_padding_slot_never_handed_out_and_realloc(kind, ps):
+    a = make(kind, 12 if ps == 1 else 12, ps=ps)
+    got = a.alloc(a.available_size())
+    assert 0 not in (got // ps).tolist()
+    assert sorted(got.tolist()) == list(range(ps, ps + 12 // ps * ps))
+    assert a.alloc(ps) is None
+    a.free(got[ps : 3 * ps])
+    again = a.alloc(2 * ps)
+    assert sorted(again.tolist()) == sorted(got[ps : 3 * ps].tolist())
+
+
+def test_token_free_appends_paged_free_prepends():
+    a = make("token", 6)
+    x = a.alloc(3)
+    a.free(x[1:2])
+    assert a.free_pages.tolist() == [4, 5, 6, 2]
+    p = make("paged", 24, ps=4)
+    y = p.alloc(8)  # pages 1, 2
+    p.free(y)
+    assert p.free_pages.tolist() == [1, 2, 3, 4, 5, 6]
+    y = p.alloc(8)
+    p.free(y[5:6])  # one token of page 2 frees page 2
+    assert p.free_pages.tolist() == [2, 3, 4, 5, 6]
+
+
+def test_empty_free_is_noop():
+    for a in (make("token", 4, need_sort=True), make("paged", 8, ps=2)):
+        before = state_lists(a)
+        a.free(torch.empty(0, dtype=torch.int64, device=DEVICE))
+        assert state_lists(a) == before
+
+
+@pytest.mark.parametrize("kind,ps", [("token", 1), ("paged", 2)])
+def test_need_sort_defers_and_merges_sorted(kind, ps):
+    a = make(kind, 8 * ps, ps=ps, need_sort=True)
+    x = a.alloc(6 * ps)  # pages 1..6
+    a.free(x[4 * ps : 5 * ps])  # page 5
+    a.free(x[0:ps])  # page 1
+    a.free(x[2 * ps : 3 * ps])  # page 3
+    assert a.free_pages.tolist() == [7, 8]
+    assert sorted(a.release_pages.tolist()) == [1, 3, 5]
+    assert a.available_size() == 5 * ps
+    y = a.alloc(2 * ps)  # fits in the free list: no merge
+    assert (y // ps).unique().tolist() == [7, 8] and a.free_pages.numel() == 0
+    z = a.alloc(2 * ps)  # short: merge and sort first
+    assert (z[::ps] // ps).tolist() == [1, 3]
+    assert a.free_pages.tolist() == [5] and a.release_pages.numel() == 0
+    a.free(z)
+    assert a.alloc(4 * ps) is None  # still short after merging: nothing merged
+    assert a.free_pages.tolist() == [5] and sorted(a.release_pages.tolist()) == [1, 3]
+
+
+@pytest.mark.parametrize("kind,ps", [("token", 1), ("paged", 4)])
+@pytest.mark.parametrize("need_sort", [False, True])
+def test_free_group(kind, ps, need_sort):
+    a = make(kind, 8 * ps, ps=ps, need_sort=need_sort)
+    x = a.alloc(6 * ps)
+    a.free_group_begin()
+    assert not a.is_not_in_free_group
+    a.free(x[:ps])
+    a.free(x[2 * ps : 4 * ps])
+    a.free(torch.empty(0, dtype=torch.int64, device=DEVICE))
+    assert a.available_size() == 2 * ps
+    a.free_group_end()
+    assert a.is_not_in_free_group and a.free_group == []
+    assert a.available_size() == 5 * ps
+    freed = sorted(a.free_pages.tolist() + a.release_pages.tolist())
+    assert freed == [1, 3, 4, 7, 8]
+    a.free_group_begin()
+    a.free_group_end()  # empty group
+    assert a.available_size() == 5 * ps
+
+
+@pytest.mark.parametrize("kind,ps", [("token", 1), ("paged", 4)])
+def test_backup_restore_and_clear(kind, ps):
+    a = make(kind, 8 * ps, ps=ps, need_sort=True)
+    x = a.alloc(3 * ps)
+    a.free(x[:ps])
+    state = a.backup_state()
+    before = state_lists(a)
+    y = a.alloc(5 * ps)
+    a.free(y)
+    a.free(x[ps:])
+    assert state_lists(a) != before
+    a.restore_state(state)
+    assert state_lists(a) == before and a.available_size() == 6 * ps
+    a.clear()
+    assert a.free_pages.tolist() == list(range(1, 9)) and a.release_pages.numel() == 0
+    assert a.available_size() == 8 * ps and a.is_not_in_free_group
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_paged_alloc_extend_and_decode(kernels):
+    ps = 4
+    a = make("paged", 40, ps=ps, kernels=kernels)
+    # Request 0: new, 6 tokens; request 1: new, 4 tokens; request 2: new, 0 tokens.
+    pre, seq, last = tensors([0, 0, 0], [6, 4, 0], [-1, -1, -1])
+    out = a.alloc_extend(pre, seq, last, 10, prefix_lens_cpu=pre.cpu(), seq_lens_cpu=seq.cpu())
+    assert out.tolist() == [4, 5, 6, 7, 8, 9, 12, 13, 14, 15]
+    assert a.available_size() == 40 - 3 * ps
+    # Extend request 0 (prefix ends mid-page at 9) by 5, request 1 (prefix ends on a boundary) by 1.
+    pre, seq, last = tensors([6, 4], [11, 5], [9, -1])
+    out = a.alloc_extend(pre, seq, last, 6)  # without CPU copies: counted on the device tensors
+    assert out.tolist() == [10, 11, 16, 17, 18, 20]
+    # Decode: request 0 at seq 12 (continues page 4), request 1 at seq 6 (continues page 5),
+    # request 2 at seq 1 (new page).
+    out = a.alloc_decode(*tensors([12, 6, 1], [18, 20, -1]), seq_lens_cpu=torch.tensor([12, 6, 1]))
+    assert out.tolist() == [19, 21, 24]
+    assert a.free_pages.tolist() == [7, 8, 9, 10]
+
+
+def test_alloc_extend_checks_token_count():
+    a = make("paged", 16, ps=4)
+    pre, seq, last = tensors([0], [5], [-1])
+    with pytest.raises(ValueError, match="extend_num_tokens=4"):
+        a.alloc_extend(pre, seq, last, 4, prefix_lens_cpu=pre.cpu(), seq_lens_cpu=seq.cpu())
+    assert a.available_size() == 16
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_paged_allocator_matches_model_on_random_batches(kernels, ps):
+    rng = random.Random(ps)
+    a = make("paged", 400 * ps, ps=ps, kernels=kernels)
+    a.free(a.alloc(40 * ps)[torch.randperm(40 * ps, generator=torch.Generator().manual_seed(ps)).to(DEVICE)])  # shuffle
+    for _ in range(3):
+        pre, seq, last = random_batch(rng, ps, rng.randint(1, 5), max_len=2 * ps + 3)
+        free = a.free_pages.tolist()
+        expected, used = model_extend(pre, seq, last, free, ps)
+        pre_t, seq_t, last_t = tensors(pre, seq, last)
+        out = a.alloc_extend(pre_t, seq_t, last_t, len(expected), prefix_lens_cpu=pre_t.cpu(), seq_lens_cpu=seq_t.cpu())
+        assert out.tolist() == expected
+        assert a.free_pages.tolist() == free[used:]
+        dseq = [s + 1 for s in seq]
+        dlast = [rng.randint(1, 10**4) * ps + (s - 1) % ps for s in seq]
+        free = a.free_pages.tolist()
+        expected, used = model_decode(dseq, dlast, free, ps)
+        out = a.alloc_decode(*tensors(dseq, dlast), seq_lens_cpu=torch.tensor(dseq))
+        assert out.tolist() == expected
+        assert a.free_pages.tolist() == free[used:]
+
+
+def test_token_allocator_extend_and_decode_are_plain_alloc():
+    a = make("token", 10)
+    pre, seq, last = tensors([2, 0], [5, 1], [7, -1])
+    assert a.alloc_extend(pre, seq, last, 4, prefix_lens_cpu=pre.cpu(), seq_lens_cpu=seq.cpu()).tolist() == [1, 2, 3, 4]
+    assert a.alloc_decode(*tensors([6, 2], [4, 4]), seq_lens_cpu=torch.tensor([6, 2])).tolist() == [5, 6]
+    assert a.alloc_extend(pre, seq, last, 5) is None and a.available_size() == 4
+    # A paged allocator with one-token pages gives the same locations.
+    p = make("paged", 10, ps=1)
+    assert p.alloc_extend(pre, seq, last, 4).tolist() == [1, 2, 3, 4]
+    assert p.alloc_decode(*tensors([6, 2], [4, 4])).tolist() == [5, 6]
+
+
+def test_kernel_mode_auto_on_cpu_uses_reference():
+    a = make("paged", 16, ps=4, kernels="auto")
+    impl = "triton" if DEVICE == "cuda" else "native"
+    assert a._extend_impl is EXTEND_IMPLS[impl] and a._decode_impl is DECODE_IMPLS[impl]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hypothesis state machine: random extend/decode/alloc/free sequences against a model of live requests.
+# ------------------------------------------------------------------------------------------------------------
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Model: each live request is the list of its token locations.  Pages are never shared between requests,
+    so freeing a request frees exactly its pages."""
+
+    NUM_PAGES = 12
+
+    @initialize(
+        ps=st.sampled_from([1, 3, 4]),
+        need_sort=st.booleans(),
+        kernels=st.sampled_from(KERNELS),
+        token_class=st.booleans(),
+    )
+    def setup(self, ps, need_sort, kernels, token_class):
+        self.ps = ps
+        if ps == 1 and token_class:
+            self.a = make("token", self.NUM_PAGES, need_sort=need_sort)
+        else:
+            self.a = make("paged", self.NUM_PAGES * ps + ps - 1, ps=ps, need_sort=need_sort, kernels=kernels)
+        self.reqs: dict[int, list[int]] = {}
+        self.pending_pages: set[int] = set()  # freed inside an open group
+        self.next_id = 0
+        self.checkpoint = None
+
+    # -- model helpers --
+
+    def used_pages(self):
+        return {loc // self.ps for locs in self.reqs.values() for loc in locs} | self.pending_pages
+
+    def pages_needed(self, pre, seq):
+        return sum(-(-s // self.ps) - -(-p // self.ps) for p, s in zip(pre, seq))
+
+    def in_group(self):
+        return not self.a.is_not_in_free_group
+
+    # -- rules --
+
+    @rule(data=st.data())
+    def extend(self, data):
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.reqs)), unique=True, max_size=3)) if self.reqs else []
+        n_new = data.draw(st.integers(0 if ids else 1, 2))
+        ids = ids + list(range(self.next_id, self.next_id + n_new))
+        adds = [data.draw(st.integers(0, 2 * self.ps + 1)) for _ in ids]
+        pre = [len(self.reqs.get(i, [])) for i in ids]
+        seq = [p + k for p, k in zip(pre, adds)]
+        last = [self.reqs[i][-1] if self.reqs.get(i) else -1 for i in ids]
+        pre_t, seq_t, last_t = tensors(pre, seq, last)
+        use_cpu = data.draw(st.booleans())
+        before = state_lists(self.a)
+        kw = dict(prefix_lens_cpu=pre_t.cpu(), seq_lens_cpu=seq_t.cpu()) if use_cpu else {}
+        out = self.a.alloc_extend(pre_t, seq_t, last_t, sum(adds), **kw)
+        free_pages = self.NUM_PAGES - len(self.used_pages())
+        if self.pages_needed(pre, seq) > free_pages:
+            assert out is None
+            assert state_lists(self.a) == before
+            return
+        assert out is not None and out.dtype == torch.int64 and out.numel() == sum(adds)
+        self.next_id += n_new
+        pos = 0
+        for i, k in zip(ids, adds):
+            self.reqs.setdefault(i, []).extend(out[pos : pos + k].tolist())
+            pos += k
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def decode(self, data):
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.reqs)), unique=True, min_size=1, max_size=4))
+        seq = [len(self.reqs[i]) + 1 for i in ids]
+        last = [self.reqs[i][-1] if self.reqs[i] else -1 for i in ids]
+        seq_t, last_t = tensors(seq, last)
+        before = state_lists(self.a)
+        kw = dict(seq_lens_cpu=seq_t.cpu()) if data.draw(st.booleans()) else {}
+        out = self.a.alloc_decode(seq_t, last_t, **kw)
+        need = sum((s - 1) % self.ps == 0 for s in seq)
+        if need > self.NUM_PAGES - len(self.used_pages()):
+            assert out is None and state_lists(self.a) == before
+            return
+        assert out is not None and out.numel() == len(ids)
+        for i, loc in zip(ids, out.tolist()):
+            self.reqs[i].append(loc)
+
+    @rule(pages=st.integers(0, 4))
+    def alloc_pages(self, pages):
+        before = state_lists(self.a)
+        out = self.a.alloc(pages * self.ps)
+        if pages > self.NUM_PAGES - len(self.used_pages()):
+            assert out is None and state_lists(self.a) == before
+            return
+        assert out is not None and out.numel() == pages * self.ps
+        self.reqs[self.next_id] = out.tolist()
+        self.next_id += 1
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def free_request(self, data):
+        i = data.draw(st.sampled_from(sorted(self.reqs)))
+        locs = self.reqs.pop(i)
+        order = data.draw(st.permutations(range(len(locs))))  # any order, tokens of a page apart
+        self.a.free(torch.tensor([locs[j] for j in order], dtype=torch.int64, device=DEVICE))
+        if self.in_group():
+            self.pending_pages |= {loc // self.ps for loc in locs}
+
+    @precondition(lambda self: self.a.is_not_in_free_group)
+    @rule()
+    def group_begin(self):
+        self.a.free_group_begin()
+
+    @precondition(lambda self: not self.a.is_not_in_free_group)
+    @rule()
+    def group_end(self):
+        self.a.free_group_end()
+        self.pending_pages = set()
+
+    @precondition(lambda self: self.a.is_not_in_free_group)
+    @rule()
+    def backup(self):
+        self.checkpoint = (self.a.backup_state(), {k: list(v) for k, v in self.reqs.items()})
+
+    @precondition(lambda self: self.checkpoint is not None and self.a.is_not_in_free_group)
+    @rule()
+    def restore(self):
+        state, reqs = self.checkpoint
+        self.a.restore_state(state)
+        self.reqs = {k: list(v) for k, v in reqs.items()}
+
+    @precondition(lambda self: self.a.is_not_in_free_group)
+    @rule()
+    def clear(self):
+        self.a.clear()
+        self.reqs = {}
+        self.checkpoint = None
+
+    # -- invariants --
+
+    @invariant()
+    def free_lists_are_the_complement_of_live_pages(self):
+        free = self.a.free_pages.tolist() + self.a.release_pages.tolist()
+        assert len(free) == len(set(free)), "a page is on the free lists twice"
+        used = self.used_pages()
+        assert set(free) == set(range(1, self.NUM_PAGES + 1)) - used
+        assert self.a.available_size() == (self.NUM_PAGES - len(used)) * self.ps
+        if self.a.need_sort:
+            assert self.a.free_pages.tolist() == sorted(self.a.free_pages.tolist())
+
+    @invariant()
+    def live_locations_are_unique_and_paged(self):
+        seen: dict[int, int] = {}  # page -> owner
+        for rid, locs in self.reqs.items():
+            assert len(locs) == len(set(locs))
+            for t, loc in enumerate(locs):
+                page = loc // self.ps
+                assert 1 <= page <= self.NUM_PAGES, f"page {page} out of range (0 is padding)"
+                assert loc % self.ps == t % self.ps
+                if t % self.ps:
+                    assert page == locs[t - 1] // self.ps
+                assert seen.setdefault(page, rid) == rid, "two live requests share a page"
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(
+    max_examples=150,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)

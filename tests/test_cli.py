@@ -1,0 +1,195 @@
+"""The ``kvcore`` command line: ``plan``, ``plugins`` (with ``--explain``), ``up``, error exit codes, and
+``python -m kvcore.cli`` in a subprocess.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kvcore.plugins
+from kvcore.cli import main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+GIB = 2**30
+SELF_CHECKS = ("alloc", "write/read", "move", "cpu offload", "padding", "free")
+
+
+@pytest.fixture(autouse=True)
+def _clean_plugin_env(monkeypatch):
+    """The CLI uses the process-wide registry: load it fresh from the installed plugins, no KVCORE_* switches."""
+    for var in ("KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGINS", "KVCORE_STRICT_PLUGINS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+
+
+def raw(group: str, name: str) -> dict:
+    return yaml.safe_load((CONFIGS / group / f"{name}.yaml").read_text())
+
+
+def expected_tokens(model: str, hardware: str, tp: int) -> int:
+    m, hw = raw("model", model), raw("hardware", hardware)
+    bpt = max(1, m["num_key_value_heads"] // tp) * 2 * (m["hidden_size"] // m["num_attention_heads"]) * 2 \
+        * m["num_hidden_layers"]
+    pre = int(hw["memory_gib"] * GIB)
+    budget = pre - math.ceil(m["num_parameters"] * 2 / tp) - int(pre * (1 - 0.88))
+    return (budget - bpt) // bpt
+
+
+def test_plan_prints_bytes_per_token_and_tokens(capsys):
+    rc = main(["plan", "model=llama-3-70b", "hardware=h200", "parallel.tp_size=8"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "40960 bytes per token" in out
+    tokens = expected_tokens("llama-3-70b", "h200", 8)
+    assert f"max_total_num_tokens = {tokens}" in out
+    assert "llama-3-70b" in out and "h200" in out
+    assert "max_running_requests = 4096" in out
+    assert err == ""
+
+
+def test_plan_default_config(capsys):
+    rc = main(["plan"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    assert "qwen2.5-0.5b" in out
+    m = raw("model", "qwen2.5-0.5b")
+    bpt = m["num_key_value_heads"] * 2 * (m["hidden_size"] // m["num_attention_heads"]) * 2 * m["num_hidden_layers"]
+    assert f"{bpt} bytes per token" in out
+    assert f"max_total_num_tokens = {expected_tokens('qwen2.5-0.5b', 'cpu', 1)}" in out
+
+
+def test_plan_with_engine_file(tmp_path, capsys):
+    engine = tmp_path / "my-engine.yaml"
+    engine.write_text("defaults:\n  - model: llama-3-8b\n  - hardware: h100\nkv_cache:\n  page_size: 64\n")
+    rc = main(["plan", str(engine), "memory.max_total_tokens=1000"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "llama-3-8b" in out
+    assert "max_total_num_tokens = 960 (page-aligned to 64" in out
+
+
+def test_plan_prints_warnings(capsys):
+    rc = main(["plan", "model=llama-3-8b", "hardware=h100", "memory.max_total_tokens=999999999"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    assert "warning" in out and "memory.max_total_tokens=999999999" in out
+
+
+def test_plugins_lists_mha(capsys):
+    rc = main(["plugins"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    assert "backends:" in out
+    assert any(line.split()[:2] == ["mha", "plugin=mha"] for line in out.splitlines())
+    assert "plugins loaded:" in out and "mha" in out.split("plugins loaded:")[1]
+
+
+def test_plugins_respects_block_list(monkeypatch, capsys):
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGINS", "mha")
+    rc = main(["plugins"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    assert "plugins loaded: none" in out
+    assert "plugin skipped: mha" in out
+
+
+def test_plugins_explain(capsys):
+    rc = main(["plugins", "--explain", "model=llama-3-8b"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    assert "explain for model=llama-3-8b hardware=cpu" in out
+    assert "selected backend 'mha'" in out
+
+
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["plan", "kv_cache.page_size=abc"], "kv_cache.page_size"),
+        (["plan", "model.bogus=1"], "model.bogus"),
+        (["plan", "hardware.kernels=fast"], "hardware.kernels"),
+        (["plan", "nonsense"], "key=value"),
+        (["plugins", "--explain", "parallel.tp_size=4"], "parallel.tp_size"),
+        (["up", "memory.mem_fraction_static=2"], "memory.mem_fraction_static"),
+        (["plan", "model=llama-3-70b", "hardware=h100"], "parallel.tp_size"),  # a planning error
+    ],
+)
+def test_bad_override_exits_2(argv, key, capsys):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert err.startswith("kvcore: error:")
+    assert key in err
+
+
+def test_unknown_model_lists_models(capsys):
+    rc = main(["plan", "model=gpt-5"])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert "kvcore: error:" in err
+    assert "models:" in err and "llama-3-8b" in err
+    assert "hardware:" in err and "h200" in err
+
+
+def test_missing_engine_file_exits_2(tmp_path, capsys):
+    rc = main(["plan", str(tmp_path / "absent.yaml")])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert "absent.yaml" in err
+
+
+def test_usage_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2
+
+
+def _check_up_output(out: str) -> None:
+    lines = out.splitlines()
+    checks = {}
+    for line in lines:
+        stripped = line.strip()
+        for name in SELF_CHECKS:
+            if stripped.startswith(("ok", "FAIL")) and stripped.split(None, 1)[1].startswith(name):
+                checks[name] = stripped.split()[0]
+    assert set(checks) == set(SELF_CHECKS), out
+    assert all(status == "ok" for status in checks.values()), out
+    assert "FAIL" not in out
+    assert lines[-1].startswith("kvcore up: ready:")
+
+
+def test_up_small_budget(capsys):
+    rc = main(["up", "memory.budget_gib=0.02"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    _check_up_output(out)
+    m = raw("model", "qwen2.5-0.5b")
+    bpt = m["num_key_value_heads"] * 2 * (m["hidden_size"] // m["num_attention_heads"]) * 2 * m["num_hidden_layers"]
+    tokens = (int(0.02 * GIB) - bpt) // bpt
+    assert f"ready: {tokens} tokens" in out
+
+
+def test_up_native_kernels_paged(capsys):
+    rc = main(["up", "memory.budget_gib=0.01", "hardware.kernels=native", "kv_cache.page_size=16",
+               "memory.max_running_requests=8"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    _check_up_output(out)
+    assert "PagedTokenToKVPoolAllocator" in out
+
+
+def test_module_entry_point_subprocess(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcore.cli", "plan", "model=llama-3-8b", "hardware=h100"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "llama-3-8b" in result.stdout
+    assert "131072 bytes per token" in result.stdout  # 8 kv heads x (128 + 128) x 2 bytes x 32 layers

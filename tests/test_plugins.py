@@ -1,0 +1,392 @@
+"""Plugin loading (entry points, allow/block lists, strict mode, broken plugins), backend selection and its
+explanation, and vendor overrides of the core's firstresult hooks as used by ``plan_memory`` / ``build_pools``.
+
+The plugins are small modules under ``tests/fake_plugins``, loaded through fake ``kvcore`` entry points.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvcore
+from kvcore import PluginError, SelectionError, load_config
+from kvcore.plugins import CORE_PLUGIN_NAME, load_registry
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def _fake_plugins_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS_DIR))
+
+
+def ep(name: str, value: str | None = None) -> metadata.EntryPoint:
+    return metadata.EntryPoint(name=name, value=value or f"fake_plugins.{name}", group="kvcore")
+
+
+MHA = metadata.EntryPoint(name="mha", value="kvcore_mha.plugin", group="kvcore")
+
+
+def load(*eps, env=None, extra=()):
+    return load_registry(entry_points=list(eps), env=env or {}, extra_plugins=list(extra))
+
+
+# -- loading ------------------------------------------------------------------------------------------------
+
+
+def test_installed_mha_entry_point_is_declared():
+    installed = {e.name: e.value for e in metadata.entry_points(group="kvcore")}
+    assert installed.get("mha") == "kvcore_mha.plugin"
+
+
+def test_default_entry_points_load_mha():
+    registry = load_registry(env={})
+    assert "mha" in registry.plugins
+    assert registry.backends["mha"].plugin == "mha"
+    assert registry.failures == []
+
+
+def test_mha_entry_point_loads():
+    registry = load(MHA)
+    assert registry.plugins == ["mha"]
+    spec = registry.backends["mha"]
+    assert spec.attention == ("mha",)
+    assert spec.plugin == "mha"
+    assert registry.failures == [] and registry.skipped == {}
+    assert registry.manager.get_plugin(CORE_PLUGIN_NAME) is not None
+
+
+def test_no_entry_points_no_backends():
+    registry = load()
+    assert dict(registry.backends) == {}
+    assert registry.plugins == []
+
+
+def test_backends_mapping_is_read_only():
+    registry = load(MHA)
+    with pytest.raises(TypeError):
+        registry.backends["x"] = registry.backends["mha"]  # type: ignore[index]
+
+
+def test_several_plugins_load_and_record_their_names():
+    registry = load(MHA, ep("acme"), ep("plain"))
+    assert sorted(registry.plugins) == ["acme", "mha", "plain"]
+    assert {name: b.plugin for name, b in registry.backends.items()} == {"mha": "mha", "acme": "acme", "plain": "plain"}
+
+
+def test_allow_list():
+    registry = load(MHA, ep("acme"), ep("plain"), env={"KVCORE_PLUGINS": "mha, acme"})
+    assert sorted(registry.plugins) == ["acme", "mha"]
+    assert "plain" not in registry.backends
+    assert "KVCORE_PLUGINS" in registry.skipped["plain"]
+
+
+def test_block_list():
+    registry = load(MHA, ep("acme"), ep("plain"), env={"KVCORE_DISABLE_PLUGINS": "acme,plain"})
+    assert registry.plugins == ["mha"]
+    assert set(registry.backends) == {"mha"}
+    assert set(registry.skipped) == {"acme", "plain"}
+    assert all("KVCORE_DISABLE_PLUGINS" in why for why in registry.skipped.values())
+
+
+def test_block_list_wins_over_allow_list():
+    registry = load(MHA, ep("acme"), env={"KVCORE_PLUGINS": "mha,acme", "KVCORE_DISABLE_PLUGINS": "acme"})
+    assert registry.plugins == ["mha"]
+
+
+def test_blocked_broken_plugin_is_never_imported():
+    registry = load(MHA, ep("broken_import"), env={"KVCORE_DISABLE_PLUGINS": "broken_import"})
+    assert registry.failures == []
+    assert registry.plugins == ["mha"]
+
+
+def test_empty_allow_list_means_no_filter():
+    registry = load(MHA, ep("acme"), env={"KVCORE_PLUGINS": " "})
+    assert sorted(registry.plugins) == ["acme", "mha"]
+
+
+def test_import_failure_is_recorded_and_others_load():
+    registry = load(ep("broken_import"), MHA, ep("acme"))
+    assert sorted(registry.plugins) == ["acme", "mha"]
+    assert set(registry.backends) == {"acme", "mha"}
+    assert len(registry.failures) == 1
+    failure = registry.failures[0]
+    assert failure.plugin == "broken_import"
+    assert failure.stage == "import"
+    assert "kvcore_fake_dependency_that_is_not_installed" in failure.error
+    assert registry.failure_of("broken_import") is failure
+    assert "broken_import" in failure.describe()
+
+
+def test_missing_module_is_an_import_failure():
+    registry = load(ep("ghost", "fake_plugins.does_not_exist"), MHA)
+    assert registry.plugins == ["mha"]
+    assert registry.failure_of("ghost").stage == "import"
+
+
+def test_strict_mode_raises_on_import_failure():
+    with pytest.raises(PluginError) as info:
+        load(MHA, ep("broken_import"), env={"KVCORE_STRICT_PLUGINS": "1"})
+    assert "broken_import" in str(info.value)
+    assert "KVCORE_STRICT_PLUGINS" in str(info.value)
+
+
+def test_strict_mode_zero_is_lenient():
+    registry = load(MHA, ep("broken_import"), env={"KVCORE_STRICT_PLUGINS": "0"})
+    assert registry.plugins == ["mha"]
+    assert registry.failure_of("broken_import") is not None
+
+
+def test_misspelt_hookimpl_fails_loudly():
+    registry = load(MHA, ep("misspelt"))
+    assert registry.plugins == ["mha"]
+    failure = registry.failure_of("misspelt")
+    assert failure is not None
+    assert failure.stage == "hooks"
+    assert "kvcore_register_backend" in failure.error
+    assert "misspelt" not in registry.backends
+    assert registry.manager.get_plugin("misspelt") is None  # unregistered again
+
+
+def test_misspelt_hookimpl_strict_raises():
+    with pytest.raises(PluginError, match="misspelt"):
+        load(MHA, ep("misspelt"), env={"KVCORE_STRICT_PLUGINS": "1"})
+
+
+def test_undecorated_kvcore_function_is_an_error():
+    registry = load(MHA, ep("undecorated"))
+    assert registry.failure_of("undecorated") is not None
+
+
+def test_malformed_record_names_plugin():
+    registry = load(MHA, ep("malformed"))
+    assert registry.plugins == ["mha"]
+    failure = registry.failure_of("malformed")
+    assert failure is not None
+    assert failure.stage == "register"
+    assert "dict" in failure.error and "BackendSpec" in failure.error
+    assert "malformed" not in registry.backends
+    assert "malformed" in failure.describe()
+
+
+def test_hook_returning_a_dict_names_plugin():
+    registry = load(MHA, ep("malformed_mapping"))
+    assert registry.plugins == ["mha"]
+    failure = registry.failure_of("malformed_mapping")
+    assert failure is not None and failure.stage == "register"
+    assert "BackendSpec" in failure.error
+
+
+def test_hook_returning_a_dict_says_dict():
+    registry = load(MHA, ep("malformed_mapping"))
+    assert "dict" in registry.failure_of("malformed_mapping").error
+
+
+def test_malformed_record_strict_raises():
+    with pytest.raises(PluginError, match="malformed"):
+        load(MHA, ep("malformed"), env={"KVCORE_STRICT_PLUGINS": "yes"})
+
+
+def test_duplicate_backend_names_both_plugins():
+    registry = load(ep("twin_a"), ep("twin_b"), MHA)
+    assert registry.backends["twin"].plugin == "twin_a"  # entry points load in name order
+    failure = registry.failure_of("twin_b")
+    assert failure is not None and failure.stage == "register"
+    assert "twin_a" in failure.error and "twin_b" in failure.error
+    assert "'twin'" in failure.error
+    assert "KVCORE_DISABLE_PLUGINS" in failure.error
+    assert sorted(registry.plugins) == ["mha", "twin_a"]
+
+
+def test_duplicate_backend_strict_raises():
+    with pytest.raises(PluginError) as info:
+        load(ep("twin_a"), ep("twin_b"), env={"KVCORE_STRICT_PLUGINS": "1"})
+    assert "twin_a" in str(info.value) and "twin_b" in str(info.value)
+
+
+def test_extra_plugin_duplicating_mha_fails_naming_both():
+    from fake_plugins import _common
+
+    class Clone:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self):
+            return [_common.spec("mha")]
+
+    registry = load(MHA, extra=[("clone", Clone())])
+    failure = registry.failure_of("clone")
+    assert failure is not None
+    assert "mha" in failure.error and "clone" in failure.error
+    assert registry.backends["mha"].plugin == "mha"
+
+
+def test_extra_plugin_object_registers():
+    from fake_plugins import _common
+
+    class Engine:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self):
+            return [_common.spec("engine-pool", vendors=("engineco",))]
+
+    registry = load(MHA, extra=[("engine", Engine())])
+    assert registry.backends["engine-pool"].plugin == "engine"
+    assert registry.plugins == ["mha", "engine"]
+
+
+# -- selection ------------------------------------------------------------------------------------------------
+
+
+def test_mha_selected_by_default():
+    registry = load(MHA, ep("acme"), ep("plain"))
+    selection = kvcore.select(load_config("model=llama-3-8b"), registry)
+    assert selection.backend.name == "mha"
+    lines = selection.explain()
+    assert lines[0].startswith("selected backend 'mha'")
+    assert any(line.startswith("skipped 'acme'") and "vendor generic not in [acme]" in line for line in lines)
+    assert any(line.startswith("skipped 'plain'") and "ranks lower" in line for line in lines)
+
+
+def test_vendor_plugin_wins_for_its_vendor():
+    registry = load(MHA, ep("acme"))
+    cfg = load_config("model=llama-3-8b", "hardware.vendor=acme")
+    selection = kvcore.select(cfg, registry)
+    assert selection.backend.name == "acme"
+    assert selection.backend.plugin == "acme"
+    lines = selection.explain()
+    assert "selected backend 'acme' (plugin acme)" in lines[0]
+    assert "vendor acme" in lines[0]
+    mha_lines = [line for line in lines if "'mha'" in line]
+    assert len(mha_lines) == 1
+    assert mha_lines[0].startswith("skipped 'mha' (plugin mha)")
+    assert "ranks lower" in mha_lines[0] and "specificity 0" in mha_lines[0]
+
+
+def test_vendor_backend_does_not_serve_other_attention():
+    registry = load(MHA, ep("acme"))
+    cfg = load_config("model=llama-3-8b", "hardware.vendor=acme", "model.attention=mla")
+    with pytest.raises(SelectionError) as info:
+        kvcore.select(cfg, registry)
+    assert "acme" in str(info.value) and "mha" in str(info.value)
+    assert "attention" in str(info.value)
+
+
+def test_equal_rank_matches_is_an_error_naming_both():
+    registry = load(MHA, ep("acme"), ep("tie"))
+    cfg = load_config("model=llama-3-8b", "hardware.vendor=acme")
+    with pytest.raises(SelectionError) as info:
+        kvcore.select(cfg, registry)
+    message = str(info.value)
+    assert "'acme'" in message and "'acme-tie'" in message
+    assert "kv_cache.backend" in message
+
+
+def test_naming_a_backend_resolves_a_tie():
+    registry = load(MHA, ep("acme"), ep("tie"))
+    cfg = load_config("model=llama-3-8b", "hardware.vendor=acme", "kv_cache.backend=acme-tie")
+    selection = kvcore.select(cfg, registry)
+    assert selection.backend.name == "acme-tie"
+    lines = selection.explain()
+    assert any("'acme'" in line and "kv_cache.backend names another backend" in line for line in lines)
+
+
+def test_named_backend_that_cannot_serve_says_why():
+    registry = load(MHA, ep("acme"))
+    cfg = load_config("model=llama-3-8b", "kv_cache.backend=acme")  # vendor generic
+    with pytest.raises(SelectionError, match="vendor generic not in"):
+        kvcore.select(cfg, registry)
+
+
+def test_unregistered_backend_lists_registered():
+    registry = load(MHA, ep("acme"))
+    cfg = load_config("model=llama-3-8b", "kv_cache.backend=flashinfer")
+    with pytest.raises(SelectionError) as info:
+        kvcore.select(cfg, registry)
+    message = str(info.value)
+    assert "kv_cache.backend='flashinfer'" in message
+    assert "acme, mha" in message
+
+
+def test_backend_of_failed_plugin_raises_plugin_error_with_the_failure():
+    registry = load(MHA, ep("broken_import"))
+    cfg = load_config("model=llama-3-8b", "kv_cache.backend=broken_import")
+    with pytest.raises(PluginError) as info:
+        kvcore.select(cfg, registry)
+    message = str(info.value)
+    assert "broken_import" in message
+    assert "import" in message
+    assert "kvcore_fake_dependency_that_is_not_installed" in message
+
+
+def test_no_match_error_lists_failed_plugins():
+    registry = load(ep("broken_import"), ep("acme"))
+    with pytest.raises(SelectionError) as info:
+        kvcore.select(load_config("model=llama-3-8b"), registry)
+    assert "acme" in str(info.value)
+    assert "broken_import" in str(info.value)
+
+
+def test_selection_with_fp8_and_pages():
+    registry = load(MHA)
+    cfg = load_config("model=llama-3-8b", "kv_cache.dtype=fp8_e4m3", "kv_cache.page_size=64")
+    selection = kvcore.select(cfg, registry)
+    assert selection.backend.name == "mha"
+    assert selection.request.kv_dtype == torch.float8_e4m3fn
+    assert selection.request.page_size == 64
+
+
+# -- vendor overrides of the core's hooks ------------------------------------------------------------------
+
+
+def test_tryfirst_buffer_layout_is_used_by_plan_memory():
+    from fake_plugins import override
+
+    registry = load(MHA, ep("override"))
+    assert registry.failures == []
+    before = override.calls["layout"]
+    cfg = load_config("model=llama-3-8b", "hardware=h100", "hardware.vendor=ovr", "parallel.tp_size=2")
+    plan = kvcore.plan_memory(cfg, registry=registry)
+    assert override.calls["layout"] > before
+    assert plan.backend == "ovr"
+    assert override.NOTE in plan.layout.notes
+    assert plan.bytes_per_token == 4 * (128 + 128) * 2 * 32
+
+
+def test_override_hooks_leave_other_backends_to_the_core():
+    registry = load(MHA, ep("override"))
+    plan = kvcore.plan_memory(load_config("model=llama-3-8b", "hardware=h100"), registry=registry)
+    assert plan.backend == "mha"
+    assert "laid out by the ovr tryfirst hook" not in plan.layout.notes
+
+
+def test_tryfirst_choose_allocator_is_used_by_build_pools():
+    from fake_plugins import override
+
+    registry = load(MHA, ep("override"))
+    cfg = load_config("hardware.vendor=ovr", "memory.max_total_tokens=256", "memory.max_running_requests=4")
+    before = override.calls["allocator"]
+    pools = kvcore.build_pools(cfg, registry=registry)
+    assert override.calls["allocator"] == before + 1
+    assert isinstance(pools.token_to_kv_pool_allocator, override.OvrAllocator)
+    assert pools.token_to_kv_pool_allocator.sizes == {"tokens": 256}
+    assert pools.plan.backend == "ovr"
+    assert override.NOTE in pools.plan.layout.notes
+    assert pools.selection.backend.name == "ovr"
+    assert pools.token_to_kv_pool_allocator.available_size() == 256
+
+
+def test_build_pools_default_allocators():
+    registry = load(MHA, ep("override"))
+    from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+    pools = kvcore.build_pools(load_config("memory.max_total_tokens=128", "memory.max_running_requests=2"),
+                               registry=registry)
+    assert type(pools.token_to_kv_pool_allocator) is TokenToKVPoolAllocator
+    pools = kvcore.build_pools(
+        load_config("memory.max_total_tokens=128", "memory.max_running_requests=2", "kv_cache.page_size=16"),
+        registry=registry,
+    )
+    assert type(pools.token_to_kv_pool_allocator) is PagedTokenToKVPoolAllocator
+    assert pools.plan.max_total_num_tokens == 128
