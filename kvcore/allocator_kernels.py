@@ -48,16 +48,23 @@ _TOKEN_BLOCK = 256
 # --------------------------------------------------------------------------------------------------------
 
 
+def _host_array(x):
+    """A CPU tensor as a numpy view (numpy arithmetic on a few hundred ints costs far less host time than
+    torch's CPU dispatch); anything else is returned as it is."""
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not x.requires_grad:
+        return x.numpy()
+    return x
+
+
 def num_new_pages_extend(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> int:
     """Total new pages an extend needs: ``sum(ceil(seq/ps) - ceil(prefix/ps))``.
 
     Syncs with the device when the tensors live on one; pass CPU copies on the hot path.
     """
+    pre, seq = _host_array(prefix_lens), _host_array(seq_lens)
     if page_size == 1:
-        return int((seq_lens - prefix_lens).sum())
-    pages_after = (seq_lens + (page_size - 1)) // page_size
-    pages_before = (prefix_lens + (page_size - 1)) // page_size
-    return int((pages_after - pages_before).sum())
+        return int((seq - pre).sum())
+    return int(((seq + (page_size - 1)) // page_size - (pre + (page_size - 1)) // page_size).sum())
 
 
 def num_new_pages_decode(seq_lens: torch.Tensor, page_size: int) -> int:
@@ -67,7 +74,8 @@ def num_new_pages_decode(seq_lens: torch.Tensor, page_size: int) -> int:
     """
     if page_size == 1:
         return int(seq_lens.numel())
-    return int(((seq_lens - 1) % page_size == 0).sum())
+    seq = _host_array(seq_lens)
+    return int(((seq - 1) % page_size == 0).sum())
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -158,11 +158,13 @@ class BaseTokenToKVPoolAllocator:
     def alloc_decode(self, *args, **kwargs) -> Optional[torch.Tensor]:
         raise NotImplementedError
 
-    def get_cpu_copy(self, *args, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__} does not support offloading the KV cache to the CPU")
+    def get_cpu_copy(self, indices: torch.Tensor):
+        """Host copy of the KV rows at ``indices`` (delegates to the pool)."""
+        return self._kvcache.get_cpu_copy(indices)
 
-    def load_cpu_copy(self, *args, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__} does not support offloading the KV cache to the CPU")
+    def load_cpu_copy(self, kv_cache_cpu, indices: torch.Tensor) -> None:
+        """Write a :meth:`get_cpu_copy` result back at ``indices`` (delegates to the pool)."""
+        self._kvcache.load_cpu_copy(kv_cache_cpu, indices)
 
 
 class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
@@ -175,6 +177,7 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     :param need_sort: defer frees and hand out sorted slots (see the module docstring).
     :param kernels: accepted for symmetry with the paged allocator (``auto|triton|native``); the token
         allocator needs no kernel.
+    :raises ConfigError: for a non-positive size or an unknown / unrunnable kernel mode.
     """
 
     def __init__(
@@ -259,6 +262,8 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     :param need_sort: defer frees and hand out sorted pages (see the module docstring).
     :param kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``native`` for
         :meth:`alloc_extend` / :meth:`alloc_decode`.
+    :raises ConfigError: for a non-positive size or page size, a size under one page, or an unknown /
+        unrunnable kernel mode.
     """
 
     def __init__(
@@ -336,7 +341,7 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if prefix_lens_cpu is not None and seq_lens_cpu is not None:
             pre_c, seq_c = prefix_lens_cpu, seq_lens_cpu
             # Cheap on the CPU and catches a mismatch that would otherwise write past the output.
-            total = int((seq_c - pre_c).sum())
+            total = _k.num_new_pages_extend(pre_c, seq_c, 1)
             if total != extend_num_tokens:
                 raise ValueError(
                     f"extend_num_tokens={extend_num_tokens} but sum(seq_lens_cpu - prefix_lens_cpu)={total}; "

@@ -600,3 +600,22 @@ TestAllocatorMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+
+
+def test_cpu_copy_delegates_to_the_pool():
+    class RecordingPool:
+        def __init__(self):
+            self.calls = []
+
+        def get_cpu_copy(self, indices):
+            self.calls.append(("get", indices.tolist()))
+            return {"copy": indices.clone()}
+
+        def load_cpu_copy(self, copy, indices):
+            self.calls.append(("load", copy["copy"].tolist(), indices.tolist()))
+
+    pool = RecordingPool()
+    allocator = TokenToKVPoolAllocator(16, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
+    copy = allocator.get_cpu_copy(torch.tensor([3, 4]))
+    allocator.load_cpu_copy(copy, torch.tensor([7, 8]))
+    assert pool.calls == [("get", [3, 4]), ("load", [3, 4], [7, 8])]
