@@ -280,6 +280,10 @@ def load_config(*overrides: str, path: str | Path | None = None) -> EngineConfig
     engine_file = Path(path) if path is not None else packaged_configs() / "engine.yaml"
     engine = _load_yaml(engine_file)
     chosen, body = _split_defaults(engine, engine_file)
+    packaged = packaged_configs() / "engine.yaml"
+    if engine_file.resolve() != packaged.resolve():
+        # Groups a custom engine file leaves out default to the shipped engine.yaml's choices.
+        chosen = {**_split_defaults(_load_yaml(packaged), packaged)[0], **chosen}
 
     dotlist: list[str] = []
     for item in overrides:

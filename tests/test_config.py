@@ -197,10 +197,16 @@ def test_engine_defaults_name_unknown_group(tmp_path):
         load_config(path=engine)
 
 
-def test_engine_without_model_names_missing_key(tmp_path):
+def test_engine_without_defaults_takes_the_shipped_group_choices(tmp_path):
     engine = write(tmp_path / "engine.yaml", "kv_cache:\n  page_size: 4\n")
+    cfg = load_config(path=engine)
+    assert (cfg.model.name, cfg.hardware.name, cfg.kv_cache.page_size) == ("qwen2.5-0.5b", "cpu", 4)
+
+
+def test_model_file_without_name_names_missing_key(tmp_path):
+    model = write(tmp_path / "nameless.yaml", "architecture: X\nnum_hidden_layers: 2\n")
     with pytest.raises(ConfigError, match=r"model\.name"):
-        load_config(path=engine)
+        load_config(f"model={model}")
 
 
 # -- error messages name the full key path ------------------------------------------------------------------

@@ -31,11 +31,14 @@ implementation: the pool calls ``*_triton`` or ``*_native`` (see ``kvcore.kernel
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from kvcore.fp8 import (
+    FP8_DTYPES,
     f32_to_bf16_bits,
     f32_to_fp8_bits,
     fp8_kind,
@@ -67,11 +70,13 @@ _COPY_TILE_WORDS = 4096  # words per program of the fallback's row copies
 _COPY_MAX_BLOCK_C = 1024
 
 # Output codes of the store kernel's conversion.
-_OUT_COPY = 0  # source dtype == storage dtype: move the bits
+_OUT_COPY = 0  # input dtype == cache dtype, no scale: move the bits
 _OUT_F32 = 1
 _OUT_F16 = 2
-_OUT_BF16 = 3  # encoded with integer RNE (the interpreter truncates .to(tl.bfloat16)); stored through int16
+_OUT_BF16 = 3  # integer RNE (the interpreter truncates .to(tl.bfloat16)), bitcast to bf16
 _OUT_FP8 = 4  # encoded with integer bit operations, stored as uint8
+
+_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 # Scale modes.
 _SCALE_NONE = 0
@@ -92,29 +97,31 @@ def _prev_pow2(n: int) -> int:
 # ==========================================================================================================
 
 
-def _check_store_args(k_cache, v_cache, layer_index, loc, cache_k, cache_v, cache_dtype):
-    if k_cache.dim() != 4 or v_cache.dim() != 4:
-        raise ValueError(f"caches must be [L, R, H, D], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+def _check_store_args(k_cache, v_cache, layer_index, loc, cache_k, cache_v, cache_dtype, k_scale, v_scale):
+    ks, vs = k_cache.shape, v_cache.shape
+    if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3]:
+        raise ValueError(f"caches must be [L, R, H, D] alike, got {tuple(ks)} and {tuple(vs)}")
     want = storage_dtype(cache_dtype)
     if k_cache.dtype != want or v_cache.dtype != want:
         raise ValueError(
             f"cache_dtype {cache_dtype} is stored as {want}, got k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
         )
-    if not 0 <= layer_index < k_cache.shape[0] or k_cache.shape[:2] != v_cache.shape[:2]:
-        raise ValueError(
-            f"layer_index {layer_index} out of range or K/V caches disagree: {tuple(k_cache.shape)}, "
-            f"{tuple(v_cache.shape)}"
-        )
+    if not 0 <= layer_index < ks[0]:
+        raise ValueError(f"layer_index {layer_index} out of range for {ks[0]} layers")
     if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
     n = loc.shape[0]
-    if cache_k.dim() != 3 or cache_k.shape[0] != n or tuple(cache_k.shape[1:]) != tuple(k_cache.shape[2:]):
-        raise ValueError(f"cache_k must be [N={n}, H, Dk] = {(n, *k_cache.shape[2:])}, got {tuple(cache_k.shape)}")
-    if cache_v.dim() != 3 or cache_v.shape[0] != n or tuple(cache_v.shape[1:]) != tuple(v_cache.shape[2:]):
-        raise ValueError(f"cache_v must be [N={n}, H, Dv] = {(n, *v_cache.shape[2:])}, got {tuple(cache_v.shape)}")
-    for src in (cache_k, cache_v):
-        if src.dtype not in (torch.float32, torch.float16, torch.bfloat16) and src.dtype != cache_dtype:
-            raise ValueError(f"unsupported input dtype {src.dtype} for cache dtype {cache_dtype}")
+    if cache_k.shape != (n, ks[2], ks[3]):
+        raise ValueError(f"cache_k must be [N, H, Dk] = {(n, ks[2], ks[3])}, got {tuple(cache_k.shape)}")
+    if cache_v.shape != (n, vs[2], vs[3]):
+        raise ValueError(f"cache_v must be [N, H, Dv] = {(n, vs[2], vs[3])}, got {tuple(cache_v.shape)}")
+    if cache_k.dtype != cache_v.dtype:
+        raise ValueError(f"cache_k and cache_v must share a dtype, got {cache_k.dtype} and {cache_v.dtype}")
+    if cache_k.dtype not in _FLOAT_INPUTS:
+        if cache_k.dtype != cache_dtype:
+            raise ValueError(f"unsupported input dtype {cache_k.dtype} for cache dtype {cache_dtype}")
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("inputs already in the fp8 cache dtype are copied as bytes; they take no scale")
 
 
 def _scale_tensor(scale, device) -> torch.Tensor:
@@ -147,7 +154,7 @@ def store_kv_native(
     cache_dtype: torch.dtype,
 ) -> None:
     """Torch reference of :func:`store_kv_triton` (same signature and semantics)."""
-    _check_store_args(k_cache, v_cache, layer_index, loc, cache_k, cache_v, cache_dtype)
+    _check_store_args(k_cache, v_cache, layer_index, loc, cache_k, cache_v, cache_dtype, k_scale, v_scale)
     if not is_fp8_dtype(cache_dtype):
         k_scale = v_scale = None
     idx = loc.long()
@@ -204,7 +211,7 @@ def _store_tile(
         elif OUT == 2:
             tl.store(dst, xf.to(tl.float16), mask=mask)
         elif OUT == 3:
-            tl.store(dst, f32_to_bf16_bits(xf).to(tl.int16), mask=mask)
+            tl.store(dst, f32_to_bf16_bits(xf).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
         else:
             if SCALE_MODE == 1:
                 xf = tl.math.div_rn(xf, tl.zeros_like(xf) + scale_value)
@@ -216,8 +223,10 @@ def _store_tile(
 
 @triton.jit
 def _store_kv_kernel(
-    k_dst_ptr,
-    v_dst_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_layer_offset,
+    v_layer_offset,
     k_src_ptr,
     v_src_ptr,
     loc_ptr,
@@ -255,13 +264,13 @@ def _store_kv_kernel(
     pid_c = tl.program_id(1)
     if pid_c < NUM_CB_K:
         _store_tile(
-            k_dst_ptr, k_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c,
+            k_cache_ptr + k_layer_offset, k_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c,
             k_src_sn, k_src_sh, k_src_sd, k_scale_ptr, k_scale_value,
             DK, HDK, K_ROW_STRIDE, K_PACKED, OUT, FP8_KIND, SATURATE, K_SCALE_MODE, BLOCK_N, BLOCK_CK,
         )  # fmt: skip
     else:
         _store_tile(
-            v_dst_ptr, v_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c - NUM_CB_K,
+            v_cache_ptr + v_layer_offset, v_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c - NUM_CB_K,
             v_src_sn, v_src_sh, v_src_sd, v_scale_ptr, v_scale_value,
             DV, HDV, V_ROW_STRIDE, V_PACKED, OUT, FP8_KIND, SATURATE, V_SCALE_MODE, BLOCK_N, BLOCK_CV,
         )  # fmt: skip
@@ -300,7 +309,8 @@ def store_kv_triton(
     :param v_cache: ``[L, R, H, Dv]`` cache, same conditions.
     :param layer_index: 0-based layer in the stacked caches.
     :param loc: ``[N]`` int32 or int64 row indices (distinct; duplicates leave one unspecified writer).
-    :param cache_k: ``[N, H, Dk]`` float32/float16/bfloat16 (or ``cache_dtype`` itself); any strides.
+    :param cache_k: ``[N, H, Dk]`` float32/float16/bfloat16, or ``cache_dtype`` itself (then copied as is,
+        fp8 included, and no scale is accepted); any strides (qkv-split views need no copy).
     :param cache_v: ``[N, H, Dv]`` likewise.  Neither input is modified.
     :param k_scale: fp8 caches only: K is divided (IEEE division in float32) by this scale before
         encoding; a python number or a 0-d/1-element tensor on the cache's device (read in the kernel).
@@ -310,23 +320,19 @@ def store_kv_triton(
         nearest even; fp8 bytes are bit-exact with ``(x.float() / scale).to(cache_dtype)`` of the torch
         running the process (see ``kvcore.fp8`` for e4m3fn overflow).
     """
-    _check_store_args(k_cache, v_cache, layer_index, loc, cache_k, cache_v, cache_dtype)
+    _check_store_args(k_cache, v_cache, layer_index, loc, cache_k, cache_v, cache_dtype, k_scale, v_scale)
     n = loc.shape[0]
     if n == 0:
         return
     _, _, h, dk = k_cache.shape
     dv = v_cache.shape[3]
-    for cache, d in ((k_cache, dk), (v_cache, dv)):
-        if cache.stride(3) != 1 or cache.stride(2) != d:
-            raise ValueError("cache rows must be contiguous ([H, D] packed)")
-    if cache_k.dtype != cache_v.dtype:
-        raise ValueError(f"cache_k and cache_v must share a dtype, got {cache_k.dtype} and {cache_v.dtype}")
-    fp8 = is_fp8_dtype(cache_dtype)
+    kcs, vcs = k_cache.stride(), v_cache.stride()
+    if kcs[3] != 1 or kcs[2] != dk or vcs[3] != 1 or vcs[2] != dv:
+        raise ValueError("cache rows must be contiguous ([H, D] packed)")
+    fp8 = cache_dtype in FP8_DTYPES
     if not fp8:
         k_scale = v_scale = None
 
-    k_dst = k_cache[layer_index]
-    v_dst = v_cache[layer_index]
     k_src, v_src = cache_k, cache_v
     if cache_k.dtype == cache_dtype and k_scale is None and v_scale is None:
         out = _OUT_COPY
@@ -340,34 +346,35 @@ def store_kv_triton(
         out = _OUT_F16
     elif cache_dtype == torch.bfloat16:
         out = _OUT_BF16
-        k_dst, v_dst = k_dst.view(torch.int16), v_dst.view(torch.int16)
     else:
         raise ValueError(f"unsupported cache dtype {cache_dtype}")
 
     k_mode, k_scale_ptr, k_scale_value = _scale_args(k_scale, k_cache)
     v_mode, v_scale_ptr, v_scale_value = _scale_args(v_scale, v_cache)
-
-    hdk, hdv = h * dk, h * dv
-    block_ck = min(_next_pow2(hdk), STORE_MAX_BLOCK_C)
-    block_cv = min(_next_pow2(hdv), STORE_MAX_BLOCK_C)
-    block_n = max(1, min(STORE_TILE_ELEMS // max(block_ck, block_cv), _next_pow2(n)))
-    num_cb_k = triton.cdiv(hdk, block_ck)
-    num_cb_v = triton.cdiv(hdv, block_cv)
-    grid = (triton.cdiv(n, block_n), num_cb_k + num_cb_v)
-    _store_kv_kernel[grid](
-        k_dst, v_dst, k_src, v_src, loc, loc.stride(0), n,
-        k_src.stride(0), k_src.stride(1), k_src.stride(2),
-        v_src.stride(0), v_src.stride(1), v_src.stride(2),
+    kss, vss = k_src.stride(), v_src.stride()
+    block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(h * dk, h * dv, _next_pow2(n))
+    _store_kv_kernel[(triton.cdiv(n, block_n), num_cb)](
+        k_cache, v_cache, layer_index * kcs[0], layer_index * vcs[0],
+        k_src, v_src, loc, loc.stride(0), n,
+        kss[0], kss[1], kss[2], vss[0], vss[1], vss[2],
         k_scale_ptr, v_scale_ptr, k_scale_value, v_scale_value,
-        DK=dk, DV=dv, HDK=hdk, HDV=hdv,
-        K_ROW_STRIDE=k_cache.stride(1), V_ROW_STRIDE=v_cache.stride(1),
-        K_PACKED=k_src.stride(2) == 1 and k_src.stride(1) == dk,
-        V_PACKED=v_src.stride(2) == 1 and v_src.stride(1) == dv,
+        DK=dk, DV=dv, HDK=h * dk, HDV=h * dv, K_ROW_STRIDE=kcs[1], V_ROW_STRIDE=vcs[1],
+        K_PACKED=kss[2] == 1 and kss[1] == dk, V_PACKED=vss[2] == 1 and vss[1] == dv,
         OUT=out, FP8_KIND=fp8_kind(cache_dtype), SATURATE=torch_e4m3fn_saturates(),
         K_SCALE_MODE=k_mode, V_SCALE_MODE=v_mode,
         BLOCK_N=block_n, BLOCK_CK=block_ck, BLOCK_CV=block_cv, NUM_CB_K=num_cb_k,
         num_warps=4,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _store_plan(hdk: int, hdv: int, n_pad: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_CK, BLOCK_CV, column blocks of K, column blocks of K + V) of the store kernel."""
+    block_ck = min(_next_pow2(hdk), STORE_MAX_BLOCK_C)
+    block_cv = min(_next_pow2(hdv), STORE_MAX_BLOCK_C)
+    block_n = max(1, min(STORE_TILE_ELEMS // max(block_ck, block_cv), n_pad))
+    num_cb_k = triton.cdiv(hdk, block_ck)
+    return block_n, block_ck, block_cv, num_cb_k, num_cb_k + triton.cdiv(hdv, block_cv)
 
 
 # ==========================================================================================================
@@ -414,13 +421,25 @@ def _row_words(buf: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _as_words(ptr, WORD: tl.constexpr):
+    if WORD == 4:
+        p = ptr.to(tl.pointer_type(tl.int32))
+    elif WORD == 2:
+        p = ptr.to(tl.pointer_type(tl.int16))
+    else:
+        p = ptr.to(tl.pointer_type(tl.uint8))
+    return p
+
+
+@triton.jit
 def _move_tile(
-    base_ptr, layer, layer_stride, tgt, src, mask_n, pid_c, ROW: tl.constexpr, TILE: tl.constexpr
-):
+    base_ptr, layer, layer_stride, tgt, src, mask_n, pid_c, ROW: tl.constexpr, TILE: tl.constexpr,
+    WORD: tl.constexpr,
+):  # fmt: skip
     if pid_c * TILE < ROW:
         cols = pid_c * TILE + tl.arange(0, TILE)
         mask = mask_n[:, None] & (cols < ROW)[None, :]
-        ptr = base_ptr + layer.to(tl.int64) * layer_stride
+        ptr = _as_words(base_ptr, WORD) + layer.to(tl.int64) * layer_stride
         vals = tl.load(ptr + src[:, None] * ROW + cols[None, :], mask=mask)
         # All threads of the program must finish reading before any writes: a target row of one
         # location may be the source row of another, held by a different thread.
@@ -444,8 +463,11 @@ def _move_kv_kernel(
     V_ROW: tl.constexpr,
     K_TILE: tl.constexpr,
     V_TILE: tl.constexpr,
+    K_WORD: tl.constexpr,
+    V_WORD: tl.constexpr,
     N_PAD: tl.constexpr,
 ):
+    """Strides, ROW and TILE are in words of WORD bytes (the caches' pointers are cast to those words)."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
     offs = tl.arange(0, N_PAD)
@@ -453,11 +475,22 @@ def _move_kv_kernel(
     tgt = tl.load(tgt_ptr + offs * tgt_stride, mask=mask_n, other=0).to(tl.int64)
     src = tl.load(src_ptr + offs * src_stride, mask=mask_n, other=0).to(tl.int64)
     if pid_b < num_layers:
-        _move_tile(k_ptr, pid_b, k_layer_stride, tgt, src, mask_n, pid_c, K_ROW, K_TILE)
+        _move_tile(k_ptr, pid_b, k_layer_stride, tgt, src, mask_n, pid_c, K_ROW, K_TILE, K_WORD)
     else:
-        _move_tile(v_ptr, pid_b - num_layers, v_layer_stride, tgt, src, mask_n, pid_c, V_ROW, V_TILE)
+        _move_tile(v_ptr, pid_b - num_layers, v_layer_stride, tgt, src, mask_n, pid_c, V_ROW, V_TILE, V_WORD)
 
 
+def _word_bytes(buf: torch.Tensor) -> int:
+    """The widest of 4/2/1 bytes dividing a row of ``buf`` [L, R, ...] (contiguous) and its address."""
+    row_bytes = buf.stride(1) * buf.element_size()
+    ptr = buf.data_ptr()
+    for w in (4, 2):
+        if row_bytes % w == 0 and ptr % w == 0:
+            return w
+    return 1
+
+
+@functools.lru_cache(maxsize=1024)
 def _move_plan(n: int, k_row_bytes: int, v_row_bytes: int) -> tuple[int, int]:
     """(N_pad, tile bytes) of the single-launch path."""
     n_pad = _next_pow2(n)
@@ -554,21 +587,24 @@ def move_kv_cache_triton(
     n = tgt_loc.shape[0]
     if n == 0:
         return
-    kw, vw = _row_words(k_cache), _row_words(v_cache)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("cache buffers must be contiguous")
     if n > MOVE_MAX_TOKENS:
-        _move_via_scratch(kw, tgt_loc, src_loc)
-        _move_via_scratch(vw, tgt_loc, src_loc)
+        _move_via_scratch(_row_words(k_cache), tgt_loc, src_loc)
+        _move_via_scratch(_row_words(v_cache), tgt_loc, src_loc)
         return
-    L = kw.shape[0]
-    k_row_bytes = kw.shape[2] * kw.element_size()
-    v_row_bytes = vw.shape[2] * vw.element_size()
+    kwb, vwb = _word_bytes(k_cache), _word_bytes(v_cache)
+    k_row_bytes = k_cache.stride(1) * k_cache.element_size()
+    v_row_bytes = v_cache.stride(1) * v_cache.element_size()
     n_pad, tile_bytes = _move_plan(n, k_row_bytes, v_row_bytes)
-    k_tile = max(1, tile_bytes // kw.element_size())
-    v_tile = max(1, tile_bytes // vw.element_size())
-    n_col = max(triton.cdiv(kw.shape[2], k_tile), triton.cdiv(vw.shape[2], v_tile))
+    k_tile = max(1, tile_bytes // kwb)
+    v_tile = max(1, tile_bytes // vwb)
+    k_row, v_row = k_row_bytes // kwb, v_row_bytes // vwb
+    n_col = max(triton.cdiv(k_row, k_tile), triton.cdiv(v_row, v_tile))
     num_warps = max(1, min(8, _prev_pow2(n_pad * tile_bytes // 4096)))
+    L, R = k_cache.shape[0], k_cache.shape[1]
     _move_kv_kernel[(2 * L, n_col)](
-        kw, vw, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), n, L, kw.stride(0), vw.stride(0),
-        K_ROW=kw.shape[2], V_ROW=vw.shape[2], K_TILE=k_tile, V_TILE=v_tile, N_PAD=n_pad,
+        k_cache, v_cache, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), n, L, R * k_row, R * v_row,
+        K_ROW=k_row, V_ROW=v_row, K_TILE=k_tile, V_TILE=v_tile, K_WORD=kwb, V_WORD=vwb, N_PAD=n_pad,
         num_warps=num_warps,
     )  # fmt: skip

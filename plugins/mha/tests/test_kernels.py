@@ -300,7 +300,8 @@ def test_store_kv_scale_division_near_ties(cache_dtype, scale_kind):
     v = v[v.isfinite()].unique().sort().values
     mids = ((v[1:].double() + v[:-1].double()) / 2).float()
     base = torch.cat([mids, v])
-    x = torch.cat([base * s, torch.nextafter(base * s, torch.tensor(1e38)), torch.nextafter(base * s, torch.tensor(-1e38))])
+    q = base * s
+    x = torch.cat([q, torch.nextafter(q, torch.tensor(1e38)), torch.nextafter(q, torch.tensor(-1e38))])
     x = torch.where(x == 0, torch.ones_like(x), x)
     gen = torch.Generator().manual_seed(7)
     n = triton.cdiv(x.numel(), H * DK)
@@ -381,6 +382,12 @@ def test_store_kv_rejects_bad_arguments():
         kernels.store_kv_triton(k_cache, v_cache, 2, loc, x, x, cache_dtype=torch.bfloat16)
     with pytest.raises(ValueError):  # shape mismatch
         kernels.store_kv_triton(k_cache, v_cache, 0, loc[:1], x, x, cache_dtype=torch.bfloat16)
+    k8, v8 = k_cache.view(torch.uint8), v_cache.view(torch.uint8)[..., :8]
+    x8 = torch.ones(2, 1, 16, device=DEVICE).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError):  # fp8 input takes no scale
+        kernels.store_kv_triton(k8, k8, 0, loc, x8, x8, k_scale=2.0, cache_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError):  # K and V caches with different head counts / shapes
+        kernels.store_kv_triton(k8, v8.reshape(2, 8, 2, 4), 0, loc, x8, x8, cache_dtype=torch.float8_e4m3fn)
 
 
 # ==========================================================================================================
