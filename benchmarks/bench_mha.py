@@ -194,17 +194,36 @@ def time_decode_graph(ceiling: float) -> None:
         row("decode store in graph", f"{n} tok/layer", ours, ref, 2 * n * HEADS * DIM * 4, ceiling, "per layer, 32 layers per replay")
 
 
-def time_move(ceiling: float) -> None:
-    for n in (16, 256, 4096):
-        pool = MHATokenToKVPool(size=1 << 15, page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=DIM, layer_num=LAYERS,
-                                device="cuda", enable_memory_saver=False, kernels="triton")
+def time_move(ceiling: float, sweep: bool) -> None:
+    """move_kv_cache over 32 layers of K and V, disjoint slots (and, with ``sweep``, both large-N paths)."""
+    default_limit = kernels.MOVE_MAX_TOKENS
+    sizes = (16, 64, 256, 512, 1024, 2048, 4096, 8192) if sweep else (16, 256, 4096)
+    pool = MHATokenToKVPool(size=1 << 15, page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=DIM, layer_num=LAYERS,
+                            device="cuda", enable_memory_saver=False, kernels="triton")
+    for n in sizes:
         perm = torch.randperm((1 << 15) - 1, device="cuda") + 1
-        src, tgt = perm[:n], perm[n : 2 * n]
         moved = 2 * n * HEADS * DIM * 2 * LAYERS * 2
-        ours = graph_time_us(lambda: kernels.move_kv_cache_triton(pool.k_cache, pool.v_cache, tgt, src), 8) if n <= 256 else bench(lambda: kernels.move_kv_cache_triton(pool.k_cache, pool.v_cache, tgt, src))
-        ref = bench(lambda: kernels.move_kv_cache_native(pool.k_cache, pool.v_cache, tgt, src))
-        row("move_kv_cache 32 layers", f"{n} slots", ours, ref, moved, ceiling, "graph replay" if n <= 256 else "")
-        del pool
+        patterns = {"disjoint": (perm[n : 2 * n], perm[:n])}
+        if sweep:
+            patterns["shift"] = (perm[:n], perm[1 : n + 1])
+        limits = {"default": default_limit}
+        if sweep:
+            limits = {"flagged": 0}
+            if n <= 2048:
+                limits["one-launch"] = 2048
+        ref_done = False
+        for pattern, (tgt, src) in patterns.items():
+            for label, limit in limits.items():
+                kernels.MOVE_MAX_TOKENS = limit
+                fn = lambda: kernels.move_kv_cache_triton(pool.k_cache, pool.v_cache, tgt, src)  # noqa: E731
+                ours = graph_time_us(fn, 4)
+                ref = None
+                if not ref_done:
+                    ref = bench(lambda: kernels.move_kv_cache_native(pool.k_cache, pool.v_cache, tgt, src))
+                    ref_done = True
+                row(f"move_kv_cache 32L {pattern}", f"{n} slots [{label}]", ours, ref, moved, ceiling, "graph replay")
+    kernels.MOVE_MAX_TOKENS = default_limit
+    del pool
 
 
 def time_allocator() -> None:
@@ -250,6 +269,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--move-sweep", action="store_true", help="time both move paths at every size")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_mha needs a CUDA device", file=sys.stderr)
@@ -260,7 +280,7 @@ def main() -> int:
     print(f"device copy ceiling: {ceiling:.3f} TB/s (read + write)")
     time_store(ceiling, args.quick)
     time_decode_graph(ceiling)
-    time_move(ceiling)
+    time_move(ceiling, args.move_sweep)
     time_allocator()
     time_offload(ceiling)
     with open(os.path.join(args.out, "bench_mha.json"), "w") as f:

@@ -68,6 +68,7 @@ MOVE_MAX_TOKENS = MOVE_MAX_TILE_BYTES // MOVE_MIN_TILE_BYTES  # 2048: beyond thi
 MOVE_SCRATCH_BYTES = 256 * 1024 * 1024  # scratch bound of the fallback
 _COPY_TILE_WORDS = 4096  # words per program of the fallback's row copies
 _COPY_MAX_BLOCK_C = 1024
+_FLAG_BLOCK = 1024
 
 # Output codes of the store kernel's conversion.
 _OUT_COPY = 0  # input dtype == cache dtype, no scale: move the bits
@@ -510,13 +511,25 @@ def _copy_rows_kernel(
     n_rows,
     src_layer_stride,
     dst_layer_stride,
+    guard_ptr,
     ROW: tl.constexpr,
     SRC_INDEXED: tl.constexpr,
     DST_INDEXED: tl.constexpr,
+    GUARD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """dst[layer, dst_idx[i]] = src[layer, src_idx[i]] (an index is i itself when not INDEXED)."""
+    """dst[layer, dst_idx[i]] = src[layer, src_idx[i]] (an index is i itself when not INDEXED).
+
+    GUARD: 0 always runs; 1 runs only when ``guard_ptr[0] == 0``; 2 only when it is non-zero (the overlap
+    flag of :func:`_flag_overlaps`, read on the device so no host sync decides the path).
+    """
+    if GUARD == 1:
+        if tl.load(guard_ptr) != 0:
+            return
+    if GUARD == 2:
+        if tl.load(guard_ptr) == 0:
+            return
     pid_n = tl.program_id(0)
     pid_c = tl.program_id(1)
     layer = tl.program_id(2).to(tl.int64)
@@ -536,7 +549,7 @@ def _copy_rows_kernel(
     tl.store(dst_ptr + layer * dst_layer_stride + dst_rows[:, None] * ROW + cols[None, :], vals, mask=mask)
 
 
-def _copy_rows(src, dst, src_idx, dst_idx, n):
+def _copy_rows(src, dst, src_idx, dst_idx, n, guard=None, guard_mode=0):
     """Launch :func:`_copy_rows_kernel` over all layers of ``src``/``dst`` ([Lg, rows, W] word views)."""
     row = src.shape[2]
     block_c = min(_next_pow2(row), _COPY_MAX_BLOCK_C)
@@ -546,13 +559,15 @@ def _copy_rows(src, dst, src_idx, dst_idx, n):
     _copy_rows_kernel[grid](
         src, dst, dummy if src_idx is None else src_idx, dummy if dst_idx is None else dst_idx,
         1 if src_idx is None else src_idx.stride(0), 1 if dst_idx is None else dst_idx.stride(0), n,
-        src.stride(0), dst.stride(0),
-        ROW=row, SRC_INDEXED=src_idx is not None, DST_INDEXED=dst_idx is not None,
+        src.stride(0), dst.stride(0), guard if guard is not None else dummy,
+        ROW=row, SRC_INDEXED=src_idx is not None, DST_INDEXED=dst_idx is not None, GUARD=guard_mode,
         BLOCK_N=block_n, BLOCK_C=block_c, num_warps=4,
     )  # fmt: skip
 
 
-def _move_via_scratch(words: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+def _move_via_scratch(
+    words: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor, guard=None, guard_mode: int = 0
+) -> None:
     """Gather-then-scatter of one [L, R, W] word view through a scratch of at most MOVE_SCRATCH_BYTES
     (a group of layers at a time; every source row of a layer is read before any of its targets is written)."""
     n = tgt_loc.shape[0]
@@ -562,8 +577,45 @@ def _move_via_scratch(words: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch
     for start in range(0, words.shape[0], group):
         part = words[start : start + group]
         buf = scratch[: part.shape[0]]
-        _copy_rows(part, buf, src_loc, None, n)
-        _copy_rows(buf, part, None, tgt_loc, n)
+        _copy_rows(part, buf, src_loc, None, n, guard, guard_mode)
+        _copy_rows(buf, part, None, tgt_loc, n, guard, guard_mode)
+
+
+@triton.jit
+def _mark_sources_kernel(marks_ptr, src_ptr, src_stride, n, BLOCK: tl.constexpr):
+    """marks[src[i]] = 1 for every i (marks starts zeroed)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    src = tl.load(src_ptr + offs.to(tl.int64) * src_stride, mask=mask, other=0).to(tl.int64)
+    tl.store(marks_ptr + src, tl.full([BLOCK], 1, tl.int8), mask=mask)
+
+
+@triton.jit
+def _flag_overlaps_kernel(marks_ptr, tgt_ptr, src_ptr, tgt_stride, src_stride, flag_ptr, n, BLOCK: tl.constexpr):
+    """flag = 1 when some target row is another location's source row.
+
+    A target equal to its own source is no hazard: whoever reads that row sees its unchanged value.
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tgt = tl.load(tgt_ptr + offs.to(tl.int64) * tgt_stride, mask=mask, other=0).to(tl.int64)
+    src = tl.load(src_ptr + offs.to(tl.int64) * src_stride, mask=mask, other=0).to(tl.int64)
+    hit = tl.load(marks_ptr + tgt, mask=mask, other=0)
+    hazard = mask & (hit != 0) & (tgt != src)
+    tl.store(flag_ptr + tl.zeros([BLOCK], tl.int32), tl.full([BLOCK], 1, tl.int32), mask=hazard)
+
+
+def _flag_overlaps(rows: int, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> torch.Tensor:
+    """A device int32 flag, 1 when the move's targets overlap other locations' sources (no host sync)."""
+    n = tgt_loc.shape[0]
+    marks = torch.zeros(rows, dtype=torch.int8, device=tgt_loc.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=tgt_loc.device)
+    grid = (triton.cdiv(n, _FLAG_BLOCK),)
+    _mark_sources_kernel[grid](marks, src_loc, src_loc.stride(0), n, BLOCK=_FLAG_BLOCK)
+    _flag_overlaps_kernel[grid](
+        marks, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), flag, n, BLOCK=_FLAG_BLOCK
+    )  # fmt: skip
+    return flag
 
 
 def move_kv_cache_triton(
@@ -590,8 +642,12 @@ def move_kv_cache_triton(
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("cache buffers must be contiguous")
     if n > MOVE_MAX_TOKENS:
-        _move_via_scratch(_row_words(k_cache), tgt_loc, src_loc)
-        _move_via_scratch(_row_words(v_cache), tgt_loc, src_loc)
+        # The device decides: without overlap a straight parallel row copy (one pass over the bytes);
+        # with overlap the gather/scatter through scratch.  The path not taken exits at once.
+        flag = _flag_overlaps(k_cache.shape[1], tgt_loc, src_loc)
+        for words in (_row_words(k_cache), _row_words(v_cache)):
+            _copy_rows(words, words, src_loc, tgt_loc, n, flag, 1)
+            _move_via_scratch(words, tgt_loc, src_loc, flag, 2)
         return
     kwb, vwb = _word_bytes(k_cache), _word_bytes(v_cache)
     k_row_bytes = k_cache.stride(1) * k_cache.element_size()

@@ -496,6 +496,41 @@ def test_move_kv_cache_fallback_layer_groups(monkeypatch):
     _check_move(k_cache, v_cache, torch.arange(1, n + 1, device=DEVICE), torch.arange(2, n + 2, device=DEVICE))
 
 
+@pytest.mark.parametrize(
+    "tgt, src, hazard",
+    [
+        ([1, 2, 3], [7, 8, 9], 0),  # disjoint
+        ([1, 2, 3], [1, 2, 3], 0),  # every target is its own source
+        ([4, 5, 6], [5, 6, 7], 1),  # compaction: 5 and 6 are read and written
+        ([1, 2], [2, 1], 1),  # swap
+        ([3, 9], [3, 3], 0),  # one source copied twice, one of them onto itself
+    ],
+)
+def test_overlap_flag(tgt, src, hazard):
+    flag = kernels._flag_overlaps(12, torch.tensor(tgt, device=DEVICE), torch.tensor(src, device=DEVICE, dtype=torch.int32))
+    assert int(flag.item()) == hazard
+
+
+@pytest.mark.parametrize("pattern", ["disjoint", "self", "shift", "permutation"])
+def test_move_kv_cache_large_path_picks_copy_or_scratch_on_device(monkeypatch, pattern):
+    # Above MOVE_MAX_TOKENS the device flags overlap: disjoint / self moves take the one-pass row copy,
+    # overlapping ones the gather/scatter; both must equal torch's gather-then-scatter.
+    monkeypatch.setattr(kernels, "MOVE_MAX_TOKENS", 4)
+    gen = torch.Generator().manual_seed(15)
+    n, rows = 29, 80
+    k_cache = _poison((3, rows, 2, 12), torch.bfloat16, gen)
+    v_cache = _poison((3, rows, 1, 6), torch.float32, gen)
+    perm = torch.randperm(rows - 1, generator=gen) + 1
+    tgt = perm[:n]
+    src = {
+        "disjoint": perm[n : 2 * n],
+        "self": tgt.clone(),
+        "shift": torch.cat([perm[1:n], perm[n : n + 1]]),
+        "permutation": tgt[torch.randperm(n, generator=gen)],
+    }[pattern]
+    _check_move(k_cache, v_cache, tgt.to(DEVICE), src.to(DEVICE))
+
+
 def test_move_kv_cache_empty_is_noop():
     gen = torch.Generator().manual_seed(13)
     k_cache = _poison((2, 10, 1, 8), torch.bfloat16, gen)
