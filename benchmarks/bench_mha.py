@@ -197,20 +197,19 @@ def time_decode_graph(ceiling: float) -> None:
 def time_move(ceiling: float, sweep: bool) -> None:
     """move_kv_cache over 32 layers of K and V, disjoint slots (and, with ``sweep``, both large-N paths)."""
     default_limit = kernels.MOVE_MAX_TOKENS
-    sizes = (16, 64, 256, 512, 1024, 2048, 4096, 8192) if sweep else (16, 256, 4096)
+    sizes = (16, 64, 256, 512, 1024, 2048, 4096, 8192) if sweep else (16, 256, 512, 1024, 4096, 8192)
     pool = MHATokenToKVPool(size=1 << 15, page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=DIM, layer_num=LAYERS,
                             device="cuda", enable_memory_saver=False, kernels="triton")
     for n in sizes:
         perm = torch.randperm((1 << 15) - 1, device="cuda") + 1
         moved = 2 * n * HEADS * DIM * 2 * LAYERS * 2
-        patterns = {"disjoint": (perm[n : 2 * n], perm[:n])}
-        if sweep:
-            patterns["shift"] = (perm[:n], perm[1 : n + 1])
+        # disjoint slots, and a compaction by one slot (every target but the last is another's source)
+        patterns = {"disjoint": (perm[n : 2 * n], perm[:n]), "shift": (perm[:n], perm[1 : n + 1])}
         limits = {"default": default_limit}
         if sweep:
             limits = {"flagged": 0}
             if n <= 2048:
-                limits["one-launch"] = 2048
+                limits["one-launch"] = 2048  # the register path forced up to 2048 slots
         ref_done = False
         for pattern, (tgt, src) in patterns.items():
             for label, limit in limits.items():

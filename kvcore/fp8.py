@@ -150,6 +150,25 @@ def f32_to_fp8_bits(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
 
 
 @triton.jit
+def f32_to_fp8_bits_hw(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
+    """Like :func:`f32_to_fp8_bits`, through the GPU's own conversion (``cvt.rn.satfinite``), which rounds
+    to nearest even exactly as torch does; only overflow, inf and NaN need torch's encoding patched in.
+    Compiled kernels only: the interpreter's float->fp8 cast rounds wrongly (triton-lang/triton#8322)."""
+    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
+    ax = tl.abs(x)
+    if KIND == 1:
+        r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        if not SATURATE:
+            # older torch: anything that rounds past 448 (ties at 464 go down to 448), and +-inf, is NaN
+            r = tl.where(ax > 464.0, sign | 0x7F, r)
+    else:
+        r = x.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+        # torch: values that round past 57344 (ties at 61440 go up) and +-inf become +-inf
+        r = tl.where(ax >= 61440.0, sign | 0x7C, r)
+    return tl.where(x != x, sign | 0x7F, r)
+
+
+@triton.jit
 def f32_to_bf16_bits(x):
     """float32 tensor -> int32 tensor holding bfloat16 bits (low 16 bits), round-to-nearest-even like torch
     and the GPU's cvt.rn.bf16.f32 (the interpreter's ``.to(tl.bfloat16)`` truncates).  NaN -> 0x7FC0 | sign
@@ -219,6 +238,7 @@ __all__ = [
     "f32_to_e4m3fn_bits",
     "f32_to_e5m2_bits",
     "f32_to_fp8_bits",
+    "f32_to_fp8_bits_hw",
     "fp8_bits_to_f32",
     "fp8_kind",
     "is_fp8_dtype",

@@ -49,9 +49,10 @@ def layer_id_of(layer: Any) -> int:
     return layer_id
 
 
-def pin_if_cuda(tensor: torch.Tensor) -> torch.Tensor:
-    """Page-lock a host tensor when CUDA is present, so device copies run asynchronously at full rate."""
-    return tensor.pin_memory() if torch.cuda.is_available() else tensor
+def host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked (from torch's pinned caching allocator) when CUDA is present,
+    so device copies into it run asynchronously at the full pinned rate."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
 class ReqToTokenPool:
@@ -215,7 +216,7 @@ class KVCache(abc.ABC):
             parts = []
             for start in range(0, indices.numel(), chunk):
                 rows = stacked.index_select(1, indices[start : start + chunk])
-                host = pin_if_cuda(torch.empty(rows.shape, dtype=rows.dtype))
+                host = host_buffer(rows.shape, rows.dtype)
                 host.copy_(rows, non_blocking=True)
                 parts.append(host)
             copy[name] = parts
