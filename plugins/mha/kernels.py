@@ -64,7 +64,8 @@ __all__ = [
 
 # store_kv tiling (elements, not bytes).
 STORE_MAX_BLOCK_C = 1024
-STORE_TILE_ELEMS = 4096
+STORE_TILE_ELEMS = 4096  # elements per program when converting (fp8 32k tokens: 0.92 of the copy ceiling)
+STORE_COPY_TILE_ELEMS = 2048  # same-dtype stores (bf16 32k tokens: 0.92, against 0.90 with 4096)
 
 # move_kv_cache tiling (bytes).
 MOVE_TILE_BYTES = 32 * 1024  # target bytes per program in registers
@@ -72,7 +73,11 @@ MOVE_MAX_TILE_BYTES = 64 * 1024  # hard cap per program
 MOVE_MIN_TILE_BYTES = 32  # one DRAM sector
 MOVE_MAX_TOKENS = 512  # beyond this, the device-flagged row copy (measured faster on an H200 from 1024 slots)
 MOVE_SCRATCH_BYTES = 256 * 1024 * 1024  # scratch bound of the fallback
-_COPY_TILE_WORDS = 4096  # words per program of the fallback's row copies
+# Large-move row copies: 64 KB per program, 8 warps (benchmarks/tune_mha.py on an H200: 0.84 of the copy
+# ceiling at 4096 slots x 32 layers, against 0.77 with 16 KB and 4 warps).
+_COPY_TILE_WORDS = 16384
+_COPY_NUM_WARPS = 8
+_STORE_NUM_WARPS = 4
 _COPY_MAX_BLOCK_C = 1024
 _FLAG_BLOCK = 1024
 
@@ -367,7 +372,7 @@ def store_kv_triton(
     k_mode, k_scale_ptr, k_scale_value = _scale_args(k_scale, k_cache)
     v_mode, v_scale_ptr, v_scale_value = _scale_args(v_scale, v_cache)
     kss, vss = k_src.stride(), v_src.stride()
-    block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(h * dk, h * dv, _next_pow2(n))
+    block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(h * dk, h * dv, _next_pow2(n), out == _OUT_COPY)
     _store_kv_kernel[(triton.cdiv(n, block_n), num_cb)](
         k_cache, v_cache, layer_index * kcs[0], layer_index * vcs[0],
         k_src, v_src, loc, loc.stride(0), n,
@@ -378,16 +383,17 @@ def store_kv_triton(
         OUT=out, FP8_KIND=fp8_kind(cache_dtype), SATURATE=torch_e4m3fn_saturates(), HW_CVT=not triton_interpreting(),
         K_SCALE_MODE=k_mode, V_SCALE_MODE=v_mode,
         BLOCK_N=block_n, BLOCK_CK=block_ck, BLOCK_CV=block_cv, NUM_CB_K=num_cb_k,
-        num_warps=4,
+        num_warps=_STORE_NUM_WARPS,
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)
-def _store_plan(hdk: int, hdv: int, n_pad: int) -> tuple[int, int, int, int, int]:
+def _store_plan(hdk: int, hdv: int, n_pad: int, copy: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_CK, BLOCK_CV, column blocks of K, column blocks of K + V) of the store kernel."""
     block_ck = min(_next_pow2(hdk), STORE_MAX_BLOCK_C)
     block_cv = min(_next_pow2(hdv), STORE_MAX_BLOCK_C)
-    block_n = max(1, min(STORE_TILE_ELEMS // max(block_ck, block_cv), n_pad))
+    tile = STORE_COPY_TILE_ELEMS if copy else STORE_TILE_ELEMS
+    block_n = max(1, min(tile // max(block_ck, block_cv), n_pad))
     num_cb_k = triton.cdiv(hdk, block_ck)
     return block_n, block_ck, block_cv, num_cb_k, num_cb_k + triton.cdiv(hdv, block_cv)
 
@@ -575,7 +581,7 @@ def _copy_rows(src, dst, src_idx, dst_idx, n, guard=None, guard_mode=0):
         1 if src_idx is None else src_idx.stride(0), 1 if dst_idx is None else dst_idx.stride(0), n,
         src.stride(0), dst.stride(0), guard if guard is not None else dummy,
         ROW=row, SRC_INDEXED=src_idx is not None, DST_INDEXED=dst_idx is not None, GUARD=guard_mode,
-        BLOCK_N=block_n, BLOCK_C=block_c, num_warps=4,
+        BLOCK_N=block_n, BLOCK_C=block_c, num_warps=_COPY_NUM_WARPS,
     )  # fmt: skip
 
 
