@@ -148,6 +148,19 @@ def correctness() -> None:
     graph.replay()
     torch.cuda.synchronize()
     check("cuda graph store+move", torch.equal(pool.k_buffer[3][loc + 100], ck) and torch.equal(pool.v_buffer[3][loc], ck), "replayed with new data")
+    # CPU offload round trip through the pipelined device<->host path, small pieces so several overlap
+    pool.k_cache.copy_(torch.randn_like(pool.k_cache))
+    pool.v_cache.copy_(torch.randn_like(pool.v_cache))
+    pool.cpu_offloading_piece_bytes = 64 * HEADS * DIM * 2
+    pool.cpu_offloading_chunk_size = 1000
+    src = torch.randperm(4095, device="cuda")[:2500] + 1
+    dst = torch.randperm(4095, device="cuda")[:2500] + 1
+    want_k, want_v = pool.k_cache[:, src].clone(), pool.v_cache[:, src].clone()
+    host = pool.get_cpu_copy(src)
+    pool.k_cache.zero_()
+    pool.v_cache.zero_()
+    pool.load_cpu_copy(host, dst)
+    check("cpu offload round trip", torch.equal(pool.k_cache[:, dst], want_k) and torch.equal(pool.v_cache[:, dst], want_v), "2500 rows, 3 chunks, 1-layer pieces")
 
 
 # -- timing --------------------------------------------------------------------------------------------

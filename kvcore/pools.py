@@ -203,6 +203,23 @@ class KVCache(abc.ABC):
 
     # -- CPU offload -------------------------------------------------------------------------------------
 
+    #: bytes per device<->host piece: pieces are gathered on the compute stream and copied on a side
+    #: stream, so the gather of one piece overlaps the transfer of the previous one.
+    cpu_offloading_piece_bytes = 64 << 20
+
+    def _layer_pieces(self, stacked: torch.Tensor, rows: int) -> range:
+        per_layer = max(1, rows * stacked[0, 0].nbytes)
+        step = max(1, self.cpu_offloading_piece_bytes // per_layer)
+        return range(0, stacked.shape[0], step)
+
+    def _transfer_stream(self):
+        if torch.device(self.device).type != "cuda":
+            return None
+        stream = getattr(self, "_offload_stream", None)
+        if stream is None:
+            stream = self._offload_stream = torch.cuda.Stream(self.device)
+        return stream
+
     def get_cpu_copy(self, indices: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         """Copy the rows ``indices`` of every token buffer (all layers) to host memory, in chunks.
 
@@ -211,17 +228,29 @@ class KVCache(abc.ABC):
         """
         indices = torch.as_tensor(indices, device=self.device).long()
         chunk = self.cpu_offloading_chunk_size
+        side = self._transfer_stream()
+        main = torch.cuda.current_stream(self.device) if side is not None else None
         copy: dict[str, list[torch.Tensor]] = {}
         for name, stacked in self.token_buffers().items():
             parts = []
             for start in range(0, indices.numel(), chunk):
-                rows = stacked.index_select(1, indices[start : start + chunk])
-                host = host_buffer(rows.shape, rows.dtype)
-                host.copy_(rows, non_blocking=True)
+                idx = indices[start : start + chunk]
+                host = host_buffer((stacked.shape[0], idx.numel(), *stacked.shape[2:]), stacked.dtype)
+                pieces = self._layer_pieces(stacked, idx.numel())
+                for first in pieces:
+                    last = first + pieces.step
+                    rows = stacked[first:last].index_select(1, idx)
+                    if side is None:
+                        host[first:last].copy_(rows)
+                        continue
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        host[first:last].copy_(rows, non_blocking=True)
+                    rows.record_stream(side)
                 parts.append(host)
             copy[name] = parts
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        if side is not None:
+            side.synchronize()
         return copy
 
     def load_cpu_copy(self, kv_cache_cpu: dict[str, list[torch.Tensor]], indices: torch.Tensor) -> None:
@@ -231,14 +260,26 @@ class KVCache(abc.ABC):
         buffers = self.token_buffers()
         if set(kv_cache_cpu) != set(buffers):
             raise ValueError(f"cpu copy holds buffers {sorted(kv_cache_cpu)}, this pool has {sorted(buffers)}")
+        side = self._transfer_stream()
+        main = torch.cuda.current_stream(self.device) if side is not None else None
         for name, stacked in buffers.items():
             for i, start in enumerate(range(0, indices.numel(), chunk)):
-                rows = indices[start : start + chunk]
+                idx = indices[start : start + chunk]
                 host = kv_cache_cpu[name][i]
-                if host.shape[1] != rows.numel():
+                if host.shape[1] != idx.numel():
                     raise ValueError(
-                        f"cpu copy chunk {i} of buffer {name!r} holds {host.shape[1]} rows, indices give {rows.numel()}"
+                        f"cpu copy chunk {i} of buffer {name!r} holds {host.shape[1]} rows, indices give {idx.numel()}"
                     )
-                stacked.index_copy_(1, rows, host.to(stacked.device, non_blocking=True))
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+                pieces = self._layer_pieces(stacked, idx.numel())
+                for first in pieces:
+                    last = first + pieces.step
+                    if side is None:
+                        stacked[first:last].index_copy_(1, idx, host[first:last])
+                        continue
+                    with torch.cuda.stream(side):
+                        staged = host[first:last].to(stacked.device, non_blocking=True)
+                    main.wait_stream(side)
+                    staged.record_stream(main)
+                    stacked[first:last].index_copy_(1, idx, staged)
+        if side is not None:
+            main.synchronize()
