@@ -78,7 +78,11 @@ class BaseTokenToKVPoolAllocator:
     # -- queries ------------------------------------------------------------------------------------------
 
     def debug_print(self) -> str:
-        return ""
+        """One line on the free lists, for logs."""
+        return (
+            f"{type(self).__name__}: {len(self.free_pages)} free and {len(self.release_pages)} deferred "
+            f"page(s) of {self.page_size} token(s); {self.available_size()} of {self.size} tokens available"
+        )
 
     def available_size(self) -> int:
         """Tokens that can still be allocated (free plus deferred-release pages, times ``page_size``)."""

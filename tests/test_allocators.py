@@ -619,3 +619,10 @@ def test_cpu_copy_delegates_to_the_pool():
     copy = allocator.get_cpu_copy(torch.tensor([3, 4]))
     allocator.load_cpu_copy(copy, torch.tensor([7, 8]))
     assert pool.calls == [("get", [3, 4]), ("load", [3, 4], [7, 8])]
+
+
+def test_debug_print_reports_the_free_lists():
+    allocator = PagedTokenToKVPoolAllocator(64, page_size=16, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=True)
+    allocator.free(allocator.alloc(32))
+    line = allocator.debug_print()
+    assert "2 free and 2 deferred page(s) of 16 token(s)" in line and "64 of 64 tokens available" in line
