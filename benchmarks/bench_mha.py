@@ -73,7 +73,6 @@ def copy_ceiling() -> float:
     dst = torch.empty_like(src)
     us = bench(lambda: dst.copy_(src))
     tbps = 2 * n / (us * 1e-6) / 1e12
-    del src, dst
     return tbps
 
 
@@ -184,7 +183,6 @@ def time_store(ceiling: float, quick: bool) -> None:
             moved = 2 * n * HEADS * DIM * (2 + dtype.itemsize) + n * 8
             row(f"store {str(dtype).removeprefix('torch.')}", f"{n} tok", ours, ref, moved, ceiling,
                 f"graph replay; eager call {eager:.1f} us")
-            del k, v
 
 
 def time_decode_graph(ceiling: float) -> None:
@@ -235,7 +233,6 @@ def time_move(ceiling: float, sweep: bool) -> None:
                     ref_done = True
                 row(f"move_kv_cache 32L {pattern}", f"{n} slots [{label}]", ours, ref, moved, ceiling, "graph replay")
     kernels.MOVE_MAX_TOKENS = default_limit
-    del pool
 
 
 def time_allocator() -> None:

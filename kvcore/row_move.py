@@ -1,0 +1,341 @@
+"""Row moves over stacked cache buffers, for every pool family: ``buf[:, tgt] = buf[:, src]`` in all layers.
+
+A pool keeps each buffer as one stacked tensor ``[layers, rows, ...]``; ``move_kv_cache(tgt, src)`` copies
+rows ``src[i]`` to ``tgt[i]`` in every layer of one or two such buffers (K and V, or a single latent buffer),
+as if every source were read before any target is written, so compaction shifts, swaps and cycles are safe.
+Rows are moved as raw 32-/16-/8-bit words (whichever divides the row and its address), so any dtype works.
+
+``N <= MOVE_MAX_TOKENS`` (512) slots: one launch, grid ``(buffers x layers, column tiles)``.  A program owns
+one (buffer, layer, column tile) region, loads the source rows of its tile for ALL N locations into
+registers, synchronises its threads, then stores them; programs touch disjoint regions, so nothing races.
+The tile width shrinks as N grows (about ``MOVE_TILE_BYTES`` per program, at most ``MOVE_MAX_TILE_BYTES``,
+never under one 32-byte memory sector: narrower tiles measured 5x slower on an H200).
+
+Larger N: the device marks the source rows and flags whether any target is another location's source;
+without overlap one launch per buffer copies the rows in a single parallel pass, with overlap the rows go
+through a scratch buffer (gather, then scatter, a group of layers at a time, at most
+``MOVE_SCRATCH_BYTES``).  The path not taken exits at once: no host sync decides anything, and both paths
+are CUDA-graph safe (the large path takes its flag and scratch from torch's caching allocator).
+``benchmarks/RESULTS.md`` has the measurements behind the thresholds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Tiling (bytes).
+MOVE_TILE_BYTES = 32 * 1024  # target bytes per program in registers
+MOVE_MAX_TILE_BYTES = 64 * 1024  # hard cap per program
+MOVE_MIN_TILE_BYTES = 32  # one DRAM sector
+MOVE_MAX_TOKENS = 512  # beyond this, the device-flagged row copy (measured faster on an H200 from 1024 slots)
+MOVE_SCRATCH_BYTES = 256 * 1024 * 1024  # scratch bound of the fallback
+# Large-move row copies: 64 KB per program, 8 warps (benchmarks/tune_mha.py on an H200: 0.84 of the copy
+# ceiling at 4096 slots x 32 layers, against 0.77 with 16 KB and 4 warps).
+_COPY_TILE_WORDS = 16384
+_COPY_NUM_WARPS = 8
+_COPY_MAX_BLOCK_C = 1024
+_FLAG_BLOCK = 1024
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def prev_pow2(n: int) -> int:
+    """The largest power of two <= n (1 for n <= 1)."""
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+
+
+def _check_move_args(k_cache, v_cache, tgt_loc, src_loc):
+    if v_cache is None:
+        v_cache = k_cache
+    if k_cache.dim() < 2 or v_cache.dim() < 2 or k_cache.shape[:2] != v_cache.shape[:2]:
+        raise ValueError(f"K/V caches must be [L, R, ...] alike, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    for name, t in (("tgt_loc", tgt_loc), ("src_loc", src_loc)):
+        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
+    if tgt_loc.shape != src_loc.shape:
+        raise ValueError(f"tgt_loc {tuple(tgt_loc.shape)} and src_loc {tuple(src_loc.shape)} differ")
+
+
+def move_rows_native(
+    k_cache: torch.Tensor, v_cache: torch.Tensor | None, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
+    """Torch reference of :func:`move_rows_triton`: per layer, gather the source rows, then scatter."""
+    _check_move_args(k_cache, v_cache, tgt_loc, src_loc)
+    if tgt_loc.numel() == 0:
+        return
+    tgt, src = tgt_loc.long(), src_loc.long()
+    for buf in (k_cache,) if v_cache is None else (k_cache, v_cache):
+        for layer in range(buf.shape[0]):
+            rows = buf[layer].index_select(0, src)
+            buf[layer].index_copy_(0, tgt, rows)
+
+
+def _row_words(buf: torch.Tensor) -> torch.Tensor:
+    """``buf`` [L, R, ...] (contiguous) viewed as [L, R, W] words of the widest of int32/int16/uint8 that
+    divides a row and the base address."""
+    if not buf.is_contiguous():
+        raise ValueError("cache buffers must be contiguous")
+    L, R = buf.shape[:2]
+    row_bytes = buf[0, 0].numel() * buf.element_size()
+    b = buf.view(torch.uint8).reshape(L, R, row_bytes)
+    for dt, w in ((torch.int32, 4), (torch.int16, 2)):
+        if row_bytes % w == 0 and b.data_ptr() % w == 0:
+            return b.view(dt)
+    return b
+
+
+@triton.jit
+def _as_words(ptr, WORD: tl.constexpr):
+    if WORD == 4:
+        p = ptr.to(tl.pointer_type(tl.int32))
+    elif WORD == 2:
+        p = ptr.to(tl.pointer_type(tl.int16))
+    else:
+        p = ptr.to(tl.pointer_type(tl.uint8))
+    return p
+
+
+@triton.jit
+def _move_tile(
+    base_ptr, layer, layer_stride, tgt, src, mask_n, pid_c, ROW: tl.constexpr, TILE: tl.constexpr,
+    WORD: tl.constexpr,
+):  # fmt: skip
+    if pid_c * TILE < ROW:
+        cols = pid_c * TILE + tl.arange(0, TILE)
+        mask = mask_n[:, None] & (cols < ROW)[None, :]
+        ptr = _as_words(base_ptr, WORD) + layer.to(tl.int64) * layer_stride
+        vals = tl.load(ptr + src[:, None] * ROW + cols[None, :], mask=mask)
+        # All threads of the program must finish reading before any writes: a target row of one
+        # location may be the source row of another, held by a different thread.
+        tl.debug_barrier()
+        tl.store(ptr + tgt[:, None] * ROW + cols[None, :], vals, mask=mask)
+
+
+@triton.jit
+def _move_kv_kernel(
+    k_ptr,
+    v_ptr,
+    tgt_ptr,
+    src_ptr,
+    tgt_stride,
+    src_stride,
+    n_tokens,
+    num_layers,
+    k_layer_stride,
+    v_layer_stride,
+    K_ROW: tl.constexpr,
+    V_ROW: tl.constexpr,
+    K_TILE: tl.constexpr,
+    V_TILE: tl.constexpr,
+    K_WORD: tl.constexpr,
+    V_WORD: tl.constexpr,
+    N_PAD: tl.constexpr,
+):
+    """Strides, ROW and TILE are in words of WORD bytes (the caches' pointers are cast to those words)."""
+    pid_b = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs = tl.arange(0, N_PAD)
+    mask_n = offs < n_tokens
+    tgt = tl.load(tgt_ptr + offs * tgt_stride, mask=mask_n, other=0).to(tl.int64)
+    src = tl.load(src_ptr + offs * src_stride, mask=mask_n, other=0).to(tl.int64)
+    if pid_b < num_layers:
+        _move_tile(k_ptr, pid_b, k_layer_stride, tgt, src, mask_n, pid_c, K_ROW, K_TILE, K_WORD)
+    else:
+        _move_tile(v_ptr, pid_b - num_layers, v_layer_stride, tgt, src, mask_n, pid_c, V_ROW, V_TILE, V_WORD)
+
+
+def _word_bytes(buf: torch.Tensor) -> int:
+    """The widest of 4/2/1 bytes dividing a row of ``buf`` [L, R, ...] (contiguous) and its address."""
+    row_bytes = buf.stride(1) * buf.element_size()
+    ptr = buf.data_ptr()
+    for w in (4, 2):
+        if row_bytes % w == 0 and ptr % w == 0:
+            return w
+    return 1
+
+
+@functools.lru_cache(maxsize=1024)
+def _move_plan(n: int, k_row_bytes: int, v_row_bytes: int) -> tuple[int, int]:
+    """(N_pad, tile bytes) of the single-launch path."""
+    n_pad = next_pow2(n)
+    row_cap = next_pow2(max(k_row_bytes, v_row_bytes))
+    tile = prev_pow2(max(MOVE_TILE_BYTES // n_pad, MOVE_MIN_TILE_BYTES))
+    return n_pad, max(1, min(tile, row_cap))
+
+
+@triton.jit
+def _copy_rows_kernel(
+    src_ptr,
+    dst_ptr,
+    src_idx_ptr,
+    dst_idx_ptr,
+    src_idx_stride,
+    dst_idx_stride,
+    n_rows,
+    src_layer_stride,
+    dst_layer_stride,
+    guard_ptr,
+    ROW: tl.constexpr,
+    SRC_INDEXED: tl.constexpr,
+    DST_INDEXED: tl.constexpr,
+    GUARD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """dst[layer, dst_idx[i]] = src[layer, src_idx[i]] (an index is i itself when not INDEXED).
+
+    GUARD: 0 always runs; 1 runs only when ``guard_ptr[0] == 0``; 2 only when it is non-zero (the overlap
+    flag of :func:`_flag_overlaps`, read on the device so no host sync decides the path).
+    """
+    if GUARD == 1:
+        if tl.load(guard_ptr) != 0:
+            return
+    if GUARD == 2:
+        if tl.load(guard_ptr) == 0:
+            return
+    pid_n = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    layer = tl.program_id(2).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_rows
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = mask_n[:, None] & (cols < ROW)[None, :]
+    if SRC_INDEXED:
+        src_rows = tl.load(src_idx_ptr + offs_n.to(tl.int64) * src_idx_stride, mask=mask_n, other=0).to(tl.int64)
+    else:
+        src_rows = offs_n.to(tl.int64)
+    if DST_INDEXED:
+        dst_rows = tl.load(dst_idx_ptr + offs_n.to(tl.int64) * dst_idx_stride, mask=mask_n, other=0).to(tl.int64)
+    else:
+        dst_rows = offs_n.to(tl.int64)
+    vals = tl.load(src_ptr + layer * src_layer_stride + src_rows[:, None] * ROW + cols[None, :], mask=mask)
+    tl.store(dst_ptr + layer * dst_layer_stride + dst_rows[:, None] * ROW + cols[None, :], vals, mask=mask)
+
+
+def _copy_rows(src, dst, src_idx, dst_idx, n, guard=None, guard_mode=0):
+    """Launch :func:`_copy_rows_kernel` over all layers of ``src``/``dst`` ([Lg, rows, W] word views)."""
+    row = src.shape[2]
+    block_c = min(next_pow2(row), _COPY_MAX_BLOCK_C)
+    block_n = max(1, min(_COPY_TILE_WORDS // block_c, next_pow2(n)))
+    dummy = src_idx if src_idx is not None else dst_idx
+    grid = (triton.cdiv(n, block_n), triton.cdiv(row, block_c), src.shape[0])
+    _copy_rows_kernel[grid](
+        src, dst, dummy if src_idx is None else src_idx, dummy if dst_idx is None else dst_idx,
+        1 if src_idx is None else src_idx.stride(0), 1 if dst_idx is None else dst_idx.stride(0), n,
+        src.stride(0), dst.stride(0), guard if guard is not None else dummy,
+        ROW=row, SRC_INDEXED=src_idx is not None, DST_INDEXED=dst_idx is not None, GUARD=guard_mode,
+        BLOCK_N=block_n, BLOCK_C=block_c, num_warps=_COPY_NUM_WARPS,
+    )  # fmt: skip
+
+
+def _move_via_scratch(
+    words: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor, guard=None, guard_mode: int = 0
+) -> None:
+    """Gather-then-scatter of one [L, R, W] word view through a scratch of at most MOVE_SCRATCH_BYTES
+    (a group of layers at a time; every source row of a layer is read before any of its targets is written)."""
+    n = tgt_loc.shape[0]
+    layer_bytes = n * words.shape[2] * words.element_size()
+    group = max(1, min(words.shape[0], MOVE_SCRATCH_BYTES // max(layer_bytes, 1)))
+    scratch = torch.empty((group, n, words.shape[2]), dtype=words.dtype, device=words.device)
+    for start in range(0, words.shape[0], group):
+        part = words[start : start + group]
+        buf = scratch[: part.shape[0]]
+        _copy_rows(part, buf, src_loc, None, n, guard, guard_mode)
+        _copy_rows(buf, part, None, tgt_loc, n, guard, guard_mode)
+
+
+@triton.jit
+def _mark_sources_kernel(marks_ptr, src_ptr, src_stride, n, BLOCK: tl.constexpr):
+    """marks[src[i]] = 1 for every i (marks starts zeroed)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    src = tl.load(src_ptr + offs.to(tl.int64) * src_stride, mask=mask, other=0).to(tl.int64)
+    tl.store(marks_ptr + src, tl.full([BLOCK], 1, tl.int8), mask=mask)
+
+
+@triton.jit
+def _flag_overlaps_kernel(marks_ptr, tgt_ptr, src_ptr, tgt_stride, src_stride, flag_ptr, n, BLOCK: tl.constexpr):
+    """flag = 1 when some target row is another location's source row.
+
+    A target equal to its own source is no hazard: whoever reads that row sees its unchanged value.
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tgt = tl.load(tgt_ptr + offs.to(tl.int64) * tgt_stride, mask=mask, other=0).to(tl.int64)
+    src = tl.load(src_ptr + offs.to(tl.int64) * src_stride, mask=mask, other=0).to(tl.int64)
+    hit = tl.load(marks_ptr + tgt, mask=mask, other=0)
+    hazard = mask & (hit != 0) & (tgt != src)
+    tl.store(flag_ptr + tl.zeros([BLOCK], tl.int32), tl.full([BLOCK], 1, tl.int32), mask=hazard)
+
+
+def _flag_overlaps(rows: int, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> torch.Tensor:
+    """A device int32 flag, 1 when the move's targets overlap other locations' sources (no host sync)."""
+    n = tgt_loc.shape[0]
+    marks = torch.zeros(rows, dtype=torch.int8, device=tgt_loc.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=tgt_loc.device)
+    grid = (triton.cdiv(n, _FLAG_BLOCK),)
+    _mark_sources_kernel[grid](marks, src_loc, src_loc.stride(0), n, BLOCK=_FLAG_BLOCK)
+    _flag_overlaps_kernel[grid](
+        marks, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), flag, n, BLOCK=_FLAG_BLOCK
+    )  # fmt: skip
+    return flag
+
+
+def move_rows_triton(
+    k_cache: torch.Tensor, v_cache: torch.Tensor | None, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
+    """For every layer of both buffers: rows ``tgt_loc[i]`` <- rows ``src_loc[i]``, as torch's
+    ``buf[:, tgt] = buf[:, src]`` (every source read before any target is written, so overlapping moves
+    such as compaction shifts, swaps and cycles are fine).  Targets must be distinct.
+
+    :param k_cache: contiguous ``[L, R, ...]`` buffer, any dtype (rows are moved as raw words).
+    :param v_cache: contiguous ``[L, R, ...]`` buffer with the same L and R (its row width may differ), or
+        None for a pool with one buffer (MLA's latent rows).
+    :param tgt_loc: ``[N]`` int32/int64 target rows, on the caches' device.
+    :param src_loc: ``[N]`` int32/int64 source rows.
+
+    ``N <= MOVE_MAX_TOKENS`` (512): one kernel launch, no allocation, no host sync (CUDA-graph safe; N is
+    read from the tensor shape).  Larger N: a device-side overlap flag picks, without a host sync, a
+    one-pass parallel row copy (no overlap) or a gather/scatter through a scratch buffer (overlap).
+    """
+    _check_move_args(k_cache, v_cache, tgt_loc, src_loc)
+    n = tgt_loc.shape[0]
+    if n == 0:
+        return
+    buffers = (k_cache,) if v_cache is None else (k_cache, v_cache)
+    if not all(b.is_contiguous() for b in buffers):
+        raise ValueError("cache buffers must be contiguous")
+    if n > MOVE_MAX_TOKENS:
+        # The device decides: without overlap a straight parallel row copy (one pass over the bytes);
+        # with overlap the gather/scatter through scratch.  The path not taken exits at once.
+        flag = _flag_overlaps(k_cache.shape[1], tgt_loc, src_loc)
+        for words in (_row_words(b) for b in buffers):
+            _copy_rows(words, words, src_loc, tgt_loc, n, flag, 1)
+            _move_via_scratch(words, tgt_loc, src_loc, flag, 2)
+        return
+    if v_cache is None:
+        v_cache = k_cache  # the V half of the grid is not launched
+    kwb, vwb = _word_bytes(k_cache), _word_bytes(v_cache)
+    k_row_bytes = k_cache.stride(1) * k_cache.element_size()
+    v_row_bytes = v_cache.stride(1) * v_cache.element_size()
+    n_pad, tile_bytes = _move_plan(n, k_row_bytes, v_row_bytes)
+    k_tile = max(1, tile_bytes // kwb)
+    v_tile = max(1, tile_bytes // vwb)
+    k_row, v_row = k_row_bytes // kwb, v_row_bytes // vwb
+    n_col = max(triton.cdiv(k_row, k_tile), triton.cdiv(v_row, v_tile))
+    num_warps = max(1, min(8, prev_pow2(n_pad * tile_bytes // 4096)))
+    L, R = k_cache.shape[0], k_cache.shape[1]
+    _move_kv_kernel[(len(buffers) * L, n_col)](
+        k_cache, v_cache, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), n, L, R * k_row, R * v_row,
+        K_ROW=k_row, V_ROW=v_row, K_TILE=k_tile, V_TILE=v_tile, K_WORD=kwb, V_WORD=vwb, N_PAD=n_pad,
+        num_warps=num_warps,
+    )  # fmt: skip
