@@ -9,7 +9,9 @@
 4. dotlist overrides (``kv_cache.page_size=16``).
 
 Loading ends in ``OmegaConf.to_object`` so the attrs validators run; unknown keys and wrong types fail with
-the full key path, and so do the checks below.  A group option may also be a path to a YAML file.
+the full key path, and so do the checks below.  A group option may also be a path to a YAML file.  A group
+file starting with ``# @package _global_`` is merged at the root, so it can set other sections too (a model
+too large for one GPU names the ``parallel`` layout it needs; command-line overrides still win).
 Group files are searched next to the engine file first, then in the configs shipped with kvcore.
 """
 
@@ -83,6 +85,8 @@ class ModelConfig:
     context_length: int = attrs.field(default=MISSING, validator=_positive)
     num_parameters: int = attrs.field(default=MISSING, validator=_positive)
     dtype: str = "bfloat16"
+    # The checkpoint's weight dtype when it differs from the compute dtype (DeepSeek-V3 ships fp8 weights).
+    weight_dtype: Optional[str] = None
     # MLA / DSA (DeepSeek latent attention); unused by MHA models.
     kv_lora_rank: Optional[int] = None
     qk_rope_head_dim: Optional[int] = None
@@ -173,7 +177,8 @@ class EngineConfig:
     @property
     def weight_bytes_per_rank(self) -> int:
         """Model weights one rank holds: parameters x weight bytes / (tp x pp)."""
-        total = self.model.num_parameters * self.model_dtype.itemsize
+        weight_dtype = parse_dtype(self.model.weight_dtype, "model.weight_dtype") if self.model.weight_dtype else self.model_dtype
+        total = self.model.num_parameters * weight_dtype.itemsize
         return math.ceil(total / (self.parallel.tp_size * self.parallel.pp_size))
 
 
@@ -201,7 +206,7 @@ def validate(cfg: EngineConfig) -> EngineConfig:
         raise ConfigError(f"parallel.pp_rank={p.pp_rank} must be in [0, parallel.pp_size={p.pp_size})")
     if cfg.hardware.device not in ("cpu", "cuda"):
         raise ConfigError(f"hardware.device={cfg.hardware.device!r} is not one of: cpu, cuda")
-    _ = cfg.model_dtype, cfg.kv_dtype  # names errors for unknown dtypes
+    _ = cfg.model_dtype, cfg.kv_dtype, cfg.weight_bytes_per_rank  # names errors for unknown dtypes
     return cfg
 
 
@@ -243,6 +248,13 @@ def _group_file(group: str, option: str, engine_file: Path) -> Path:
         f"{group}={option!r} is not a known {group} config; "
         f"valid options: {', '.join(available_options(group, engine_file))} (or a path to a .yaml file)"
     )
+
+
+def _is_global_package(path: Path) -> bool:
+    """A group file whose first line is ``# @package _global_`` is merged at the root (Hydra's convention):
+    a model file can then carry the parallel layout it needs, e.g. ``parallel: {tp_size: 8}``."""
+    with open(path, encoding="utf-8") as f:
+        return f.readline().strip().replace(" ", "") == "#@package_global_"
 
 
 def _load_yaml(path: Path) -> DictConfig:
@@ -299,8 +311,9 @@ def load_config(*overrides: str, path: str | Path | None = None) -> EngineConfig
         merged = OmegaConf.structured(EngineConfig)
         for group in GROUPS:
             if group in chosen:
-                group_cfg = _load_yaml(_group_file(group, chosen[group], engine_file))
-                merged = OmegaConf.merge(merged, {group: group_cfg})
+                path = _group_file(group, chosen[group], engine_file)
+                group_cfg = _load_yaml(path)
+                merged = OmegaConf.merge(merged, group_cfg if _is_global_package(path) else {group: group_cfg})
         merged = OmegaConf.merge(merged, body, OmegaConf.from_dotlist(dotlist))
         sections = {}
         for field in attrs.fields(EngineConfig):

@@ -201,6 +201,16 @@ class KVCache(abc.ABC):
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """Copy rows ``src_loc`` to ``tgt_loc`` in every layer, as if all sources were read first."""
 
+    @abc.abstractmethod
+    def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Write random (never zero) rows at ``loc`` of ``layer`` through this family's own write path.
+
+        Used by ``kvcore up``'s self-check and as the conformance kit's default writer.
+
+        :returns: for every buffer the write touched, the exact rows (storage dtype, ``[len(loc), ...]``) that
+            must now sit at ``buffers()[name][layer - start_layer, loc]``.
+        """
+
     # -- CPU offload -------------------------------------------------------------------------------------
 
     #: bytes per device<->host piece: pieces are gathered on the compute stream and copied on a side

@@ -388,3 +388,41 @@ def test_shipped_model_dims_match_config_json(name):
     assert m.v_head_dim in (None, m.head_dim)
     assert m.dtype == "bfloat16"
     assert m.num_parameters == parameter_count(**real)
+
+
+GLOBAL_MODEL = """\
+# @package _global_
+model:
+  name: big
+  architecture: X
+  num_hidden_layers: 4
+  num_attention_heads: 8
+  num_key_value_heads: 8
+  head_dim: 64
+  hidden_size: 512
+  context_length: 4096
+  num_parameters: 1000000
+  weight_dtype: float8_e4m3fn
+parallel:
+  tp_size: 2
+"""
+
+
+def test_global_package_model_file_sets_parallel_and_overrides_still_win(tmp_path):
+    model = write(tmp_path / "big.yaml", GLOBAL_MODEL)
+    cfg = load_config(f"model={model}")
+    assert cfg.parallel.tp_size == 2
+    # fp8 weights: one byte per parameter, split over tp=2
+    assert cfg.weight_bytes_per_rank == 1_000_000 // 2
+    assert load_config(f"model={model}", "parallel.tp_size=4").parallel.tp_size == 4
+
+
+def test_plain_model_file_cannot_reach_other_sections(tmp_path):
+    model = write(tmp_path / "plain.yaml", GLOBAL_MODEL.replace("# @package _global_\n", ""))
+    with pytest.raises(ConfigError, match=r"model\.model"):
+        load_config(f"model={model}")
+
+
+def test_unknown_weight_dtype_names_key():
+    with pytest.raises(ConfigError, match=r"model\.weight_dtype"):
+        load_config("model.weight_dtype=int3")

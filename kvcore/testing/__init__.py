@@ -19,7 +19,7 @@ from kvcore.testing.suite import (
     KVCacheConformance,
     KVWriter,
     assert_same_bytes,
-    mha_style_writer,
+    pool_writer,
     randomize,
 )
 
@@ -36,7 +36,7 @@ __all__ = [
     "KVCacheConformance",
     "KVWriter",
     "assert_same_bytes",
-    "mha_style_writer",
+    "pool_writer",
     "randomize",
 ]
 
@@ -57,7 +57,8 @@ def kv_layout():
 
 @pytest.fixture
 def kv_writer():
-    _provide("kv_writer", "a KVWriter that writes random rows through your pool's API and returns the expected rows")
+    """How the store tests write rows: by default the pool's own ``self_test_write``."""
+    return pool_writer
 
 
 @pytest.fixture

@@ -9,12 +9,11 @@ An implementer's whole test file is a subclass plus the fixtures below::
         def kv_pool_factory(self): ...   # (size, page_size, start_layer) -> pool
         @pytest.fixture
         def kv_layout(self, kv_pool): ...  # the PoolLayout the backend declared for that pool
-        @pytest.fixture
-        def kv_writer(self): ...         # see KVWriter
 
 Fixtures the implementer may override: ``kv_capabilities`` (a set of capability names; tests that need
 a capability the pool does not declare are skipped by capability, never by backend name), ``kv_pool_size``
-and ``kv_page_size``.  Without the required fixtures every test fails with a message naming the fixture.
+and ``kv_page_size``; ``kv_writer`` defaults to the pool's own ``self_test_write``.  Without the required
+fixtures every test fails with a message naming the fixture.
 """
 
 from __future__ import annotations
@@ -39,19 +38,9 @@ class KVWriter(Protocol):
     def __call__(self, pool, layer: int, loc: torch.Tensor, generator: torch.Generator) -> Mapping[str, torch.Tensor]: ...
 
 
-def mha_style_writer(pool, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """A :class:`KVWriter` for pools whose ``set_kv_buffer`` stores K and V rows converted to ``pool.dtype``."""
-    k_rows = pool.get_key_buffer(layer).shape[1:]
-    v_rows = pool.get_value_buffer(layer).shape[1:]
-    cache_k = torch.randn((loc.numel(), *k_rows), generator=generator).to(pool.device)
-    cache_v = torch.randn((loc.numel(), *v_rows), generator=generator).to(pool.device)
-    source_dtype = torch.bfloat16 if pool.dtype.itemsize == 1 else pool.dtype
-    cache_k, cache_v = cache_k.to(source_dtype), cache_v.to(source_dtype)
-    pool.set_kv_buffer(layer, loc, cache_k, cache_v)
-    return {
-        "k": cache_k.to(pool.dtype).view(pool.store_dtype),
-        "v": cache_v.to(pool.dtype).view(pool.store_dtype),
-    }
+def pool_writer(pool, layer: int, loc: torch.Tensor, generator: torch.Generator) -> Mapping[str, torch.Tensor]:
+    """The default :class:`KVWriter`: the pool's own :meth:`~kvcore.pools.KVCache.self_test_write`."""
+    return pool.self_test_write(layer, loc, generator)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -121,3 +121,13 @@ class MHATokenToKVPool(KVCache):
             return
         move = kernels.move_kv_cache_triton if self._use_triton else kernels.move_kv_cache_native
         move(self.k_cache, self.v_cache, tgt_loc, src_loc)
+
+    def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Random K/V rows through :meth:`set_kv_buffer` (from bf16 for fp8 caches, so the cast is exercised)."""
+        source_dtype = torch.bfloat16 if self.dtype.itemsize == 1 else self.dtype
+        rows = {}
+        for name, width in (("k", self.head_dim), ("v", self.v_head_dim)):
+            values = torch.randn((loc.numel(), self.head_num, width), generator=generator) * 2
+            rows[name] = torch.where(values == 0, torch.ones_like(values), values).to(source_dtype).to(self.device)
+        self.set_kv_buffer(layer, loc, rows["k"], rows["v"])
+        return {name: x.to(self.dtype).view(self.store_dtype) for name, x in rows.items()}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcore.testing import KVCacheConformance, mha_style_writer
+from kvcore.testing import KVCacheConformance
 from kvcore_mha.layout import mha_layout
 from kvcore_mha.pool import MHATokenToKVPool
 
@@ -47,7 +47,3 @@ class TestMHAConformance(KVCacheConformance):
             backend="mha", page_size=kv_pool.page_size, dtype=kv_pool.dtype, head_num=HEADS, head_dim=HEAD_DIM,
             v_head_dim=V_HEAD_DIM, layer_num=LAYERS,
         )
-
-    @pytest.fixture
-    def kv_writer(self):
-        return mha_style_writer
