@@ -96,7 +96,8 @@ def test_plugins_respects_block_list(monkeypatch, capsys):
     rc = main(["plugins"])
     out, _ = capsys.readouterr()
     assert rc == 0
-    assert "plugins loaded: none" in out
+    loaded = next(line for line in out.splitlines() if line.startswith("plugins loaded:"))
+    assert "mha" not in loaded.split(":", 1)[1].split(", ")
     assert "plugin skipped: mha" in out
 
 

@@ -1,0 +1,681 @@
+"""Hot-path kernels of the DSA pool: the fp8 latent row (quantize+store, dequantizing gather) and the indexer pages.
+
+Row formats are described in :mod:`kvcore_dsa.layout`.  Every kernel has a torch reference of the same
+signature beside it (``*_native``); the pool picks one (see ``kvcore.kernel_mode``).  All offsets are int64.
+
+Quantization, exactly as the torch references compute it (and so the Triton kernels, bit for bit)::
+
+    amax  = max |x| over the 128 values of a tile, in float32
+    scale = max(amax / 448, 2**-126)                       IEEE division; the clamp is the zero-tile guard
+    q     = e4m3fn(x / scale)                              IEEE division, round to nearest even
+    x'    = float32(q) * scale                             dequantization (then cast to the asked dtype)
+
+The kernels divide with ``div_rn`` (Triton's ``/`` is an approximate division on GPUs) and the references
+divide by device tensors (torch's CUDA division by a host scalar multiplies by its reciprocal instead).
+fp8 and bf16 encodings go through :mod:`kvcore.fp8`'s integer encoders under the interpreter (whose float->fp8
+and float->bf16 casts round wrongly) and through the hardware conversion when compiled.  NaN and infinite
+inputs are outside the contract (a GPU's max ignores NaN, torch's amax propagates it), and so are float32
+subnormal inputs on a GPU that flushes them (the scale itself is never subnormal: see the zero-tile guard).
+
+``store_dsa_fp8_triton``
+    Grid ``(token blocks, tiles + 1)``: program ``(i, t)`` for ``t < tiles`` loads one ``[BLOCK_N, 128]`` tile
+    of nope values, computes the scales, writes the fp8 bytes and the float32 scales; program ``(i, tiles)``
+    converts the rope values to bf16 and writes them.  Inputs may be strided (views of a fused projection).
+``gather_dsa_fp8_triton``
+    The inverse for the rows ``loc`` only: fp8 * scale and bf16 rope, converted to float32/float16/bfloat16.
+``set_index_k_triton`` / ``get_index_k_triton``
+    Token-granular writes into / sequence-ordered reads out of the page-indexed indexer buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore.fp8 import (
+    e4m3fn_bits_to_f32,
+    f32_to_bf16_bits,
+    f32_to_fp8_bits,
+    f32_to_fp8_bits_hw,
+    torch_e4m3fn_saturates,
+)
+from kvcore.kernel_mode import triton_interpreting
+from kvcore.row_move import move_rows_native as move_kv_rows_native
+from kvcore.row_move import move_rows_triton as move_kv_rows_triton
+from kvcore.row_move import next_pow2
+from kvcore_dsa.layout import (
+    E4M3_MAX,
+    INDEX_PAGE_SIZE,
+    INDEX_SCALE_BYTES,
+    QUANT_BLOCK_SIZE,
+    ROPE_STORAGE_DTYPE,
+    SCALE_MIN,
+)
+
+__all__ = [
+    "dequantize_rows",
+    "gather_dsa_fp8_native",
+    "gather_dsa_fp8_triton",
+    "get_index_k_native",
+    "get_index_k_triton",
+    "move_kv_rows_native",
+    "move_kv_rows_triton",
+    "quantize_concatenated",
+    "quantize_parts",
+    "row_bytes",
+    "set_index_k_native",
+    "set_index_k_triton",
+    "store_dsa_fp8_native",
+    "store_dsa_fp8_triton",
+]
+
+_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+_DST_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+
+# Tokens per program (powers of two).
+_QUANT_BLOCK_N = 32  # x 128 values per tile program
+_INDEX_BLOCK_N = 32  # x (128 key bytes + 4 scale bytes) per program
+_NUM_WARPS = 4
+
+
+def row_bytes(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+    """Bytes of one scaled fp8 row (656 for 512 / 64)."""
+    return kv_lora_rank + kv_lora_rank // QUANT_BLOCK_SIZE * 4 + qk_rope_head_dim * ROPE_STORAGE_DTYPE.itemsize
+
+
+# ==========================================================================================================
+# torch references: quantize / dequantize
+# ==========================================================================================================
+
+
+def _tile_scales(nope_f32: torch.Tensor) -> torch.Tensor:
+    """[N, T, 128] float32 -> [N, T] float32 scales, ``max(amax / 448, 2**-126)``."""
+    amax = nope_f32.abs().amax(dim=-1)
+    # Divide by a tensor, not a Python number: torch's CUDA division by a host scalar multiplies by the
+    # reciprocal, which is not the IEEE quotient.
+    scale = amax / torch.full_like(amax, E4M3_MAX)
+    return torch.maximum(scale, torch.full_like(scale, SCALE_MIN))
+
+
+def quantize_parts(nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Torch reference: ``nope`` [N, R] and ``rope`` [N, Dr] (float32/float16/bfloat16) -> [N, row] uint8 rows."""
+    n, r = nope.shape
+    if r % QUANT_BLOCK_SIZE:
+        raise ValueError(f"the nope width {r} must be a multiple of {QUANT_BLOCK_SIZE}")
+    tiles = nope.float().reshape(n, r // QUANT_BLOCK_SIZE, QUANT_BLOCK_SIZE)
+    scale = _tile_scales(tiles)
+    q = (tiles / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, r)
+    rope_bytes = rope.to(ROPE_STORAGE_DTYPE).contiguous().view(torch.uint8).reshape(n, -1)
+    return torch.cat([q, scale.contiguous().view(torch.uint8).reshape(n, -1), rope_bytes], dim=1)
+
+
+def quantize_concatenated(row: torch.Tensor, kv_lora_rank: int = 512) -> torch.Tensor:
+    """Torch reference of the DSA fp8 row: quantize concatenated ``[..., kv_lora_rank + rope]`` latent rows.
+
+    :param row: ``[..., kv_lora_rank + qk_rope_head_dim]`` float32/float16/bfloat16 (e.g. ``[N, 1, 576]``).
+    :returns: ``[..., row_bytes]`` uint8 (656 bytes for 512 + 64): fp8 nope, float32 tile scales, bf16 rope;
+        see the module docstring for the arithmetic.
+    """
+    lead = row.shape[:-1]
+    flat = row.reshape(-1, row.shape[-1])
+    out = quantize_parts(flat[:, :kv_lora_rank], flat[:, kv_lora_rank:])
+    return out.reshape(*lead, out.shape[-1])
+
+
+def dequantize_rows(
+    rows: torch.Tensor, kv_lora_rank: int, qk_rope_head_dim: int, dst_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of the dequantization: ``[N, row_bytes]`` uint8 -> (nope [N, R], rope [N, Dr]) in ``dst_dtype``."""
+    n = rows.shape[0]
+    tiles = kv_lora_rank // QUANT_BLOCK_SIZE
+    q = rows[:, :kv_lora_rank].contiguous().view(torch.float8_e4m3fn).float().reshape(n, tiles, QUANT_BLOCK_SIZE)
+    scale = rows[:, kv_lora_rank : kv_lora_rank + 4 * tiles].contiguous().view(torch.float32)
+    nope = (q * scale.unsqueeze(-1)).reshape(n, kv_lora_rank).to(dst_dtype)
+    start = kv_lora_rank + 4 * tiles
+    rope = rows[:, start : start + 2 * qk_rope_head_dim].contiguous().view(ROPE_STORAGE_DTYPE).to(dst_dtype)
+    return nope, rope
+
+
+# ==========================================================================================================
+# quantize + store
+# ==========================================================================================================
+
+
+def _as_2d(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
+    """[N, w] or [N, 1, w] -> [N, w] (a view)."""
+    if x.dim() == 3 and x.shape[1] == 1:
+        x = x[:, 0]
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"{what} must be [N, {width}] or [N, 1, {width}], got {tuple(x.shape)}")
+    return x
+
+
+def _check_cache(kv_cache: torch.Tensor, layer_index: int, width: int) -> None:
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or kv_cache.shape[3] != width:
+        raise ValueError(f"kv_cache must be uint8 [L, R, 1, {width}], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    if not 0 <= layer_index < kv_cache.shape[0]:
+        raise ValueError(f"layer_index {layer_index} out of range for {kv_cache.shape[0]} layers")
+
+
+def _check_loc(loc: torch.Tensor) -> None:
+    if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
+
+
+def _check_store_args(kv_cache, layer_index, loc, nope, rope, kv_lora_rank, qk_rope_head_dim):
+    _check_loc(loc)
+    nope = _as_2d(nope, kv_lora_rank, "cache_k_nope")
+    rope = _as_2d(rope, qk_rope_head_dim, "cache_k_rope")
+    _check_cache(kv_cache, layer_index, row_bytes(kv_lora_rank, qk_rope_head_dim))
+    n = loc.shape[0]
+    if nope.shape[0] != n or rope.shape[0] != n:
+        raise ValueError(f"{n} locations but {nope.shape[0]} nope / {rope.shape[0]} rope rows")
+    for name, t in (("cache_k_nope", nope), ("cache_k_rope", rope)):
+        if t.dtype not in _FLOAT_INPUTS:
+            raise ValueError(f"{name} must be float32/float16/bfloat16 to be quantized, got {t.dtype}")
+    if kv_lora_rank % QUANT_BLOCK_SIZE or qk_rope_head_dim % 2:
+        raise ValueError(
+            f"kv_lora_rank={kv_lora_rank} must be a multiple of {QUANT_BLOCK_SIZE} and qk_rope_head_dim="
+            f"{qk_rope_head_dim} even (float32 scales and bf16 rope stay aligned)"
+        )
+    return nope, rope
+
+
+def store_dsa_fp8_native(
+    kv_cache: torch.Tensor,
+    layer_index: int,
+    loc: torch.Tensor,
+    cache_k_nope: torch.Tensor,
+    cache_k_rope: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+) -> None:
+    """Torch reference of :func:`store_dsa_fp8_triton` (same signature and bytes)."""
+    nope, rope = _check_store_args(kv_cache, layer_index, loc, cache_k_nope, cache_k_rope, kv_lora_rank, qk_rope_head_dim)
+    if loc.shape[0] == 0:
+        return
+    kv_cache[layer_index, loc.long(), 0] = quantize_parts(nope, rope)
+
+
+@triton.jit
+def _store_dsa_fp8_kernel(
+    cache_u8,
+    cache_i16,
+    cache_f32,
+    layer_offset,
+    nope_ptr,
+    rope_ptr,
+    loc_ptr,
+    loc_stride,
+    n_tokens,
+    nope_sn,
+    nope_sd,
+    rope_sn,
+    rope_sd,
+    KV_LORA: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+    TILE: tl.constexpr,
+    ROPE_BF16: tl.constexpr,
+    SCALE_MIN: tl.constexpr,
+    SATURATE: tl.constexpr,
+    HW_CVT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``layer_offset`` and ROW_BYTES are in bytes; the int16/float32 views of the same cache are addressed in
+    their own elements (offsets divided by 2 / 4: rows, the scales and the rope start stay aligned)."""
+    pid_n = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_n = offs_n < n_tokens
+    rows = tl.load(loc_ptr + offs_n * loc_stride, mask=mask_n, other=0).to(tl.int64)
+    base = layer_offset + rows * ROW_BYTES  # byte offset of each row
+    if pid_c < NUM_TILES:
+        cols = pid_c * TILE + tl.arange(0, TILE)
+        x = tl.load(nope_ptr + offs_n[:, None] * nope_sn + cols[None, :].to(tl.int64) * nope_sd,
+                    mask=mask_n[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)
+        scale = tl.maximum(scale, tl.zeros_like(scale) + SCALE_MIN)  # the zero-tile guard
+        q = tl.math.div_rn(x, tl.zeros_like(x) + scale[:, None])
+        if HW_CVT:
+            bits = f32_to_fp8_bits_hw(q, 1, SATURATE)
+        else:
+            bits = f32_to_fp8_bits(q, 1, SATURATE)
+        tl.store(cache_u8 + base[:, None] + cols[None, :], bits.to(tl.uint8), mask=mask_n[:, None])
+        tl.store(cache_f32 + (base + KV_LORA + pid_c * 4) // 4, scale, mask=mask_n)
+    else:
+        d = tl.arange(0, ROPE_PAD)
+        mask = mask_n[:, None] & (d < ROPE_DIM)[None, :]
+        x = tl.load(rope_ptr + offs_n[:, None] * rope_sn + d[None, :].to(tl.int64) * rope_sd, mask=mask, other=0)
+        if ROPE_BF16:
+            bits = x.to(tl.int16, bitcast=True)
+        else:
+            xf = x.to(tl.float32)
+            if HW_CVT:
+                bits = xf.to(tl.bfloat16).to(tl.int16, bitcast=True)
+            else:
+                bits = f32_to_bf16_bits(xf).to(tl.int16)
+        dst = (base + KV_LORA + NUM_TILES * 4) // 2
+        tl.store(cache_i16 + dst[:, None] + d[None, :], bits, mask=mask)
+
+
+def store_dsa_fp8_triton(
+    kv_cache: torch.Tensor,
+    layer_index: int,
+    loc: torch.Tensor,
+    cache_k_nope: torch.Tensor,
+    cache_k_rope: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+) -> None:
+    """Quantize and store latent rows: ``kv_cache[layer_index, loc[i], 0] = quantize(nope[i] ++ rope[i])``.
+
+    :param kv_cache: contiguous uint8 ``[L, R, 1, row_bytes(kv_lora_rank, qk_rope_head_dim)]``.
+    :param layer_index: 0-based layer in the stack.
+    :param loc: ``[N]`` int32/int64 distinct rows.
+    :param cache_k_nope: ``[N, kv_lora_rank]`` or ``[N, 1, kv_lora_rank]`` float32/float16/bfloat16, any
+        strides.  Not modified.
+    :param cache_k_rope: ``[N, qk_rope_head_dim]`` or ``[N, 1, qk_rope_head_dim]``, likewise.
+    :returns: nothing; the rows are byte-identical to :func:`quantize_concatenated` of the concatenation.
+        One launch, no allocation, no host sync (CUDA-graph safe).
+    """
+    nope, rope = _check_store_args(kv_cache, layer_index, loc, cache_k_nope, cache_k_rope, kv_lora_rank, qk_rope_head_dim)
+    n = loc.shape[0]
+    if n == 0:
+        return
+    width = kv_cache.shape[3]
+    tiles = kv_lora_rank // QUANT_BLOCK_SIZE
+    block_n = min(_QUANT_BLOCK_N, next_pow2(n))
+    _store_dsa_fp8_kernel[(triton.cdiv(n, block_n), tiles + 1)](
+        kv_cache, kv_cache.view(torch.int16), kv_cache.view(torch.float32),
+        layer_index * kv_cache.stride(0), nope, rope, loc, loc.stride(0), n,
+        nope.stride(0), nope.stride(1), rope.stride(0), rope.stride(1),
+        KV_LORA=kv_lora_rank, ROPE_DIM=qk_rope_head_dim, ROPE_PAD=next_pow2(qk_rope_head_dim), ROW_BYTES=width,
+        NUM_TILES=tiles, TILE=QUANT_BLOCK_SIZE, ROPE_BF16=rope.dtype == torch.bfloat16, SCALE_MIN=SCALE_MIN,
+        SATURATE=torch_e4m3fn_saturates(), HW_CVT=not triton_interpreting(), BLOCK_N=block_n,
+        num_warps=_NUM_WARPS,
+    )  # fmt: skip
+
+
+# ==========================================================================================================
+# dequantizing gather
+# ==========================================================================================================
+
+
+def _check_gather_args(kv_cache, layer_index, loc, nope_out, rope_out, kv_lora_rank, qk_rope_head_dim):
+    _check_loc(loc)
+    _check_cache(kv_cache, layer_index, row_bytes(kv_lora_rank, qk_rope_head_dim))
+    n = loc.shape[0]
+    for name, t, w in (("nope_out", nope_out, kv_lora_rank), ("rope_out", rope_out, qk_rope_head_dim)):
+        if t.numel() != n * w or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous with {n} x {w} elements, got {tuple(t.shape)}")
+        if t.dtype not in _DST_CODES:
+            raise ValueError(f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+    if nope_out.dtype != rope_out.dtype:
+        raise ValueError(f"nope_out and rope_out must share a dtype, got {nope_out.dtype} and {rope_out.dtype}")
+
+
+def gather_dsa_fp8_native(
+    kv_cache: torch.Tensor,
+    layer_index: int,
+    loc: torch.Tensor,
+    nope_out: torch.Tensor,
+    rope_out: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+) -> None:
+    """Torch reference of :func:`gather_dsa_fp8_triton`: gathers the rows first, then dequantizes only them."""
+    _check_gather_args(kv_cache, layer_index, loc, nope_out, rope_out, kv_lora_rank, qk_rope_head_dim)
+    n = loc.shape[0]
+    if n == 0:
+        return
+    rows = kv_cache[layer_index].index_select(0, loc.long())[:, 0]
+    nope, rope = dequantize_rows(rows, kv_lora_rank, qk_rope_head_dim, nope_out.dtype)
+    nope_out.view(n, kv_lora_rank).copy_(nope)
+    rope_out.view(n, qk_rope_head_dim).copy_(rope)
+
+
+@triton.jit
+def _store_converted(ptr, xf, mask, OUT: tl.constexpr, HW_CVT: tl.constexpr):
+    if OUT == 1:
+        tl.store(ptr, xf, mask=mask)
+    elif OUT == 2:
+        tl.store(ptr, xf.to(tl.float16), mask=mask)
+    else:
+        if HW_CVT:
+            tl.store(ptr, xf.to(tl.bfloat16), mask=mask)
+        else:
+            tl.store(ptr, f32_to_bf16_bits(xf).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _gather_dsa_fp8_kernel(
+    cache_u8,
+    cache_i16,
+    cache_f32,
+    layer_offset,
+    loc_ptr,
+    loc_stride,
+    n_tokens,
+    nope_out,
+    rope_out,
+    KV_LORA: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+    TILE: tl.constexpr,
+    OUT: tl.constexpr,
+    HW_CVT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_n = offs_n < n_tokens
+    rows = tl.load(loc_ptr + offs_n * loc_stride, mask=mask_n, other=0).to(tl.int64)
+    base = layer_offset + rows * ROW_BYTES
+    if pid_c < NUM_TILES:
+        cols = pid_c * TILE + tl.arange(0, TILE)
+        b = tl.load(cache_u8 + base[:, None] + cols[None, :], mask=mask_n[:, None], other=0)
+        s = tl.load(cache_f32 + (base + KV_LORA + pid_c * 4) // 4, mask=mask_n, other=0.0)
+        xf = e4m3fn_bits_to_f32(b) * s[:, None]
+        _store_converted(nope_out + offs_n[:, None] * KV_LORA + cols[None, :], xf, mask_n[:, None], OUT, HW_CVT)
+    else:
+        d = tl.arange(0, ROPE_PAD)
+        mask = mask_n[:, None] & (d < ROPE_DIM)[None, :]
+        src = (base + KV_LORA + NUM_TILES * 4) // 2
+        bits = tl.load(cache_i16 + src[:, None] + d[None, :], mask=mask, other=0)
+        dst = rope_out + offs_n[:, None] * ROPE_DIM + d[None, :]
+        if OUT == 3:
+            tl.store(dst, bits.to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            # bf16 -> float32 is exact: the bits shifted into the high half.
+            xf = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            _store_converted(dst, xf, mask, OUT, HW_CVT)
+
+
+def gather_dsa_fp8_triton(
+    kv_cache: torch.Tensor,
+    layer_index: int,
+    loc: torch.Tensor,
+    nope_out: torch.Tensor,
+    rope_out: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+) -> None:
+    """Dequantize rows ``loc`` of layer ``layer_index`` into ``nope_out`` / ``rope_out``.
+
+    :param kv_cache: contiguous uint8 ``[L, R, 1, row_bytes]`` (see :func:`store_dsa_fp8_triton`).
+    :param loc: ``[N]`` int32/int64 rows; only these rows are read.
+    :param nope_out: contiguous ``N x kv_lora_rank`` elements (e.g. ``[N, 1, R]``), float32/float16/bfloat16:
+        ``float32(fp8) * scale`` converted with round-to-nearest-even.
+    :param rope_out: contiguous ``N x qk_rope_head_dim`` elements of the same dtype: the stored bf16 rope.
+    """
+    _check_gather_args(kv_cache, layer_index, loc, nope_out, rope_out, kv_lora_rank, qk_rope_head_dim)
+    n = loc.shape[0]
+    if n == 0:
+        return
+    tiles = kv_lora_rank // QUANT_BLOCK_SIZE
+    block_n = min(_QUANT_BLOCK_N, next_pow2(n))
+    _gather_dsa_fp8_kernel[(triton.cdiv(n, block_n), tiles + 1)](
+        kv_cache, kv_cache.view(torch.int16), kv_cache.view(torch.float32),
+        layer_index * kv_cache.stride(0), loc, loc.stride(0), n, nope_out, rope_out,
+        KV_LORA=kv_lora_rank, ROPE_DIM=qk_rope_head_dim, ROPE_PAD=next_pow2(qk_rope_head_dim),
+        ROW_BYTES=kv_cache.shape[3], NUM_TILES=tiles, TILE=QUANT_BLOCK_SIZE, OUT=_DST_CODES[nope_out.dtype],
+        HW_CVT=not triton_interpreting(), BLOCK_N=block_n, num_warps=_NUM_WARPS,
+    )  # fmt: skip
+
+
+# ==========================================================================================================
+# indexer pages
+# ==========================================================================================================
+
+
+def _index_geometry(index_buf: torch.Tensor, key_bytes: int, has_scale: bool) -> int:
+    """Checks ``index_buf`` [L, pages, page_bytes] uint8 against the key width; returns the page bytes."""
+    if index_buf.dtype != torch.uint8 or index_buf.dim() != 3 or not index_buf.is_contiguous():
+        raise ValueError(f"index buffer must be contiguous uint8 [L, pages, page_bytes], got {index_buf.dtype} {tuple(index_buf.shape)}")
+    page_bytes = INDEX_PAGE_SIZE * (key_bytes + (INDEX_SCALE_BYTES if has_scale else 0))
+    if index_buf.shape[2] != page_bytes:
+        raise ValueError(f"index pages hold {index_buf.shape[2]} bytes, keys of {key_bytes} bytes need {page_bytes}")
+    return page_bytes
+
+
+def _key_bytes(index_k: torch.Tensor) -> torch.Tensor:
+    """[N, D] keys of any dtype -> [N, D * itemsize] uint8 (a view when the last dim is packed)."""
+    if index_k.dim() == 3 and index_k.shape[1] == 1:
+        index_k = index_k[:, 0]
+    if index_k.dim() != 2:
+        raise ValueError(f"index_k must be [N, D], got {tuple(index_k.shape)}")
+    if index_k.stride(1) != 1:
+        index_k = index_k.contiguous()
+    return index_k.view(torch.uint8)
+
+
+def _scale_bytes(index_k_scale: torch.Tensor, n: int) -> torch.Tensor:
+    """[N] / [N, 1] float32 or [N, 4] uint8 -> [N, 4] uint8 (a view when possible)."""
+    s = index_k_scale
+    if s.dtype == torch.float32:
+        s = s.reshape(n, 1) if s.numel() == n else s
+        if s.dim() != 2 or s.shape != (n, 1):
+            raise ValueError(f"index_k_scale must hold one float32 per token ({n}), got {tuple(index_k_scale.shape)}")
+        s = (s if s.stride(1) == 1 else s.contiguous()).view(torch.uint8)
+    elif s.dtype == torch.uint8:
+        s = s.reshape(n, INDEX_SCALE_BYTES) if s.numel() == n * INDEX_SCALE_BYTES else s
+        if s.shape != (n, INDEX_SCALE_BYTES):
+            raise ValueError(f"index_k_scale as bytes must be [{n}, 4] uint8, got {tuple(index_k_scale.shape)}")
+    else:
+        raise ValueError(f"index_k_scale must be float32 or uint8 bytes, got {s.dtype}")
+    return s
+
+
+def _check_set_index(index_buf, layer_index, loc, index_k, index_k_scale):
+    _check_loc(loc)
+    if not 0 <= layer_index < index_buf.shape[0]:
+        raise ValueError(f"layer_index {layer_index} out of range for {index_buf.shape[0]} layers")
+    n = loc.shape[0]
+    keys = _key_bytes(index_k)
+    if keys.shape[0] != n:
+        raise ValueError(f"{n} locations but {keys.shape[0]} index keys")
+    scales = None if index_k_scale is None else _scale_bytes(index_k_scale, n)
+    page_bytes = _index_geometry(index_buf, keys.shape[1], scales is not None)
+    return keys, scales, page_bytes
+
+
+def set_index_k_native(
+    index_buf: torch.Tensor, layer_index: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale=None
+) -> None:
+    """Torch reference of :func:`set_index_k_triton`."""
+    keys, scales, page_bytes = _check_set_index(index_buf, layer_index, loc, index_k, index_k_scale)
+    if loc.shape[0] == 0:
+        return
+    layer = index_buf[layer_index]
+    key_bytes = keys.shape[1]
+    loc = loc.long()
+    page, slot = loc // INDEX_PAGE_SIZE, loc % INDEX_PAGE_SIZE
+    layer[:, : INDEX_PAGE_SIZE * key_bytes].view(-1, INDEX_PAGE_SIZE, key_bytes)[page, slot] = keys
+    if scales is not None:
+        layer[:, INDEX_PAGE_SIZE * key_bytes :].view(-1, INDEX_PAGE_SIZE, INDEX_SCALE_BYTES)[page, slot] = scales
+    del page_bytes
+
+
+@triton.jit
+def _set_index_k_kernel(
+    buf_ptr,
+    layer_offset,
+    loc_ptr,
+    loc_stride,
+    n_tokens,
+    k_ptr,
+    k_sn,
+    k_sd,
+    s_ptr,
+    s_sn,
+    s_sd,
+    PAGE: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_n = offs_n < n_tokens
+    loc = tl.load(loc_ptr + offs_n * loc_stride, mask=mask_n, other=0).to(tl.int64)
+    page_base = layer_offset + (loc // PAGE) * PAGE_BYTES
+    slot = loc % PAGE
+    cols = tl.arange(0, KEY_BYTES)
+    k = tl.load(k_ptr + offs_n[:, None] * k_sn + cols[None, :].to(tl.int64) * k_sd, mask=mask_n[:, None])
+    tl.store(buf_ptr + (page_base + slot * KEY_BYTES)[:, None] + cols[None, :], k, mask=mask_n[:, None])
+    if HAS_SCALE:
+        j = tl.arange(0, 4)
+        s = tl.load(s_ptr + offs_n[:, None] * s_sn + j[None, :].to(tl.int64) * s_sd, mask=mask_n[:, None])
+        dst = page_base + PAGE * KEY_BYTES + slot * 4
+        tl.store(buf_ptr + dst[:, None] + j[None, :], s, mask=mask_n[:, None])
+
+
+def set_index_k_triton(
+    index_buf: torch.Tensor, layer_index: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale=None
+) -> None:
+    """Write indexer keys (and scales) of tokens ``loc`` into their pages: token ``loc`` is slot ``loc % 64`` of
+    page ``loc // 64``.
+
+    :param index_buf: contiguous uint8 ``[L, pages, page_bytes]``; a page is 64 keys then (fp8) 64 scales.
+    :param loc: ``[N]`` int32/int64 token locations.
+    :param index_k: ``[N, D]`` keys, copied as raw bytes (fp8 or uint8 for the fp8 indexer, bf16 for the bf16
+        one), any token stride.
+    :param index_k_scale: fp8 indexer: ``[N]`` float32 (or ``[N, 4]`` uint8 holding them); None for bf16 keys.
+    """
+    keys, scales, page_bytes = _check_set_index(index_buf, layer_index, loc, index_k, index_k_scale)
+    n = loc.shape[0]
+    if n == 0:
+        return
+    block_n = min(_INDEX_BLOCK_N, next_pow2(n))
+    s = scales if scales is not None else keys
+    _set_index_k_kernel[(triton.cdiv(n, block_n),)](
+        index_buf, layer_index * index_buf.stride(0), loc, loc.stride(0), n,
+        keys, keys.stride(0), keys.stride(1), s, s.stride(0), s.stride(1),
+        PAGE=INDEX_PAGE_SIZE, PAGE_BYTES=page_bytes, KEY_BYTES=keys.shape[1], HAS_SCALE=scales is not None,
+        BLOCK_N=block_n, num_warps=_NUM_WARPS,
+    )  # fmt: skip
+
+
+def _check_get_index(index_buf, layer_index, seq_len, page_indices, key_bytes, k_out, s_out):
+    if not 0 <= layer_index < index_buf.shape[0]:
+        raise ValueError(f"layer_index {layer_index} out of range for {index_buf.shape[0]} layers")
+    if page_indices.dim() != 1 or page_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"page_indices must be a 1-D int32/int64 tensor, got {page_indices.dtype} {tuple(page_indices.shape)}")
+    needed = triton.cdiv(seq_len, INDEX_PAGE_SIZE)
+    if seq_len < 0 or page_indices.shape[0] < needed:
+        raise ValueError(f"seq_len={seq_len} needs {needed} page indices, got {page_indices.shape[0]}")
+    has_scale = index_buf.shape[2] == INDEX_PAGE_SIZE * (key_bytes + INDEX_SCALE_BYTES)
+    page_bytes = _index_geometry(index_buf, key_bytes, has_scale)
+    if k_out is not None and (k_out.dtype != torch.uint8 or k_out.shape != (seq_len, key_bytes) or not k_out.is_contiguous()):
+        raise ValueError(f"k_out must be contiguous uint8 [{seq_len}, {key_bytes}], got {k_out.dtype} {tuple(k_out.shape)}")
+    if s_out is not None:
+        if not has_scale:
+            raise ValueError("this indexer buffer keeps no scales")
+        if s_out.dtype != torch.uint8 or s_out.shape != (seq_len, INDEX_SCALE_BYTES) or not s_out.is_contiguous():
+            raise ValueError(f"s_out must be contiguous uint8 [{seq_len}, 4], got {s_out.dtype} {tuple(s_out.shape)}")
+    return page_bytes
+
+
+def get_index_k_native(
+    index_buf: torch.Tensor,
+    layer_index: int,
+    seq_len: int,
+    page_indices: torch.Tensor,
+    k_out: torch.Tensor | None,
+    s_out: torch.Tensor | None,
+    *,
+    key_bytes: int,
+) -> None:
+    """Torch reference of :func:`get_index_k_triton`."""
+    _check_get_index(index_buf, layer_index, seq_len, page_indices, key_bytes, k_out, s_out)
+    if seq_len == 0:
+        return
+    layer = index_buf[layer_index]
+    i = torch.arange(seq_len, device=index_buf.device)
+    page = page_indices.long()[i // INDEX_PAGE_SIZE]
+    slot = i % INDEX_PAGE_SIZE
+    if k_out is not None:
+        k_out.copy_(layer[:, : INDEX_PAGE_SIZE * key_bytes].view(-1, INDEX_PAGE_SIZE, key_bytes)[page, slot])
+    if s_out is not None:
+        scales = layer[:, INDEX_PAGE_SIZE * key_bytes :].view(-1, INDEX_PAGE_SIZE, INDEX_SCALE_BYTES)
+        s_out.copy_(scales[page, slot])
+
+
+@triton.jit
+def _get_index_k_kernel(
+    buf_ptr,
+    layer_offset,
+    page_ptr,
+    page_stride,
+    seq_len,
+    k_out,
+    s_out,
+    PAGE: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    WANT_K: tl.constexpr,
+    WANT_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    i = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_n = i < seq_len
+    page = tl.load(page_ptr + (i // PAGE) * page_stride, mask=mask_n, other=0).to(tl.int64)
+    page_base = layer_offset + page * PAGE_BYTES
+    slot = i % PAGE
+    if WANT_K:
+        cols = tl.arange(0, KEY_BYTES)
+        k = tl.load(buf_ptr + (page_base + slot * KEY_BYTES)[:, None] + cols[None, :], mask=mask_n[:, None])
+        tl.store(k_out + i[:, None] * KEY_BYTES + cols[None, :], k, mask=mask_n[:, None])
+    if WANT_S:
+        j = tl.arange(0, 4)
+        src = page_base + PAGE * KEY_BYTES + slot * 4
+        s = tl.load(buf_ptr + src[:, None] + j[None, :], mask=mask_n[:, None])
+        tl.store(s_out + i[:, None] * 4 + j[None, :], s, mask=mask_n[:, None])
+
+
+def get_index_k_triton(
+    index_buf: torch.Tensor,
+    layer_index: int,
+    seq_len: int,
+    page_indices: torch.Tensor,
+    k_out: torch.Tensor | None,
+    s_out: torch.Tensor | None,
+    *,
+    key_bytes: int,
+) -> None:
+    """Read a sequence's indexer keys and/or scales in token order (one launch for both).
+
+    Token ``i`` of the sequence lives in page ``page_indices[i // 64]`` at slot ``i % 64``.
+
+    :param index_buf: contiguous uint8 ``[L, pages, page_bytes]``.
+    :param seq_len: tokens to read.
+    :param page_indices: ``[>= ceil(seq_len / 64)]`` int32/int64 pages of the sequence.
+    :param k_out: contiguous uint8 ``[seq_len, key_bytes]`` or None.
+    :param s_out: contiguous uint8 ``[seq_len, 4]`` (float32 scale bytes) or None.
+    :param key_bytes: bytes of one key (128 fp8, 256 bf16).
+    """
+    page_bytes = _check_get_index(index_buf, layer_index, seq_len, page_indices, key_bytes, k_out, s_out)
+    if seq_len == 0 or (k_out is None and s_out is None):
+        return
+    block_n = min(_INDEX_BLOCK_N, next_pow2(seq_len))
+    dummy = k_out if k_out is not None else s_out
+    _get_index_k_kernel[(triton.cdiv(seq_len, block_n),)](
+        index_buf, layer_index * index_buf.stride(0), page_indices, page_indices.stride(0), seq_len,
+        k_out if k_out is not None else dummy, s_out if s_out is not None else dummy,
+        PAGE=INDEX_PAGE_SIZE, PAGE_BYTES=page_bytes, KEY_BYTES=key_bytes, WANT_K=k_out is not None,
+        WANT_S=s_out is not None, BLOCK_N=block_n, num_warps=_NUM_WARPS,
+    )  # fmt: skip

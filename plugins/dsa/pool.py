@@ -1,0 +1,306 @@
+"""DSA token-to-KV pool (DeepSeek sparse attention, DeepSeek-V3.2): MLA latent rows plus the indexer's key pages."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.pools import layer_id_of
+from kvcore_dsa import kernels
+from kvcore_dsa.layout import (
+    INDEX_SCALE_BYTES,
+    QUANT_BLOCK_SIZE,
+    ROPE_STORAGE_DTYPE,
+    calculate_mla_kv_cache_dim,
+    check_dsa_dims,
+    index_page_bytes,
+    index_pages,
+    resolve_index_dtype,
+    uses_scaled_fp8,
+)
+from kvcore_mla.pool import MLATokenToKVPool
+
+
+class DSATokenToKVPool(MLATokenToKVPool):
+    """SGLang's ``NSATokenToKVPool``: an MLA pool whose fp8 rows carry per-tile scales, plus the indexer's keys.
+
+    Buffers (formats in :mod:`kvcore_dsa.layout`):
+
+    * ``kv`` — ``kv_cache [layer_num, size + page_size, 1, kv_cache_dim]``, token-indexed.  With a
+      ``float8_e4m3fn`` cache a row is 656 bytes (fp8 nope, float32 tile scales, bf16 rope) written by a fused
+      quantize-and-store kernel and read back by a dequantizing gather; with any other dtype it is the plain
+      MLA row (576 values) and every MLA accessor behaves as in :class:`~kvcore_mla.pool.MLATokenToKVPool`.
+    * ``index_k`` — ``index_k_with_scale_cache [layer_num, pages, page_bytes]`` uint8, page-indexed: page
+      ``p`` holds the indexer keys of tokens ``64 p .. 64 p + 63`` (8448 bytes with fp8 keys and float32
+      scales, 16384 with bf16 keys).  ``index_k_with_scale_buffer[i]`` is local layer ``i``'s view.
+
+    What covers which buffer:
+
+    * :meth:`token_buffers` is ``{"kv"}`` only: :meth:`move_kv_cache`, CPU offload
+      (:meth:`get_cpu_copy` / :meth:`load_cpu_copy`) and :meth:`get_contiguous_buf_infos` work on token rows
+      and leave the page-indexed indexer alone.  :meth:`move_kv_cache` therefore does **not** move indexer
+      keys: a token moved to a new slot keeps its latent row, and its indexer key must be written again at the
+      new slot (:meth:`set_index_k_scale_buffer`) if the indexer will look at it there.  Likewise a CPU copy
+      holds no indexer keys.  Transfer engines reach the indexer through :meth:`get_state_buf_infos`.
+    * :meth:`buffers` (and so ``get_kv_size_bytes``, ``mem_usage``) counts both.
+
+    :param index_head_dim: the indexer key width; must be 128.
+    :param index_dtype: the indexer's keys: ``None``/``torch.float8_e4m3fn``/``"fp8"`` (default, with float32
+        scales) or ``torch.bfloat16``/``"bfloat16"`` (no scales).
+    :param kernels: ``auto`` (Triton on CUDA), ``triton`` or ``native`` (torch reference).
+    :raises kvcore.errors.ConfigError: page size other than 64, kv_lora_rank not a multiple of 128,
+        index_head_dim other than 128.
+    """
+
+    quant_block_size = QUANT_BLOCK_SIZE
+    index_k_with_scale_buffer_dtype = torch.uint8
+    rope_storage_dtype = ROPE_STORAGE_DTYPE
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        kv_lora_rank: int,
+        dtype: torch.dtype,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str,
+        index_head_dim: int,
+        enable_memory_saver: bool,
+        start_layer: int | None = None,
+        end_layer: int | None = None,
+        kernels: str = "auto",
+        index_dtype=None,
+    ):
+        check_dsa_dims(page_size=page_size, kv_lora_rank=kv_lora_rank, index_head_dim=index_head_dim)
+        self.index_head_dim = index_head_dim
+        self.index_k_dtype = resolve_index_dtype(index_dtype)
+        self.nsa_kv_cache_store_fp8 = uses_scaled_fp8(dtype)
+        super().__init__(
+            size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device, enable_memory_saver,
+            start_layer, end_layer,
+            kv_cache_dim=calculate_mla_kv_cache_dim(kv_lora_rank, qk_rope_head_dim, dtype, is_dsa=True),
+            kernels=kernels,
+        )  # fmt: skip
+        self._index_has_scale = self.index_k_dtype == torch.float8_e4m3fn
+        self._index_key_bytes = index_head_dim * (1 if self._index_has_scale else self.index_k_dtype.itemsize)
+        self.index_k_with_scale_cache = torch.zeros(
+            (layer_num, index_pages(size, page_size), index_page_bytes(self.index_k_dtype, index_head_dim)),
+            dtype=self.index_k_with_scale_buffer_dtype,
+            device=device,
+        )
+        self.index_k_with_scale_buffer = list(self.index_k_with_scale_cache.unbind(0))
+        self._finalize_allocation()
+
+    # -- layout and sizes --------------------------------------------------------------------------------
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """``{"kv": latent rows, "index_k": indexer pages}`` (the indexer once allocated)."""
+        buffers = dict(super().buffers())
+        index = getattr(self, "index_k_with_scale_cache", None)
+        if index is not None:
+            buffers["index_k"] = index
+        return buffers
+
+    def token_buffers(self) -> dict[str, torch.Tensor]:
+        """Only the token-indexed latent rows; the indexer is page-indexed (see the class docstring)."""
+        return {"kv": self.kv_cache}
+
+    def get_kv_size_bytes(self) -> int:
+        """Bytes of both buffers, all layers, padding included (the seed adds the indexer too)."""
+        return sum(t.nbytes for t in self.buffers().values())
+
+    def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """Per layer of the indexer: (data pointer, bytes, bytes of one page), for transfer engines."""
+        layers = self.index_k_with_scale_buffer
+        return [t.data_ptr() for t in layers], [t.nbytes for t in layers], [t[0].nbytes for t in layers]
+
+    # -- latent rows -------------------------------------------------------------------------------------
+
+    def _fp8_kwargs(self) -> dict:
+        return {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim}
+
+    def set_mla_kv_buffer(
+        self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
+    ) -> None:
+        """Store the latent rows of ``loc.numel()`` tokens from their two parts, in one launch.
+
+        fp8 cache: quantize-and-store; the row is byte-identical to
+        :func:`kvcore_dsa.kernels.quantize_concatenated` of ``cat(nope, rope)``.  Other dtypes: the MLA store.
+
+        :param cache_k_nope: ``[N, 1, kv_lora_rank]`` or ``[N, kv_lora_rank]`` float32/float16/bfloat16, any
+            strides.
+        :param cache_k_rope: ``[N, 1, qk_rope_head_dim]`` or ``[N, qk_rope_head_dim]``, likewise.
+        """
+        if not self.nsa_kv_cache_store_fp8:
+            return super().set_mla_kv_buffer(layer, loc, cache_k_nope, cache_k_rope)
+        local = self.local_layer(layer)
+        store = kernels.store_dsa_fp8_triton if self._use_triton else kernels.store_dsa_fp8_native
+        store(self.kv_cache, local, loc.reshape(-1), cache_k_nope, cache_k_rope, **self._fp8_kwargs())
+
+    def set_kv_buffer(
+        self,
+        layer,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor | None = None,
+        k_scale=None,
+        v_scale=None,
+    ) -> None:
+        """Store concatenated latent rows ``cache_k`` (``cache_v`` is ignored, as in MLA).
+
+        fp8 cache: float rows ``[N, 1, kv_lora_rank + qk_rope_head_dim]`` (or ``[N, 576]``) are quantized
+        exactly like :meth:`set_mla_kv_buffer`; rows already in the 656-byte format (uint8 or float8_e4m3fn,
+        e.g. from a transfer) are copied as bytes.  Rows carry their own scales, so ``k_scale`` / ``v_scale``
+        must be None.  Other dtypes: the MLA store.
+        """
+        if not self.nsa_kv_cache_store_fp8:
+            return super().set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale)
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("DSA fp8 rows carry per-tile scales; pass k_scale=None and v_scale=None")
+        local = self.local_layer(layer)
+        loc = loc.reshape(-1)
+        n = loc.numel()
+        if cache_k.dtype in (torch.uint8, torch.float8_e4m3fn) and cache_k.shape[-1] == self.kv_cache_dim:
+            rows = cache_k.reshape(n, 1, self.kv_cache_dim).view(torch.uint8)
+            self.kv_cache[local, loc.long()] = rows
+            return
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        if cache_k.shape[-1] != width or cache_k.numel() != n * width:
+            raise ValueError(
+                f"layer {layer_id_of(layer)}: cache_k {tuple(cache_k.shape)} is not {n} rows of kv_lora_rank + "
+                f"qk_rope_head_dim = {width} values (or of {self.kv_cache_dim} quantized bytes)"
+            )
+        rows = cache_k.reshape(n, width)
+        nope, rope = rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
+        store = kernels.store_dsa_fp8_triton if self._use_triton else kernels.store_dsa_fp8_native
+        store(self.kv_cache, local, loc, nope, rope, **self._fp8_kwargs())
+
+    def get_mla_kv_buffer(
+        self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather (and, for fp8, dequantize) the rows ``loc`` of ``layer``; only those rows are read.
+
+        :param dst_dtype: float32, float16 or bfloat16 for an fp8 cache (default bfloat16, the rope's storage
+            dtype: dequantizing to fp8 would be meaningless); any MLA destination otherwise.
+        :returns: ``(cache_k_nope [N, 1, kv_lora_rank], cache_k_rope [N, 1, qk_rope_head_dim])``: the nope
+            values ``float32(fp8) * scale`` and the stored bf16 rope, converted to ``dst_dtype``.
+        """
+        if not self.nsa_kv_cache_store_fp8:
+            return super().get_mla_kv_buffer(layer, loc, dst_dtype)
+        local = self.local_layer(layer)
+        self._wait_for_layer(local)
+        dst_dtype = dst_dtype or ROPE_STORAGE_DTYPE
+        n = loc.numel()
+        nope = torch.empty((n, 1, self.kv_lora_rank), dtype=dst_dtype, device=self.device)
+        rope = torch.empty((n, 1, self.qk_rope_head_dim), dtype=dst_dtype, device=self.device)
+        gather = kernels.gather_dsa_fp8_triton if self._use_triton else kernels.gather_dsa_fp8_native
+        gather(self.kv_cache, local, loc.reshape(-1), nope, rope, **self._fp8_kwargs())
+        return nope, rope
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Copy latent rows ``src_loc`` to ``tgt_loc`` in all layers at once (overlaps are safe).
+
+        Only the token-indexed ``kv`` rows move (:mod:`kvcore.row_move`); the page-indexed indexer keys are
+        **not** moved — write them at the new slots with :meth:`set_index_k_scale_buffer` if needed.
+        """
+        if tgt_loc.numel() != src_loc.numel():
+            raise ValueError(f"move_kv_cache: {tgt_loc.numel()} targets but {src_loc.numel()} sources")
+        if tgt_loc.numel() == 0:
+            return
+        move = kernels.move_kv_rows_triton if self._use_triton else kernels.move_kv_rows_native
+        move(self.kv_cache, None, tgt_loc.reshape(-1), src_loc.reshape(-1))
+
+    # -- indexer -----------------------------------------------------------------------------------------
+
+    def get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:
+        """One layer's indexer pages ``[pages, page_bytes]`` uint8 (waits for a layer-wise load)."""
+        local = self.local_layer(layer_id)
+        self._wait_for_layer(local)
+        return self.index_k_with_scale_buffer[local]
+
+    def set_index_k_scale_buffer(
+        self, layer_id: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale: torch.Tensor | None = None
+    ) -> None:
+        """Write the indexer keys of tokens ``loc``: token ``loc`` is slot ``loc % 64`` of page ``loc // 64``.
+
+        :param index_k: fp8 indexer: ``[N, 128]`` float8_e4m3fn or uint8 bytes; bf16 indexer: ``[N, 128]``
+            bfloat16 (other floats are converted first).  Any token stride.
+        :param index_k_scale: fp8 indexer: ``[N]`` float32 (or ``[N, 4]`` uint8 holding them); bf16: None.
+        """
+        local = self.local_layer(layer_id)
+        loc = loc.reshape(-1)
+        if index_k.shape[-1] != self.index_head_dim:
+            raise ValueError(f"index_k {tuple(index_k.shape)} must end in index_head_dim = {self.index_head_dim}")
+        if self._index_has_scale:
+            if index_k.dtype not in (torch.float8_e4m3fn, torch.uint8):
+                raise ValueError(f"the fp8 indexer stores float8_e4m3fn keys (or their uint8 bytes), got {index_k.dtype}")
+            if index_k_scale is None:
+                raise ValueError("the fp8 indexer needs index_k_scale (one float32 per token)")
+        else:
+            if index_k_scale is not None:
+                raise ValueError("the bf16 indexer keeps no scales; pass index_k_scale=None")
+            if index_k.dtype != torch.bfloat16:
+                index_k = index_k.to(torch.bfloat16)
+        index_set = kernels.set_index_k_triton if self._use_triton else kernels.set_index_k_native
+        index_set(self.index_k_with_scale_cache, local, loc, index_k, index_k_scale)
+
+    def _index_get(self, layer_id: int, seq_len: int, page_indices: torch.Tensor, want_k: bool, want_s: bool):
+        local = self.local_layer(layer_id)
+        self._wait_for_layer(local)
+        if want_s and not self._index_has_scale:
+            raise ValueError("the bf16 indexer (kv_cache.options.index_dtype=bfloat16) keeps no scales")
+        seq_len = int(seq_len)
+        page_indices = page_indices.reshape(-1)
+        k_out = torch.empty((seq_len, self._index_key_bytes), dtype=torch.uint8, device=self.device) if want_k else None
+        s_out = torch.empty((seq_len, INDEX_SCALE_BYTES), dtype=torch.uint8, device=self.device) if want_s else None
+        index_get = kernels.get_index_k_triton if self._use_triton else kernels.get_index_k_native
+        index_get(self.index_k_with_scale_cache, local, seq_len, page_indices, k_out, s_out, key_bytes=self._index_key_bytes)
+        if k_out is not None and not self._index_has_scale:
+            k_out = k_out.view(self.index_k_dtype)
+        return k_out, s_out
+
+    def get_index_k_continuous(self, layer_id: int, seq_len: int, page_indices: torch.Tensor) -> torch.Tensor:
+        """A sequence's indexer keys in token order: ``[seq_len, 128]`` uint8 fp8 bytes (bf16 indexer: bfloat16).
+
+        Token ``i`` lives in page ``page_indices[i // 64]`` at slot ``i % 64``.
+        """
+        return self._index_get(layer_id, seq_len, page_indices, True, False)[0]
+
+    def get_index_k_scale_continuous(self, layer_id: int, seq_len: int, page_indices: torch.Tensor) -> torch.Tensor:
+        """A sequence's indexer scales in token order: ``[seq_len, 4]`` uint8 (float32 bytes); fp8 indexer only."""
+        return self._index_get(layer_id, seq_len, page_indices, False, True)[1]
+
+    def get_index_k_scale_buffer(
+        self, layer_id: int, seq_len: int, page_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and scales together, in one launch: ``([seq_len, 128] uint8, [seq_len, 4] uint8)``."""
+        return self._index_get(layer_id, seq_len, page_indices, True, True)
+
+    # -- self-check --------------------------------------------------------------------------------------
+
+    def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Random latent rows through :meth:`set_mla_kv_buffer` and random indexer keys through
+        :meth:`set_index_k_scale_buffer`.
+
+        :returns: ``{"kv": rows}`` only — the expected latent rows (for fp8 from the torch reference
+            :func:`~kvcore_dsa.kernels.quantize_concatenated`).  The indexer rows are page-addressed, so they
+            cannot be returned in the token-row form the checks compare; they land in ``index_k``.
+        """
+        if self.nsa_kv_cache_store_fp8:
+            r, p = self.kv_lora_rank, self.qk_rope_head_dim
+            values = torch.randn((loc.numel(), 1, r + p + 3), generator=generator) * 2
+            values = torch.where(values == 0, torch.ones_like(values), values).to(torch.bfloat16).to(self.device)
+            nope, rope = values[..., :r], values[..., r : r + p]  # strided views of one projection
+            self.set_mla_kv_buffer(layer, loc, nope, rope)
+            expected = {"kv": kernels.quantize_concatenated(values[..., : r + p], r)}
+        else:
+            expected = super().self_test_write(layer, loc, generator)
+        n = loc.numel()
+        keys = torch.randn((n, self.index_head_dim), generator=generator) * 2
+        keys = torch.where(keys == 0, torch.ones_like(keys), keys)
+        if self._index_has_scale:
+            scales = (torch.rand(n, generator=generator) + 0.01).to(self.device)
+            self.set_index_k_scale_buffer(layer, loc, keys.to(torch.float8_e4m3fn).to(self.device), scales)
+        else:
+            self.set_index_k_scale_buffer(layer, loc, keys.to(torch.bfloat16).to(self.device))
+        return expected

@@ -1,0 +1,63 @@
+"""The MLA pool's declared buffers; importing this needs no kernels (the planner uses it on any machine).
+
+Multi-head latent attention (DeepSeek-V2/V3) caches one latent row per token and layer, shared by every
+head and every tensor-parallel rank: the compressed KV (``kv_lora_rank`` values) followed by the decoupled
+rope key (``qk_rope_head_dim`` values), e.g. 512 + 64 = 576 values for DeepSeek-V3.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.layout import BufferLayout, PoolLayout
+from kvcore.pools import storage_dtype
+
+
+def mla_row_dim(kv_lora_rank: int, qk_rope_head_dim: int, kv_cache_dim: int | None = None) -> int:
+    """Elements of one latent row: ``kv_cache_dim`` when given (a family packing its own row format, such as
+    DSA's fp8 rows with scales), else ``kv_lora_rank + qk_rope_head_dim``."""
+    if kv_lora_rank <= 0 or qk_rope_head_dim <= 0:
+        raise ValueError(f"kv_lora_rank and qk_rope_head_dim must be positive, got {kv_lora_rank}, {qk_rope_head_dim}")
+    if kv_cache_dim is None:
+        return kv_lora_rank + qk_rope_head_dim
+    if kv_cache_dim <= 0:
+        raise ValueError(f"kv_cache_dim must be positive, got {kv_cache_dim}")
+    return kv_cache_dim
+
+
+def mla_layout(
+    *,
+    backend: str,
+    page_size: int,
+    dtype: torch.dtype,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    layer_num: int,
+    kv_cache_dim: int | None = None,
+    sized_by: str = "tokens",
+    name: str = "kv",
+) -> PoolLayout:
+    """The buffers of an :class:`~kvcore_mla.pool.MLATokenToKVPool`: one latent buffer ``kv``.
+
+    :param dtype: the cache dtype (fp8 is declared as its ``torch.uint8`` storage).
+    :param kv_cache_dim: row width in elements of the storage dtype, overriding ``kv_lora_rank +
+        qk_rope_head_dim`` (see :func:`mla_row_dim`).
+    :param sized_by: the size group (``"tokens"``, or ``"swa_tokens"`` for a sliding-window sub-pool).
+    :param name: the buffer's name (a family combining several pools may prefix it).
+    :returns: one buffer ``[layer_num, size + page_size, 1, row_dim]``: one row per token plus the padding page.
+    """
+    store = storage_dtype(dtype)
+    row_dim = mla_row_dim(kv_lora_rank, qk_rope_head_dim, kv_cache_dim)
+    notes = ["latent KV rows are replicated on every tensor-parallel rank"]
+    if store != dtype:
+        notes.append("fp8 stored as uint8")
+    return PoolLayout(
+        backend=backend,
+        buffers=(
+            BufferLayout(
+                name=name, layers=layer_num, row_shape=(1, row_dim), dtype=store, sized_by=sized_by,
+                pad_tokens=page_size,
+            ),
+        ),
+        notes=tuple(notes),
+    )  # fmt: skip

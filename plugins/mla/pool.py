@@ -1,0 +1,185 @@
+"""MLA token-to-KV pool: one latent row per token and layer (compressed KV, then the rope key)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.kernel_mode import use_triton
+from kvcore.pools import KVCache
+from kvcore_mla import kernels
+from kvcore_mla.layout import mla_row_dim
+
+
+class MLATokenToKVPool(KVCache):
+    """Latent KV rows of multi-head latent attention layers (DeepSeek-V2/V3), SGLang's ``MLATokenToKVPool``.
+
+    ``kv_cache`` is one stacked tensor ``[layer_num, size + page_size, 1, kv_cache_dim]`` of the storage dtype
+    (fp8 as uint8); ``kv_buffer[i]`` is the view of local layer ``i``.  A row holds ``kv_lora_rank`` compressed
+    KV values ("nope"), then ``qk_rope_head_dim`` rope key values: the key is the whole row, the value its
+    first ``kv_lora_rank`` columns.  Row 0 (the first page) is padding.
+
+    Subclassing (DSA/NSA pools): the constructor, :meth:`set_mla_kv_buffer`, :meth:`get_mla_kv_buffer`,
+    :meth:`set_kv_buffer`, :meth:`buffers` and :meth:`token_buffers` are stable.  ``kv_cache_dim`` widens the
+    row for a family's own row format (e.g. fp8 values + scales + bf16 rope); :meth:`buffers` of a subclass
+    adds its own buffers to ``super().buffers()``.  The kernels (:mod:`kvcore_mla.kernels`) also copy raw
+    bytes (``cache_dtype=torch.uint8``) into such rows.
+
+    :param size: token slots (whole pages), padding page excluded.
+    :param dtype: the cache dtype: bfloat16, float16, float32, float8_e4m3fn or float8_e5m2.
+    :param kv_cache_dim: row width in storage elements; default ``kv_lora_rank + qk_rope_head_dim``.
+    :param kernels: ``auto`` (Triton on CUDA), ``triton`` or ``native`` (torch reference).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str,
+        enable_memory_saver: bool,
+        start_layer: int | None = None,
+        end_layer: int | None = None,
+        kv_cache_dim: int | None = None,
+        kernels: str = "auto",
+    ):
+        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.kv_cache_dim = mla_row_dim(kv_lora_rank, qk_rope_head_dim, kv_cache_dim)
+        self.kernels = kernels
+        self._use_triton = use_triton(kernels, device)
+        self._create_buffers()
+        self._finalize_allocation()
+
+    def _create_buffers(self) -> None:
+        rows = self.size + self.page_size
+        self.kv_cache = torch.zeros(
+            (self.layer_num, rows, 1, self.kv_cache_dim), dtype=self.store_dtype, device=self.device
+        )
+        self.kv_buffer = list(self.kv_cache.unbind(0))
+
+    # -- layout and sizes --------------------------------------------------------------------------------
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {"kv": self.kv_cache}
+
+    def get_kv_size_bytes(self) -> int:
+        """Bytes of all buffers (all layers, padding included)."""
+        return sum(t.nbytes for t in self.buffers().values())
+
+    # -- reads -------------------------------------------------------------------------------------------
+
+    def _layer_rows(self, layer_id) -> torch.Tensor:
+        local = self.local_layer(layer_id)
+        self._wait_for_layer(local)
+        return self.kv_buffer[local]
+
+    def _as_dtype(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.view(self.dtype) if self.store_dtype != self.dtype else rows
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """The whole latent rows ``[size + page_size, 1, kv_cache_dim]`` of a layer, as ``dtype``."""
+        return self._as_dtype(self._layer_rows(layer_id))
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """The first ``kv_lora_rank`` columns of a layer's rows (a view), as ``dtype``."""
+        return self._as_dtype(self._layer_rows(layer_id)[..., : self.kv_lora_rank])
+
+    def get_mla_kv_buffer(
+        self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather the rows ``loc`` of ``layer`` (an int or anything with ``layer_id``) as two new tensors.
+
+        :param dst_dtype: dtype of the results (default: the cache dtype).  Float destinations receive
+            ``row.to(dst_dtype)``; fp8 caches decode exactly.
+        :returns: ``(cache_k_nope [N, 1, kv_lora_rank], cache_k_rope [N, 1, qk_rope_head_dim])``, read in one
+            launch.
+        """
+        local = self.local_layer(layer)
+        self._wait_for_layer(local)
+        dst_dtype = dst_dtype or self.dtype
+        n = loc.numel()
+        nope = torch.empty((n, 1, self.kv_lora_rank), dtype=dst_dtype, device=self.device)
+        rope = torch.empty((n, 1, self.qk_rope_head_dim), dtype=dst_dtype, device=self.device)
+        gather = kernels.gather_nope_rope_triton if self._use_triton else kernels.gather_nope_rope_native
+        gather(self.kv_cache, local, loc.reshape(-1), nope, rope, cache_dtype=self.dtype)
+        return nope, rope
+
+    # -- writes ------------------------------------------------------------------------------------------
+
+    def set_kv_buffer(
+        self,
+        layer,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor | None = None,
+        k_scale=None,
+        v_scale=None,
+    ) -> None:
+        """Store already concatenated latent rows ``cache_k`` ``[N, 1, kv_lora_rank + qk_rope_head_dim]`` (or
+        ``[N, ...]`` of that width) at ``loc``, converted to the cache dtype.
+
+        ``cache_v`` is ignored (the value is a prefix of the key row), as in SGLang.  MLA rows are stored
+        unscaled: ``k_scale`` / ``v_scale`` must be None.  The inputs are never modified.
+        """
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("MLATokenToKVPool stores latent rows unscaled; pass k_scale=None and v_scale=None")
+        local = self.local_layer(layer)
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        if cache_k.shape[-1] != width or cache_k.numel() != loc.numel() * width:
+            raise ValueError(
+                f"layer {self.start_layer + local}: cache_k {tuple(cache_k.shape)} is not {loc.numel()} rows of "
+                f"kv_lora_rank + qk_rope_head_dim = {width}"
+            )
+        rows = cache_k if cache_k.dim() in (2, 3) else cache_k.reshape(-1, width)
+        store = kernels.store_rows_triton if self._use_triton else kernels.store_rows_native
+        store(self.kv_cache, local, loc.reshape(-1), rows, cache_dtype=self.dtype)
+
+    def set_mla_kv_buffer(
+        self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
+    ) -> None:
+        """Store the two parts of the latent rows of ``loc.numel()`` tokens in one launch, no concatenation.
+
+        :param layer: a global layer id, or anything with ``layer_id``.
+        :param loc: ``[N]`` int32/int64 token slots.
+        :param cache_k_nope: ``[N, 1, kv_lora_rank]`` (any strides, e.g. a split of a bigger projection).
+        :param cache_k_rope: ``[N, 1, qk_rope_head_dim]`` (any strides).
+        Both are converted to the cache dtype exactly as ``x.to(dtype)`` (fp8 encoded bit-exactly); the inputs
+        are never modified.
+        """
+        local = self.local_layer(layer)
+        expected = ((self.kv_lora_rank, "kv_lora_rank"), (self.qk_rope_head_dim, "qk_rope_head_dim"))
+        for x, (width, name), what in zip((cache_k_nope, cache_k_rope), expected, ("cache_k_nope", "cache_k_rope")):
+            if x.shape[-1] != width:
+                raise ValueError(
+                    f"layer {self.start_layer + local}: {what} {tuple(x.shape)} must end in {name} = {width}"
+                )
+        store = kernels.store_nope_rope_triton if self._use_triton else kernels.store_nope_rope_native
+        store(self.kv_cache, local, loc.reshape(-1), cache_k_nope, cache_k_rope, cache_dtype=self.dtype)
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Copy rows ``src_loc`` to ``tgt_loc`` in all layers at once; overlapping sets are safe."""
+        if tgt_loc.numel() != src_loc.numel():
+            raise ValueError(f"move_kv_cache: {tgt_loc.numel()} targets but {src_loc.numel()} sources")
+        if tgt_loc.numel() == 0:
+            return
+        move = kernels.move_kv_cache_triton if self._use_triton else kernels.move_kv_cache_native
+        move(self.kv_cache, tgt_loc.reshape(-1), src_loc.reshape(-1))
+
+    def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Random rows through :meth:`set_mla_kv_buffer`, from nope/rope views of one wider projection (from
+        bf16 for fp8 caches, so the encoder runs)."""
+        source_dtype = torch.bfloat16 if self.dtype.itemsize == 1 else self.dtype
+        r, p = self.kv_lora_rank, self.qk_rope_head_dim
+        n = loc.numel()
+        values = torch.randn((n, 1, r + p + 3), generator=generator) * 2
+        values = torch.where(values == 0, torch.ones_like(values), values).to(source_dtype).to(self.device)
+        nope, rope = values[..., :r], values[..., r : r + p]  # strided views, as a model's split produces
+        local = self.local_layer(layer)
+        expected = self.kv_cache[local, loc.long()].clone()
+        self.set_mla_kv_buffer(layer, loc, nope, rope)
+        expected[..., : r + p] = values[..., : r + p].to(self.dtype).view(self.store_dtype)
+        return {"kv": expected}
