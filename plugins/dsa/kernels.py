@@ -251,19 +251,21 @@ def _store_dsa_fp8_kernel(
         tl.store(cache_u8 + base[:, None] + cols[None, :], bits.to(tl.uint8), mask=mask_n[:, None])
         tl.store(cache_f32 + (base + KV_LORA + pid_c * 4) // 4, scale, mask=mask_n)
     else:
-        d = tl.arange(0, ROPE_PAD)
-        mask = mask_n[:, None] & (d < ROPE_DIM)[None, :]
-        x = tl.load(rope_ptr + offs_n[:, None] * rope_sn + d[None, :].to(tl.int64) * rope_sd, mask=mask, other=0)
+        # Names here differ from the branch above: Triton's compiler unifies the types of variables
+        # assigned in both branches of an `if`, and the rope tile has another shape and dtype.
+        r_d = tl.arange(0, ROPE_PAD)
+        r_mask = mask_n[:, None] & (r_d < ROPE_DIM)[None, :]
+        r_x = tl.load(rope_ptr + offs_n[:, None] * rope_sn + r_d[None, :].to(tl.int64) * rope_sd, mask=r_mask, other=0)
         if ROPE_BF16:
-            bits = x.to(tl.int16, bitcast=True)
+            r_bits = r_x.to(tl.int16, bitcast=True)
         else:
-            xf = x.to(tl.float32)
+            r_xf = r_x.to(tl.float32)
             if HW_CVT:
-                bits = xf.to(tl.bfloat16).to(tl.int16, bitcast=True)
+                r_bits = r_xf.to(tl.bfloat16).to(tl.int16, bitcast=True)
             else:
-                bits = f32_to_bf16_bits(xf).to(tl.int16)
-        dst = (base + KV_LORA + NUM_TILES * 4) // 2
-        tl.store(cache_i16 + dst[:, None] + d[None, :], bits, mask=mask)
+                r_bits = f32_to_bf16_bits(r_xf).to(tl.int16)
+        r_dst = (base + KV_LORA + NUM_TILES * 4) // 2
+        tl.store(cache_i16 + r_dst[:, None] + r_d[None, :], r_bits, mask=r_mask)
 
 
 def store_dsa_fp8_triton(
@@ -391,17 +393,18 @@ def _gather_dsa_fp8_kernel(
         xf = e4m3fn_bits_to_f32(b) * s[:, None]
         _store_converted(nope_out + offs_n[:, None] * KV_LORA + cols[None, :], xf, mask_n[:, None], OUT, HW_CVT)
     else:
-        d = tl.arange(0, ROPE_PAD)
-        mask = mask_n[:, None] & (d < ROPE_DIM)[None, :]
-        src = (base + KV_LORA + NUM_TILES * 4) // 2
-        bits = tl.load(cache_i16 + src[:, None] + d[None, :], mask=mask, other=0)
-        dst = rope_out + offs_n[:, None] * ROPE_DIM + d[None, :]
+        # Distinct names from the branch above (see the store kernel).
+        r_d = tl.arange(0, ROPE_PAD)
+        r_mask = mask_n[:, None] & (r_d < ROPE_DIM)[None, :]
+        r_src = (base + KV_LORA + NUM_TILES * 4) // 2
+        r_bits = tl.load(cache_i16 + r_src[:, None] + r_d[None, :], mask=r_mask, other=0)
+        r_dst = rope_out + offs_n[:, None] * ROPE_DIM + r_d[None, :]
         if OUT == 3:
-            tl.store(dst, bits.to(tl.bfloat16, bitcast=True), mask=mask)
+            tl.store(r_dst, r_bits.to(tl.bfloat16, bitcast=True), mask=r_mask)
         else:
             # bf16 -> float32 is exact: the bits shifted into the high half.
-            xf = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-            _store_converted(dst, xf, mask, OUT, HW_CVT)
+            r_xf = ((r_bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            _store_converted(r_dst, r_xf, r_mask, OUT, HW_CVT)
 
 
 def gather_dsa_fp8_triton(
