@@ -9,11 +9,11 @@ and then puts the indexer bytes back, so the kit checks the token buffer ``kv`` 
 
 import pytest
 import torch
-
-from kvcore.testing import KVCacheConformance, assert_same_bytes
 from kvcore_dsa.layout import dsa_layout
 from kvcore_dsa.pool import DSATokenToKVPool
 
+from kvcore.testing import KVCacheConformance, assert_same_bytes
+from kvcore.testing.tensors import test_device
 
 RANK, ROPE, INDEX_DIM, LAYERS = 256, 64, 128, 2
 
@@ -77,7 +77,7 @@ class TestDSAConformance(KVCacheConformance):
         def make(size, page_size, start_layer):
             return DSATokenToKVPool(
                 size=size, page_size=page_size, kv_lora_rank=RANK, dtype=dtype, qk_rope_head_dim=ROPE,
-                layer_num=LAYERS, device="cpu", index_head_dim=INDEX_DIM, enable_memory_saver=False,
+                layer_num=LAYERS, device=test_device(), index_head_dim=INDEX_DIM, enable_memory_saver=False,
                 start_layer=start_layer, kernels=kernels, index_dtype=index_dtype,
             )  # fmt: skip
 

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-
-from kvcore.testing import KVCacheConformance
 from kvcore_mha.layout import mha_layout
 from kvcore_mha.pool import MHATokenToKVPool
+
+from kvcore.testing import KVCacheConformance
+from kvcore.testing.tensors import test_device
 
 HEADS, HEAD_DIM, V_HEAD_DIM, LAYERS = 3, 24, 16, 3
 
@@ -35,7 +36,7 @@ class TestMHAConformance(KVCacheConformance):
         def make(size, page_size, start_layer):
             return MHATokenToKVPool(
                 size=size, page_size=page_size, dtype=dtype, head_num=HEADS, head_dim=HEAD_DIM, layer_num=LAYERS,
-                device="cpu", enable_memory_saver=False, v_head_dim=V_HEAD_DIM, start_layer=start_layer,
+                device=test_device(), enable_memory_saver=False, v_head_dim=V_HEAD_DIM, start_layer=start_layer,
                 kernels=kernels,
             )
 

@@ -3,12 +3,11 @@ surface of the pool (split store, gather, SGLang-style accessors)."""
 
 import pytest
 import torch
-
-from kvcore.testing import BaseStoreTests, KVCacheConformance, assert_same_bytes, randomize
-from kvcore.testing.tensors import bits_equal, randn_nonzero
 from kvcore_mla.layout import mla_layout
 from kvcore_mla.pool import MLATokenToKVPool
 
+from kvcore.testing import BaseStoreTests, KVCacheConformance, assert_same_bytes, randomize
+from kvcore.testing.tensors import bits_equal, randn_nonzero, test_device
 
 KV_LORA_RANK, ROPE_DIM, LAYERS = 64, 16, 3
 
@@ -16,7 +15,7 @@ KV_LORA_RANK, ROPE_DIM, LAYERS = 64, 16, 3
 def make_pool(dtype, kernels, size=61, page_size=1, start_layer=0, **kw):
     return MLATokenToKVPool(
         size=size, page_size=page_size, dtype=dtype, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM,
-        layer_num=LAYERS, device="cpu", enable_memory_saver=False, start_layer=start_layer, kernels=kernels, **kw,
+        layer_num=LAYERS, device=test_device(), enable_memory_saver=False, start_layer=start_layer, kernels=kernels, **kw,
     )  # fmt: skip
 
 
@@ -99,9 +98,9 @@ def test_split_and_concatenated_writes_and_both_kernel_modes_agree(dtype):
     concat = make_pool(dtype, "triton", start_layer=2)
     for p in (*pools.values(), concat):
         p.kv_cache.view(torch.uint8).copy_(torch.randint(0, 256, p.kv_cache.view(torch.uint8).shape, dtype=torch.uint8,
-                                                         generator=torch.Generator().manual_seed(9)))  # fmt: skip
+                                                         generator=torch.Generator().manual_seed(9)).to(p.device))  # fmt: skip
     n = 7
-    loc = torch.randperm(60, generator=gen)[:n].int() + 1
+    loc = (torch.randperm(60, generator=gen)[:n].int() + 1).to(test_device())
     kv_a = randn_nonzero((n, 1, KV_LORA_RANK + ROPE_DIM + 2), torch.float32, gen, 20.0)
     nope, rope = kv_a[..., :KV_LORA_RANK], kv_a[..., KV_LORA_RANK : KV_LORA_RANK + ROPE_DIM]
     before = kv_a.clone()
@@ -163,7 +162,7 @@ def test_wider_rows_for_subclasses():
     pool = make_pool(torch.bfloat16, "triton", size=16, kv_cache_dim=KV_LORA_RANK + ROPE_DIM + 8)
     randomize(pool, torch.Generator().manual_seed(3))
     before = pool.kv_cache.clone()
-    loc = torch.tensor([3, 5, 7])
+    loc = torch.tensor([3, 5, 7], device=test_device())
     expected = pool.self_test_write(1, loc, torch.Generator().manual_seed(4))
     assert_same_bytes(pool.kv_cache[1, loc], expected["kv"], "rows written by self_test_write")
     assert_same_bytes(pool.kv_cache[1, loc, :, KV_LORA_RANK + ROPE_DIM :], before[1, loc, :, KV_LORA_RANK + ROPE_DIM :],

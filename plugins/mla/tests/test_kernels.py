@@ -324,8 +324,12 @@ def test_gather_every_bit_pattern(cache_dtype, dst_dtype):
         every = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(n * 576 // 256 + 1)[: n * 576]
         cache[2, loc] = every.reshape(n, 1, 576).to(DEVICE)
     ref, out = _gather_both(cache, 2, loc, dims, dst_dtype, cache_dtype, out_layout="views")
+    # torch 2.11 on an H200 decodes e5m2 NaN bytes (0x7d-0x7f, 0xfd-0xff) to the canonical float32 NaN
+    # 0x7fffffff, while its CPU path (and kvcore, on both) keeps the payload: measured 2026-11-29
+    # (benchmarks/RESULTS.md). Off the CPU, that decode is compared as values, NaN staying NaN.
+    cpu_nan_decode = DEVICE == "cpu" or cache_dtype != torch.float8_e5m2
     exact = cache_dtype == dst_dtype or fp8.is_fp8_dtype(dst_dtype) or (
-        fp8.is_fp8_dtype(cache_dtype) and dst_dtype == torch.float32
+        fp8.is_fp8_dtype(cache_dtype) and dst_dtype == torch.float32 and cpu_nan_decode
     )
     for o, rf in zip(out, ref):
         assert bits_equal(o, rf) if exact else _same_values(o, rf)
@@ -336,7 +340,7 @@ def test_gather_native_and_triton_agree_on_padding_and_duplicates(n):
     # Reading the padding row and the same row twice is fine (reads never race).
     gen = torch.Generator().manual_seed(42)
     cache = _cache("small", torch.bfloat16, gen)
-    loc = torch.cat([torch.zeros(1, dtype=torch.int64), _loc(n, torch.int64, gen)])[:n].to(DEVICE)
+    loc = torch.cat([torch.zeros(1, dtype=torch.int64, device=DEVICE), _loc(n, torch.int64, gen)])[:n]
     loc[-1] = loc[0]
     ref, out = _gather_both(cache, 0, loc, "small", torch.float32, torch.bfloat16)
     assert bits_equal(out[0], ref[0]) and bits_equal(out[1], ref[1])
