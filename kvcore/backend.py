@@ -62,6 +62,19 @@ class PoolRequest:
     def device_type(self) -> str:
         return torch.device(self.device).type
 
+    def pool_kwargs(self) -> dict[str, Any]:
+        """The constructor keywords every :class:`kvcore.pools.KVCache` shares, for this request's rank."""
+        return dict(
+            page_size=self.page_size,
+            dtype=self.kv_dtype,
+            layer_num=self.layer_num,
+            device=self.device,
+            enable_memory_saver=False,
+            start_layer=self.start_layer,
+            end_layer=self.end_layer,
+            kernels=self.kernels,
+        )
+
 
 LayoutFn = Callable[[PoolRequest], Any]
 PoolFactory = Callable[..., Any]

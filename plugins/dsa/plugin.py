@@ -63,16 +63,9 @@ def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
 
     return DSATokenToKVPool(
         size=sizes["tokens"],
-        page_size=request.page_size,
-        dtype=request.kv_dtype,
-        layer_num=request.layer_num,
-        device=request.device,
-        enable_memory_saver=False,
-        start_layer=request.start_layer,
-        end_layer=request.end_layer,
-        kernels=request.kernels,
         index_dtype=_index_dtype(request),
         **_model_dims(request),
+        **request.pool_kwargs(),
     )
 
 

@@ -54,16 +54,9 @@ def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
     kv_lora_rank, qk_rope_head_dim = mla_dims(request)
     return MLATokenToKVPool(
         size=sizes["tokens"],
-        page_size=request.page_size,
-        dtype=request.kv_dtype,
         kv_lora_rank=kv_lora_rank,
         qk_rope_head_dim=qk_rope_head_dim,
-        layer_num=request.layer_num,
-        device=request.device,
-        enable_memory_saver=False,
-        start_layer=request.start_layer,
-        end_layer=request.end_layer,
-        kernels=request.kernels,
+        **request.pool_kwargs(),
     )
 
 
