@@ -151,9 +151,10 @@ def f32_to_fp8_bits(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
 
 @triton.jit
 def f32_to_fp8_bits_hw(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
-    """Like :func:`f32_to_fp8_bits`, through the GPU's own conversion (``cvt.rn.satfinite``), which rounds
-    to nearest even exactly as torch does; only overflow, inf and NaN need torch's encoding patched in.
-    Compiled kernels only: the interpreter's float->fp8 cast rounds wrongly (triton-lang/triton#8322)."""
+    """Like :func:`f32_to_fp8_bits`, with e4m3fn through the GPU's own conversion (``cvt.rn.satfinite``),
+    which rounds to nearest even exactly as torch does; only overflow, inf and NaN need torch's encoding
+    patched in.  Compiled kernels only: the interpreter's float->fp8 cast rounds wrongly
+    (triton-lang/triton#8322)."""
     sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
     ax = tl.abs(x)
     if KIND == 1:
@@ -162,9 +163,11 @@ def f32_to_fp8_bits_hw(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
             # older torch: anything that rounds past 448 (ties at 464 go down to 448), and +-inf, is NaN
             r = tl.where(ax > 464.0, sign | 0x7F, r)
     else:
-        r = x.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
-        # torch: values that round past 57344 (ties at 61440 go up) and +-inf become +-inf
-        r = tl.where(ax >= 61440.0, sign | 0x7C, r)
+        # e5m2 keeps the integer encoder, exact by construction: on an H200 (triton 3.6, 2026-11-29) the
+        # compiled MLA gather into e5m2 disagreed with torch for some random bf16/fp16 bit patterns while this
+        # path used the hardware conversion; the cause was not isolated and the switch is not yet re-checked
+        # on the GPU.  e5m2 caches are rare, so the extra integer work costs little.
+        r = f32_to_e5m2_bits(x)
     return tl.where(x != x, sign | 0x7F, r)
 
 
