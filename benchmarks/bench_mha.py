@@ -44,6 +44,18 @@ def row(op: str, size: str, ours_us: float, torch_us: float | None, moved_bytes:
     print(json.dumps(entry), flush=True)
 
 
+def finish(out_dir: str, name: str, ceiling: float) -> None:
+    """Write the rows as ``<name>.json`` under ``out_dir`` and print them as one table."""
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "ceiling_tbps": ceiling, "rows": ROWS}, f, indent=1)
+    op_w, size_w = max(len(r["op"]) for r in ROWS), max(len(r["size"]) for r in ROWS)
+    print(f"\n{'op':<{op_w}} {'size':<{size_w}} {'kvcore us':>10} {'torch us':>10} {'x torch':>8} {'TB/s':>7} {'of ceil':>8}")
+    for r in ROWS:
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        print(f"{r['op']:<{op_w}} {r['size']:<{size_w}} {r['kvcore_us']:>10.2f} {fmt(r['torch_us'], '>10.2f')} "
+              f"{fmt(r['speedup_vs_torch'], '>8.2f')} {fmt(r['tb_per_s'], '>7.3f')} {fmt(r['of_ceiling'], '>8.3f')}")
+
+
 def bench(fn, reps_ms: int = 200) -> float:
     """Median microseconds of ``fn`` (do_bench times with CUDA events, flushing L2 between runs)."""
     return do_bench(fn, warmup=25, rep=reps_ms, return_mode="median") * 1e3
@@ -292,13 +304,7 @@ def main() -> int:
     time_move(ceiling, args.move_sweep)
     time_allocator()
     time_offload(ceiling)
-    with open(os.path.join(args.out, "bench_mha.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "ceiling_tbps": ceiling, "rows": ROWS}, f, indent=1)
-    print(f"\n{'op':<30} {'size':<22} {'kvcore us':>10} {'torch us':>10} {'x torch':>8} {'TB/s':>7} {'of ceil':>8}")
-    for r in ROWS:
-        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        print(f"{r['op']:<30} {r['size']:<22} {r['kvcore_us']:>10.2f} {fmt(r['torch_us'], '>10.2f')} "
-              f"{fmt(r['speedup_vs_torch'], '>8.2f')} {fmt(r['tb_per_s'], '>7.3f')} {fmt(r['of_ceiling'], '>8.3f')}")
+    finish(args.out, "bench_mha", ceiling)
     return 0
 
 

@@ -12,14 +12,13 @@ Dimensions: DeepSeek-V3 latent rows (kv_lora_rank 512 + rope 64), DSA indexer ke
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 import triton
 
-from bench_mha import ROWS, check, copy_ceiling, graph_time_us, row
+from bench_mha import bench, check, copy_ceiling, finish, graph_time_us, row
 from kvcore_dsa import kernels as dsa_kernels
 from kvcore_dsa.pool import DSATokenToKVPool
 from kvcore_mla.pool import MLATokenToKVPool
@@ -155,13 +154,7 @@ def main() -> int:
     ceiling = copy_ceiling()
     print(f"device copy ceiling: {ceiling:.3f} TB/s (read + write)")
     timings(ceiling)
-    with open(os.path.join(args.out, "bench_mla_dsa.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "ceiling_tbps": ceiling, "rows": ROWS}, f, indent=1)
-    print(f"\n{'op':<34} {'size':<12} {'kvcore us':>10} {'torch us':>10} {'x torch':>8} {'TB/s':>7} {'of ceil':>8}")
-    for r in ROWS:
-        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        print(f"{r['op']:<34} {r['size']:<12} {r['kvcore_us']:>10.2f} {fmt(r['torch_us'], '>10.2f')} "
-              f"{fmt(r['speedup_vs_torch'], '>8.2f')} {fmt(r['tb_per_s'], '>7.3f')} {fmt(r['of_ceiling'], '>8.3f')}")
+    finish(args.out, "bench_mla_dsa", ceiling)
     return 0
 
 
