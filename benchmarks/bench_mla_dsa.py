@@ -18,7 +18,7 @@ import sys
 import torch
 import triton
 
-from bench_mha import bench, check, copy_ceiling, finish, graph_time_us, row
+from bench_mha import check, copy_ceiling, finish, graph_time_us, row
 from kvcore_dsa import kernels as dsa_kernels
 from kvcore_dsa.pool import DSATokenToKVPool
 from kvcore_mla.pool import MLATokenToKVPool
