@@ -18,7 +18,7 @@ fixtures every test fails with a message naming the fixture.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 import pytest
@@ -220,5 +220,3 @@ class BaseBufferInfoTests(_Base):
 class KVCacheConformance(BaseLayoutTests, BaseStoreTests, BaseMoveTests, BaseCpuCopyTests, BaseBufferInfoTests):
     """Every conformance test; subclass it and provide the fixtures named in the module docstring."""
 
-
-PoolFactory = Callable[..., object]

@@ -22,17 +22,10 @@ def mha_pool(request, layout, sizes):
 
     return MHATokenToKVPool(
         size=sizes["tokens"],
-        page_size=request.page_size,
-        dtype=request.kv_dtype,
         head_num=request.head_num,
         head_dim=request.head_dim,
-        layer_num=request.layer_num,
-        device=request.device,
-        enable_memory_saver=False,
         v_head_dim=request.v_head_dim,
-        start_layer=request.start_layer,
-        end_layer=request.end_layer,
-        kernels=request.kernels,
+        **request.pool_kwargs(),
     )
 
 
