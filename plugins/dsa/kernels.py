@@ -10,19 +10,21 @@ Quantization, exactly as the torch references compute it (and so the Triton kern
     q     = e4m3fn(x / scale)                              IEEE division, round to nearest even
     x'    = float32(q) * scale                             dequantization (then cast to the asked dtype)
 
-The kernels divide with ``div_rn`` (Triton's ``/`` is an approximate division on GPUs) and the references
-divide by device tensors (torch's CUDA division by a host scalar multiplies by its reciprocal instead).
-fp8 and bf16 encodings go through :mod:`kvcore.fp8`'s integer encoders under the interpreter (whose float->fp8
+The kernels divide exactly as IEEE division does (Triton's ``/`` is an approximate division on GPUs; see
+``_divide_rn``) and the references divide by device tensors (torch's CUDA division by a host scalar
+multiplies by its reciprocal instead).  fp8 and bf16 encodings go through :mod:`kvcore.fp8`'s integer encoders under the interpreter (whose float->fp8
 and float->bf16 casts round wrongly) and through the hardware conversion when compiled.  NaN and infinite
 inputs are outside the contract (a GPU's max ignores NaN, torch's amax propagates it), and so are float32
 subnormal inputs on a GPU that flushes them (the scale itself is never subnormal: see the zero-tile guard).
 
 ``store_dsa_fp8_triton``
-    Grid ``(token blocks, tiles + 1)``: program ``(i, t)`` for ``t < tiles`` loads one ``[BLOCK_N, 128]`` tile
-    of nope values, computes the scales, writes the fp8 bytes and the float32 scales; program ``(i, tiles)``
-    converts the rope values to bf16 and writes them.  Inputs may be strided (views of a fused projection).
+    Grid ``(token blocks,)``: a program loads the nope values of ``BLOCK_N`` tokens as ``[BLOCK_N, tiles,
+    128]``, computes each tile's scale, and writes whole rows: the fp8 bytes, the float32 scales and the rope
+    converted to bf16.  Inputs may be strided (views of a fused projection).
 ``gather_dsa_fp8_triton``
     The inverse for the rows ``loc`` only: fp8 * scale and bf16 rope, converted to float32/float16/bfloat16.
+    Compiled, fp8 bytes decode through the hardware conversion; it differs from torch's decode only in the
+    bits of a NaN, a byte the store never writes.
 ``set_index_k_triton`` / ``get_index_k_triton``
     Token-granular writes into / sequence-ordered reads out of the page-indexed indexer buffer.
 """
@@ -37,12 +39,10 @@ from kvcore.fp8 import (
     e4m3fn_bits_to_f32,
     f32_to_bf16_bits,
     f32_to_fp8_bits,
-    f32_to_fp8_bits_hw,
     torch_e4m3fn_saturates,
 )
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.row_move import move_rows_native as move_kv_rows_native
-from kvcore.row_move import move_rows_triton as move_kv_rows_triton
+from kvcore.row_move import move_token_rows_native, move_token_rows_triton
 from kvcore.row_move import next_pow2
 from kvcore_dsa.layout import (
     E4M3_MAX,
@@ -59,8 +59,8 @@ __all__ = [
     "gather_dsa_fp8_triton",
     "get_index_k_native",
     "get_index_k_triton",
-    "move_kv_rows_native",
-    "move_kv_rows_triton",
+    "move_token_rows_native",
+    "move_token_rows_triton",
     "quantize_concatenated",
     "quantize_parts",
     "row_bytes",
@@ -73,10 +73,14 @@ __all__ = [
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 _DST_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
-# Tokens per program (powers of two).
-_QUANT_BLOCK_N = 32  # x 128 values per tile program
+# Tokens per program (powers of two) and warps, per kernel; a store/gather program handles whole rows.
+# Measured on an H200 (benchmarks/tune_mla_dsa.py): the store is fastest at about 32 values per thread.
+_STORE_BLOCK_N = 2
+_STORE_NUM_WARPS = 1
+_GATHER_BLOCK_N = 16
+_GATHER_NUM_WARPS = 2
 _INDEX_BLOCK_N = 32  # x (128 key bytes + 4 scale bytes) per program
-_NUM_WARPS = 4
+_INDEX_NUM_WARPS = 4
 
 
 def row_bytes(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
@@ -140,6 +144,64 @@ def dequantize_rows(
 # ==========================================================================================================
 # quantize + store
 # ==========================================================================================================
+
+_LIFT_BELOW = tl.constexpr(2.0**-60)  # scales below this are lifted by _LIFT before dividing (_divide_rn)
+_LIFT = tl.constexpr(2.0**64)
+
+
+@triton.jit
+def _tile_scale(amax, SCALE_MIN: tl.constexpr):
+    """max(amax / 448, SCALE_MIN), the IEEE quotient (``/`` is approximate on GPUs)."""
+    scale = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)
+    return tl.maximum(scale, tl.zeros_like(scale) + SCALE_MIN)  # the zero-tile guard
+
+
+@triton.jit
+def _divide_rn(x, scale, HW_CVT: tl.constexpr):
+    """``x / scale`` rounded to nearest even, as IEEE division; ``scale`` broadcasts against ``x``.
+
+    Compiled, this costs one reciprocal per tile and a multiply and two fma corrections per value instead of
+    a full division per value: with ``r = RN(1 / d)``, ``q0 = RN(x * r)`` is within 1.5 ulp of ``x / d``;
+    ``q1 = RN(q0 + RN(x - q0 d) r)`` (the residual is exact in an fma) is then faithful, and the second
+    correction gives ``RN(x / d)`` by Markstein's theorem.  The residuals stay exact only while they are
+    normal numbers, so a scale below 2**-60 and its tile are first multiplied by 2**64 (exact for both and
+    the same quotient).  A zero keeps its sign (the corrections would make -0 into +0).  Checked against
+    torch's division on an H200 for every finite bf16 value and for quotients next to every e4m3 rounding
+    midpoint (``test_divide_rn_equals_ieee_division``).  Under the interpreter it is plain ``div_rn``."""
+    if HW_CVT:
+        lift = tl.where(scale < _LIFT_BELOW, _LIFT, 1.0)
+        d = scale * lift
+        r = tl.math.div_rn(tl.zeros_like(d) + 1.0, d)
+        xs = x * lift
+        q = xs * r
+        q = tl.fma(tl.fma(-q, d, xs), r, q)
+        q = tl.fma(tl.fma(-q, d, xs), r, q)
+        q = tl.where(xs == 0.0, xs, q)
+    else:
+        q = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    return q
+
+
+@triton.jit
+def _e4m3_bits(q, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
+    """Finite quotients (|q| < 464) -> float8_e4m3fn bytes as torch rounds them; compiled, the bare hardware
+    conversion (torch's overflow and NaN rules never apply to a quotient by the tile's own scale)."""
+    if HW_CVT:
+        bits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        bits = f32_to_fp8_bits(q, 1, SATURATE).to(tl.uint8)
+    return bits
+
+
+@triton.jit
+def _e4m3_to_f32(b, HW_CVT: tl.constexpr):
+    """float8_e4m3fn bytes -> float32, exact (compiled through the hardware conversion, which only differs
+    from the integer decoder in the bits of a NaN, a byte the store never writes)."""
+    if HW_CVT:
+        xf = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        xf = e4m3fn_bits_to_f32(b)
+    return xf
 
 
 def _as_2d(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
@@ -221,6 +283,7 @@ def _store_dsa_fp8_kernel(
     ROPE_PAD: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     NUM_TILES: tl.constexpr,
+    TILES_PAD: tl.constexpr,
     TILE: tl.constexpr,
     ROPE_BF16: tl.constexpr,
     SCALE_MIN: tl.constexpr,
@@ -228,44 +291,41 @@ def _store_dsa_fp8_kernel(
     HW_CVT: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """``layer_offset`` and ROW_BYTES are in bytes; the int16/float32 views of the same cache are addressed in
-    their own elements (offsets divided by 2 / 4: rows, the scales and the rope start stay aligned)."""
-    pid_n = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    """One program writes whole rows of ``BLOCK_N`` tokens: every tile's fp8 bytes and scale, and the rope.
+    ``layer_offset`` and ROW_BYTES are in bytes; the int16/float32 views of the same cache are addressed in
+    their own elements (offsets divided by 2 / 4: rows, the scales and the rope start stay aligned).  Tiles
+    are padded to a power of two (TILES_PAD) and the padding masked."""
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_n = offs_n < n_tokens
     rows = tl.load(loc_ptr + offs_n * loc_stride, mask=mask_n, other=0).to(tl.int64)
     base = layer_offset + rows * ROW_BYTES  # byte offset of each row
-    if pid_c < NUM_TILES:
-        cols = pid_c * TILE + tl.arange(0, TILE)
-        x = tl.load(nope_ptr + offs_n[:, None] * nope_sn + cols[None, :].to(tl.int64) * nope_sd,
-                    mask=mask_n[:, None], other=0.0).to(tl.float32)  # fmt: skip
-        amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)
-        scale = tl.maximum(scale, tl.zeros_like(scale) + SCALE_MIN)  # the zero-tile guard
-        q = tl.math.div_rn(x, tl.zeros_like(x) + scale[:, None])
-        if HW_CVT:
-            bits = f32_to_fp8_bits_hw(q, 1, SATURATE)
-        else:
-            bits = f32_to_fp8_bits(q, 1, SATURATE)
-        tl.store(cache_u8 + base[:, None] + cols[None, :], bits.to(tl.uint8), mask=mask_n[:, None])
-        tl.store(cache_f32 + (base + KV_LORA + pid_c * 4) // 4, scale, mask=mask_n)
+    cols = tl.arange(0, TILES_PAD * TILE)
+    if NUM_TILES == TILES_PAD:
+        mask = mask_n[:, None]
     else:
-        # Names here differ from the branch above: Triton's compiler unifies the types of variables
-        # assigned in both branches of an `if`, and the rope tile has another shape and dtype.
-        r_d = tl.arange(0, ROPE_PAD)
-        r_mask = mask_n[:, None] & (r_d < ROPE_DIM)[None, :]
-        r_x = tl.load(rope_ptr + offs_n[:, None] * rope_sn + r_d[None, :].to(tl.int64) * rope_sd, mask=r_mask, other=0)
-        if ROPE_BF16:
-            r_bits = r_x.to(tl.int16, bitcast=True)
+        mask = mask_n[:, None] & (cols < KV_LORA)[None, :]
+    x = tl.load(nope_ptr + offs_n[:, None] * nope_sn + cols[None, :].to(tl.int64) * nope_sd,
+                mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+    x3 = tl.reshape(x, (BLOCK_N, TILES_PAD, TILE))
+    scale = _tile_scale(tl.max(tl.abs(x3), axis=2), SCALE_MIN)
+    q = tl.reshape(_divide_rn(x3, scale[:, :, None], HW_CVT), (BLOCK_N, TILES_PAD * TILE))
+    tl.store(cache_u8 + base[:, None] + cols[None, :], _e4m3_bits(q, SATURATE, HW_CVT), mask=mask)
+    t = tl.arange(0, TILES_PAD)
+    tl.store(cache_f32 + ((base + KV_LORA) // 4)[:, None] + t[None, :], scale,
+             mask=mask_n[:, None] & (t < NUM_TILES)[None, :])  # fmt: skip
+    r_d = tl.arange(0, ROPE_PAD)
+    r_mask = mask_n[:, None] & (r_d < ROPE_DIM)[None, :]
+    r_x = tl.load(rope_ptr + offs_n[:, None] * rope_sn + r_d[None, :].to(tl.int64) * rope_sd, mask=r_mask, other=0)
+    if ROPE_BF16:
+        r_bits = r_x.to(tl.int16, bitcast=True)
+    else:
+        r_xf = r_x.to(tl.float32)
+        if HW_CVT:
+            r_bits = r_xf.to(tl.bfloat16).to(tl.int16, bitcast=True)
         else:
-            r_xf = r_x.to(tl.float32)
-            if HW_CVT:
-                r_bits = r_xf.to(tl.bfloat16).to(tl.int16, bitcast=True)
-            else:
-                r_bits = f32_to_bf16_bits(r_xf).to(tl.int16)
-        r_dst = (base + KV_LORA + NUM_TILES * 4) // 2
-        tl.store(cache_i16 + r_dst[:, None] + r_d[None, :], r_bits, mask=r_mask)
+            r_bits = f32_to_bf16_bits(r_xf).to(tl.int16)
+    r_dst = (base + KV_LORA + NUM_TILES * 4) // 2
+    tl.store(cache_i16 + r_dst[:, None] + r_d[None, :], r_bits, mask=r_mask)
 
 
 def store_dsa_fp8_triton(
@@ -295,15 +355,15 @@ def store_dsa_fp8_triton(
         return
     width = kv_cache.shape[3]
     tiles = kv_lora_rank // QUANT_BLOCK_SIZE
-    block_n = min(_QUANT_BLOCK_N, next_pow2(n))
-    _store_dsa_fp8_kernel[(triton.cdiv(n, block_n), tiles + 1)](
+    block_n = min(_STORE_BLOCK_N, next_pow2(n))
+    _store_dsa_fp8_kernel[(triton.cdiv(n, block_n),)](
         kv_cache, kv_cache.view(torch.int16), kv_cache.view(torch.float32),
         layer_index * kv_cache.stride(0), nope, rope, loc, loc.stride(0), n,
         nope.stride(0), nope.stride(1), rope.stride(0), rope.stride(1),
         KV_LORA=kv_lora_rank, ROPE_DIM=qk_rope_head_dim, ROPE_PAD=next_pow2(qk_rope_head_dim), ROW_BYTES=width,
-        NUM_TILES=tiles, TILE=QUANT_BLOCK_SIZE, ROPE_BF16=rope.dtype == torch.bfloat16, SCALE_MIN=SCALE_MIN,
-        SATURATE=torch_e4m3fn_saturates(), HW_CVT=not triton_interpreting(), BLOCK_N=block_n,
-        num_warps=_NUM_WARPS,
+        NUM_TILES=tiles, TILES_PAD=next_pow2(tiles), TILE=QUANT_BLOCK_SIZE, ROPE_BF16=rope.dtype == torch.bfloat16,
+        SCALE_MIN=SCALE_MIN, SATURATE=torch_e4m3fn_saturates(), HW_CVT=not triton_interpreting(), BLOCK_N=block_n,
+        num_warps=_STORE_NUM_WARPS,
     )  # fmt: skip
 
 
@@ -375,36 +435,38 @@ def _gather_dsa_fp8_kernel(
     ROPE_PAD: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     NUM_TILES: tl.constexpr,
+    TILES_PAD: tl.constexpr,
     TILE: tl.constexpr,
     OUT: tl.constexpr,
     HW_CVT: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    """One program reads whole rows of ``BLOCK_N`` tokens."""
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_n = offs_n < n_tokens
     rows = tl.load(loc_ptr + offs_n * loc_stride, mask=mask_n, other=0).to(tl.int64)
     base = layer_offset + rows * ROW_BYTES
-    if pid_c < NUM_TILES:
-        cols = pid_c * TILE + tl.arange(0, TILE)
-        b = tl.load(cache_u8 + base[:, None] + cols[None, :], mask=mask_n[:, None], other=0)
-        s = tl.load(cache_f32 + (base + KV_LORA + pid_c * 4) // 4, mask=mask_n, other=0.0)
-        xf = e4m3fn_bits_to_f32(b) * s[:, None]
-        _store_converted(nope_out + offs_n[:, None] * KV_LORA + cols[None, :], xf, mask_n[:, None], OUT, HW_CVT)
+    cols = tl.arange(0, TILES_PAD * TILE)
+    if NUM_TILES == TILES_PAD:
+        mask = mask_n[:, None]
     else:
-        # Distinct names from the branch above (see the store kernel).
-        r_d = tl.arange(0, ROPE_PAD)
-        r_mask = mask_n[:, None] & (r_d < ROPE_DIM)[None, :]
-        r_src = (base + KV_LORA + NUM_TILES * 4) // 2
-        r_bits = tl.load(cache_i16 + r_src[:, None] + r_d[None, :], mask=r_mask, other=0)
-        r_dst = rope_out + offs_n[:, None] * ROPE_DIM + r_d[None, :]
-        if OUT == 3:
-            tl.store(r_dst, r_bits.to(tl.bfloat16, bitcast=True), mask=r_mask)
-        else:
-            # bf16 -> float32 is exact: the bits shifted into the high half.
-            r_xf = ((r_bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-            _store_converted(r_dst, r_xf, r_mask, OUT, HW_CVT)
+        mask = mask_n[:, None] & (cols < KV_LORA)[None, :]
+    b = tl.load(cache_u8 + base[:, None] + cols[None, :], mask=mask, other=0)
+    t = tl.arange(0, TILES_PAD)
+    s = tl.load(cache_f32 + ((base + KV_LORA) // 4)[:, None] + t[None, :],
+                mask=mask_n[:, None] & (t < NUM_TILES)[None, :], other=0.0)  # fmt: skip
+    x3 = tl.reshape(_e4m3_to_f32(b, HW_CVT), (BLOCK_N, TILES_PAD, TILE)) * s[:, :, None]
+    xf = tl.reshape(x3, (BLOCK_N, TILES_PAD * TILE))
+    _store_converted(nope_out + offs_n[:, None] * KV_LORA + cols[None, :], xf, mask, OUT, HW_CVT)
+    r_d = tl.arange(0, ROPE_PAD)
+    r_mask = mask_n[:, None] & (r_d < ROPE_DIM)[None, :]
+    r_bits = tl.load(cache_i16 + ((base + KV_LORA + NUM_TILES * 4) // 2)[:, None] + r_d[None, :], mask=r_mask, other=0)
+    r_dst = rope_out + offs_n[:, None] * ROPE_DIM + r_d[None, :]
+    if OUT == 3:
+        tl.store(r_dst, r_bits.to(tl.bfloat16, bitcast=True), mask=r_mask)
+    else:
+        r_xf = ((r_bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        _store_converted(r_dst, r_xf, r_mask, OUT, HW_CVT)
 
 
 def gather_dsa_fp8_triton(
@@ -430,13 +492,14 @@ def gather_dsa_fp8_triton(
     if n == 0:
         return
     tiles = kv_lora_rank // QUANT_BLOCK_SIZE
-    block_n = min(_QUANT_BLOCK_N, next_pow2(n))
-    _gather_dsa_fp8_kernel[(triton.cdiv(n, block_n), tiles + 1)](
+    block_n = min(_GATHER_BLOCK_N, next_pow2(n))
+    _gather_dsa_fp8_kernel[(triton.cdiv(n, block_n),)](
         kv_cache, kv_cache.view(torch.int16), kv_cache.view(torch.float32),
         layer_index * kv_cache.stride(0), loc, loc.stride(0), n, nope_out, rope_out,
         KV_LORA=kv_lora_rank, ROPE_DIM=qk_rope_head_dim, ROPE_PAD=next_pow2(qk_rope_head_dim),
-        ROW_BYTES=kv_cache.shape[3], NUM_TILES=tiles, TILE=QUANT_BLOCK_SIZE, OUT=_DST_CODES[nope_out.dtype],
-        HW_CVT=not triton_interpreting(), BLOCK_N=block_n, num_warps=_NUM_WARPS,
+        ROW_BYTES=kv_cache.shape[3], NUM_TILES=tiles, TILES_PAD=next_pow2(tiles), TILE=QUANT_BLOCK_SIZE,
+        OUT=_DST_CODES[nope_out.dtype], HW_CVT=not triton_interpreting(), BLOCK_N=block_n,
+        num_warps=_GATHER_NUM_WARPS,
     )  # fmt: skip
 
 
@@ -569,7 +632,7 @@ def set_index_k_triton(
         index_buf, layer_index * index_buf.stride(0), loc, loc.stride(0), n,
         keys, keys.stride(0), keys.stride(1), s, s.stride(0), s.stride(1),
         PAGE=INDEX_PAGE_SIZE, PAGE_BYTES=page_bytes, KEY_BYTES=keys.shape[1], HAS_SCALE=scales is not None,
-        BLOCK_N=block_n, num_warps=_NUM_WARPS,
+        BLOCK_N=block_n, num_warps=_INDEX_NUM_WARPS,
     )  # fmt: skip
 
 
@@ -680,5 +743,5 @@ def get_index_k_triton(
         index_buf, layer_index * index_buf.stride(0), page_indices, page_indices.stride(0), seq_len,
         k_out if k_out is not None else dummy, s_out if s_out is not None else dummy,
         PAGE=INDEX_PAGE_SIZE, PAGE_BYTES=page_bytes, KEY_BYTES=key_bytes, WANT_K=k_out is not None,
-        WANT_S=s_out is not None, BLOCK_N=block_n, num_warps=_NUM_WARPS,
+        WANT_S=s_out is not None, BLOCK_N=block_n, num_warps=_INDEX_NUM_WARPS,
     )  # fmt: skip

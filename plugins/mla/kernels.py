@@ -90,12 +90,13 @@ def move_kv_cache_triton(kv_cache: torch.Tensor, tgt_loc: torch.Tensor, src_loc:
     move_rows_triton(kv_cache, None, tgt_loc, src_loc)
 
 
-# Tiling (elements).  The same tile sizes as the MHA store, measured there on an H200: about 4096 elements
-# per program when converting, 2048 for plain copies.
-MAX_BLOCK_C = 1024
-TILE_ELEMS = 4096
+# Tiling (elements), from a sweep on an H200 at 32k DeepSeek-V3 rows (benchmarks/tune_mla_dsa.py): column
+# tiles of up to 256, about 2048 elements per program and 2 warps were within noise of the best setting of
+# each of the bf16/fp8 stores and gathers (the bf16 ones are within 1 us of every setting swept).
+MAX_BLOCK_C = 256
+TILE_ELEMS = 2048
 COPY_TILE_ELEMS = 2048
-_NUM_WARPS = 4
+_NUM_WARPS = 2
 
 # Source codes (what the loaded values are).
 _IN_FLOAT = 0  # float32 / float16 (or raw uint8, only ever copied), loaded as such
@@ -129,7 +130,12 @@ def _convert(x, IN: tl.constexpr, OUT: tl.constexpr, SATURATE: tl.constexpr, HW_
         if IN == 0:
             xf = x.to(tl.float32)
         elif IN == 1:
-            xf = fp8_bits_to_f32(x, 1)
+            if HW_CVT and (OUT == 2 or OUT == 3):
+                # exact, through the hardware conversion; only a NaN's bits differ from the integer decoder,
+                # and a NaN's bits are not kept into 16-bit floats anyway (see the module docstring)
+                xf = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                xf = fp8_bits_to_f32(x, 1)
         elif IN == 2:
             xf = fp8_bits_to_f32(x, 2)
         else:

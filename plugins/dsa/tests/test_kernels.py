@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from kvcore.kernel_mode import triton_interpreting
 from kvcore.testing.tensors import bits_equal, compiled, poison, randn_nonzero, skip_module_without_device, test_device
 from kvcore_dsa import kernels
 from kvcore_dsa.layout import INDEX_PAGE_SIZE, SCALE_MIN
@@ -149,6 +152,27 @@ def test_store_triton_matches_native_on_the_last_layer():
     kernels.store_dsa_fp8_triton(a, L - 1, loc, nope, rope, kv_lora_rank=RANK, qk_rope_head_dim=ROPE)
     kernels.store_dsa_fp8_native(b, L - 1, loc, nope, rope, kv_lora_rank=RANK, qk_rope_head_dim=ROPE)
     assert bits_equal(a, b)
+
+
+@pytest.mark.parametrize("rank, rope_dim", [(384, 64), (256, 32), (640, 48)])
+def test_other_widths_store_and_gather_like_the_reference(rank, rope_dim):
+    """Tile counts that are not a power of two (3, 5: the kernels pad and mask them) and other rope widths."""
+    gen = torch.Generator().manual_seed(7)
+    n, rows = 19, 40
+    nope = randn_nonzero((n, rank), torch.float32, gen, 20.0).to(torch.bfloat16).to(DEVICE)
+    rope = randn_nonzero((n, rope_dim), torch.float32, gen).to(DEVICE)
+    width = kernels.row_bytes(rank, rope_dim)
+    a = poison((2, rows, 1, width), torch.uint8, gen)
+    b = a.clone()
+    loc = (torch.randperm(rows - 1, generator=gen)[:n] + 1).to(DEVICE)
+    kw = dict(kv_lora_rank=rank, qk_rope_head_dim=rope_dim)
+    kernels.store_dsa_fp8_triton(a, 1, loc, nope, rope, **kw)
+    kernels.store_dsa_fp8_native(b, 1, loc, nope, rope, **kw)
+    assert bits_equal(a, b)
+    outs = [(torch.empty(n, rank, device=DEVICE), torch.empty(n, rope_dim, device=DEVICE)) for _ in range(2)]
+    kernels.gather_dsa_fp8_triton(a, 1, loc, *outs[0], **kw)
+    kernels.gather_dsa_fp8_native(b, 1, loc, *outs[1], **kw)
+    assert bits_equal(outs[0][0], outs[1][0]) and bits_equal(outs[0][1], outs[1][1])
 
 
 def test_zero_tile_guard():
@@ -333,6 +357,57 @@ def test_index_set_accepts_scale_bytes_and_strided_keys():
         kernels.get_index_k_triton(a, 0, 129, torch.tensor([1, 2], device=DEVICE), None, None, key_bytes=key_bytes)
     with pytest.raises(ValueError, match="float32"):
         kernels.set_index_k_triton(a, 0, loc, keys, scales.double())
+
+
+# ==========================================================================================================
+# the quotient x / scale (compiled: a reciprocal per tile and two fma corrections; must equal IEEE division)
+# ==========================================================================================================
+
+
+@triton.jit
+def _divide_kernel(x_ptr, s_ptr, q_ptr, n, HW_CVT: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m, other=1.0)
+    s = tl.load(s_ptr + i, mask=m, other=1.0)
+    tl.store(q_ptr + i, kernels._divide_rn(x, s, HW_CVT), mask=m)
+
+
+def _quotient_cases(gen: torch.Generator, per_case: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, scale) pairs as the store meets them (|x| <= amax, scale = max(amax / 448, SCALE_MIN), amax finite),
+    chosen to be hard: every finite bf16 bit pattern as x (signed zeros too), quotients a few ulps from e4m3 rounding midpoints, float32 x
+    with 24-bit significands, and amaxes from 2**-140 to 2**120 (tiny scales take the lifted path)."""
+    def scale_of(amax):
+        return torch.maximum(amax / torch.full_like(amax, 448.0), torch.full_like(amax, SCALE_MIN))
+
+    xs, ss = [], []
+    bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    bf16 = bf16[torch.isfinite(bf16)][torch.randperm(65280, generator=gen)[:per_case]]
+    amax = torch.clamp(bf16.abs() * (1 + torch.rand(bf16.shape, generator=gen) * 4), max=torch.finfo(torch.float32).max)
+    xs.append(bf16), ss.append(scale_of(amax))
+    xs.append(torch.tensor([0.0, -0.0, 0.0, -0.0])), ss.append(torch.tensor([1.0, 1.0, SCALE_MIN, SCALE_MIN]))
+    # quotients next to the midpoints between neighbouring e4m3 values (3 mantissa bits -> 4-bit midpoints)
+    mid = (torch.randint(16, 32, (per_case,), generator=gen).float() + 0.5) / 16
+    mid = mid * torch.exp2(torch.randint(-9, 9, (per_case,), generator=gen).float())
+    amax = torch.exp2(torch.rand(per_case, generator=gen) * 260 - 140)
+    scale = scale_of(amax)
+    x = (mid * scale).view(torch.int32) + torch.randint(-3, 4, (per_case,), generator=gen, dtype=torch.int32)
+    xs.append(x.view(torch.float32)), ss.append(scale)
+    # random float32 values under random amaxes
+    amax = torch.exp2(torch.rand(per_case, generator=gen) * 260 - 140)
+    xs.append((torch.rand(per_case, generator=gen) * 2 - 1) * amax), ss.append(scale_of(amax))
+    return torch.cat(xs), torch.cat(ss)
+
+
+def test_divide_rn_equals_ieee_division():
+    gen = torch.Generator().manual_seed(31)
+    x, scale = _quotient_cases(gen, 1 << 20 if COMPILED else 2048)
+    x, scale = x.to(DEVICE), scale.to(DEVICE)
+    q = torch.empty_like(x)
+    block = 1024
+    _divide_kernel[(triton.cdiv(x.numel(), block),)](x, scale, q, x.numel(), HW_CVT=not triton_interpreting(), BLOCK=block)
+    want = x / scale
+    assert bits_equal(q, want), f"{(q != want).sum().item()} of {x.numel()} quotients differ"
 
 
 # ==========================================================================================================

@@ -1,0 +1,103 @@
+"""Tile and warp sweep for the MLA store/gather and the DSA quantize-store/dequant-gather kernels on a GPU.
+
+    python benchmarks/tune_mla_dsa.py
+
+Times each kernel at 32k tokens of DeepSeek-V3 rows (512 + 64) inside CUDA-graph replay, for every setting
+of its tuning constants, and prints the share of the measured copy ceiling, then the best setting per
+kernel.  The chosen defaults live in ``kvcore_mla.kernels`` (TILE_ELEMS, COPY_TILE_ELEMS, MAX_BLOCK_C,
+_NUM_WARPS) and ``kvcore_dsa.kernels`` (_STORE_BLOCK_N, _STORE_NUM_WARPS, _GATHER_BLOCK_N,
+_GATHER_NUM_WARPS); this script shows the neighbourhood they were picked from.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from bench_mha import copy_ceiling, graph_time_us, same_size_copy_us
+from kvcore_dsa import kernels as dsa
+from kvcore_mla import kernels as mla
+
+RANK, ROPE, N, ROWS = 512, 64, 32768, 65537
+
+
+def sweep(name: str, settings, apply, op, moved: int, ceiling: float) -> None:
+    """Time ``op`` under every setting (``apply(setting)`` installs it) and print the best, beside a plain
+    copy of the same bytes (small transfers do not reach the 1 GiB copy rate)."""
+    results = []
+    for setting in settings:
+        apply(setting)
+        us = graph_time_us(op, 4)
+        share = moved / us / 1e6 / ceiling
+        results.append((share, setting, us))
+        print(f"{name} {setting}: {us:.2f} us {share:.3f} of ceiling", flush=True)
+    share, setting, us = max(results)
+    apply(setting)
+    copy_us = same_size_copy_us(moved)
+    print(f"BEST {name} {setting}: {us:.2f} us {share:.3f} of ceiling; a copy of the same {moved / 1e6:.1f} MB "
+          f"takes {copy_us:.2f} us ({copy_us / us:.3f} of it)", flush=True)
+
+
+def main() -> None:
+    ceiling = copy_ceiling()
+    print(f"copy ceiling {ceiling:.3f} TB/s")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    loc = torch.randperm(ROWS - 1, device="cuda", generator=g)[:N] + 1
+    # nope and rope as strided views of one projection output, as an engine produces them
+    full = torch.randn(N, 1, RANK + ROPE + 32, device="cuda", generator=g).to(torch.bfloat16)
+    nope, rope = full[..., :RANK], full[..., RANK : RANK + ROPE]
+    nope_out = torch.empty(N, 1, RANK, device="cuda", dtype=torch.bfloat16)
+    rope_out = torch.empty(N, 1, ROPE, device="cuda", dtype=torch.bfloat16)
+
+    def mla_apply(setting):
+        mla.COPY_TILE_ELEMS = mla.TILE_ELEMS = setting[0]
+        mla.MAX_BLOCK_C, mla._NUM_WARPS = setting[1], setting[2]
+        mla._plan.cache_clear()
+
+    mla_settings = list(itertools.product((1024, 2048, 4096), (256, 1024), (2, 4)))
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        cache = torch.zeros(1, ROWS, 1, RANK + ROPE, dtype=mla.storage_dtype(cache_dtype), device="cuda")
+        out_bytes = (RANK + ROPE) * cache_dtype.itemsize
+        moved = N * ((RANK + ROPE) * 2 + out_bytes + 8)
+        tag = str(cache_dtype).removeprefix("torch.")
+        sweep(f"mla store {tag}", mla_settings, mla_apply,
+              lambda: mla.store_nope_rope_triton(cache, 0, loc, nope, rope, cache_dtype=cache_dtype), moved, ceiling)
+        sweep(f"mla gather {tag}->bf16", mla_settings, mla_apply,
+              lambda: mla.gather_nope_rope_triton(cache, 0, loc, nope_out, rope_out, cache_dtype=cache_dtype),
+              moved, ceiling)  # fmt: skip
+        del cache
+
+    width = dsa.row_bytes(RANK, ROPE)
+    cache = torch.zeros(1, ROWS, 1, width, dtype=torch.uint8, device="cuda")
+    moved = N * ((RANK + ROPE) * 2 + width + 8)
+    dsa_settings = list(itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8)))
+
+    def store_apply(setting):
+        dsa._STORE_BLOCK_N, dsa._STORE_NUM_WARPS = setting
+
+    def gather_apply(setting):
+        dsa._GATHER_BLOCK_N, dsa._GATHER_NUM_WARPS = setting
+
+    kw = {"kv_lora_rank": RANK, "qk_rope_head_dim": ROPE}
+    sweep("dsa quantize+store", dsa_settings, store_apply,
+          lambda: dsa.store_dsa_fp8_triton(cache, 0, loc, nope, rope, **kw), moved, ceiling)
+    sweep("dsa dequant gather->bf16", dsa_settings, gather_apply,
+          lambda: dsa.gather_dsa_fp8_triton(cache, 0, loc, nope_out, rope_out, **kw), moved, ceiling)
+    del cache
+
+    # the MLA bf16 store on 4x the tokens, at the last MLA setting swept's best (bf16 and fp8 share constants)
+    n4, rows4 = 4 * N, 4 * (ROWS - 1) + 1
+    loc4 = torch.randperm(rows4 - 1, device="cuda", generator=g)[:n4] + 1
+    full4 = torch.randn(n4, 1, RANK + ROPE + 32, device="cuda", generator=g).to(torch.bfloat16)
+    cache = torch.zeros(1, rows4, 1, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
+    moved = n4 * ((RANK + ROPE) * 4 + 8)
+    for order, where in (("random", loc4), ("sorted", loc4.sort().values)):
+        us = graph_time_us(lambda: mla.store_nope_rope_triton(cache, 0, where, full4[..., :RANK], full4[..., RANK : RANK + ROPE],
+                                                              cache_dtype=torch.bfloat16), 4)  # fmt: skip
+        print(f"mla store bf16 {n4} tokens, {order} rows: {us:.2f} us {moved / us / 1e6 / ceiling:.3f} of ceiling; "
+              f"a copy of the same bytes {same_size_copy_us(moved):.2f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
