@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from kvcore.token_rows import TokenRows
+
 GB = 1 << 30
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -97,8 +99,8 @@ class KVCache(abc.ABC):
     """Base of every token-to-KV pool: bookkeeping shared by all families.
 
     Subclasses allocate their stacked buffers, report them from :meth:`buffers`, and implement the
-    accessors.  CPU offload (:meth:`get_cpu_copy` / :meth:`load_cpu_copy`) works on :meth:`buffers` and
-    so serves every family that keeps token-indexed stacked buffers.
+    accessors.  CPU offload (:meth:`get_cpu_copy` / :meth:`load_cpu_copy`) works on :meth:`token_rows`
+    and so serves every family whose per-token state sits in rows of stacked buffers.
     """
 
     #: tokens per device->host transfer chunk in CPU offload.
@@ -163,8 +165,15 @@ class KVCache(abc.ABC):
         """Every stacked buffer by its layout name (``{"k": [L, rows, H, D], ...}``)."""
 
     def token_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers indexed by token location (row = token); CPU offload copies these."""
+        """The buffers indexed by token location (row = token), as transfer engines see them
+        (:meth:`get_contiguous_buf_infos`)."""
         return self.buffers()
+
+    def token_rows(self) -> dict[str, TokenRows]:
+        """Every per-token row the pool keeps, by name: what :meth:`move_kv_cache` must move and CPU offload
+        copies.  The token buffers themselves by default; a family with page-indexed per-token state (DSA's
+        indexer keys) adds views of it."""
+        return {name: TokenRows(buf) for name, buf in self.token_buffers().items()}
 
     def get_kv_size_bytes(self):
         """Bytes of all buffers."""
@@ -231,7 +240,8 @@ class KVCache(abc.ABC):
         return stream
 
     def get_cpu_copy(self, indices: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        """Copy the rows ``indices`` of every token buffer (all layers) to host memory, in chunks.
+        """Copy the rows of tokens ``indices`` of every :meth:`token_rows` buffer (all layers) to host memory,
+        in chunks.
 
         :returns: ``{buffer name: [chunk tensors of shape [layer_num, chunk, ...]]}``, page-locked when CUDA
             is present; pass it to :meth:`load_cpu_copy`.
@@ -241,10 +251,11 @@ class KVCache(abc.ABC):
         side = self._transfer_stream()
         main = torch.cuda.current_stream(self.device) if side is not None else None
         copy: dict[str, list[torch.Tensor]] = {}
-        for name, stacked in self.token_buffers().items():
+        for name, token_rows in self.token_rows().items():
+            stacked = token_rows.rows
             parts = []
             for start in range(0, indices.numel(), chunk):
-                idx = indices[start : start + chunk]
+                idx = token_rows.row_of(indices[start : start + chunk])
                 host = host_buffer((stacked.shape[0], idx.numel(), *stacked.shape[2:]), stacked.dtype)
                 pieces = self._layer_pieces(stacked, idx.numel())
                 for first in pieces:
@@ -267,14 +278,15 @@ class KVCache(abc.ABC):
         """Write a :meth:`get_cpu_copy` result back at (possibly different) rows ``indices``."""
         indices = torch.as_tensor(indices, device=self.device).long()
         chunk = self.cpu_offloading_chunk_size
-        buffers = self.token_buffers()
+        buffers = self.token_rows()
         if set(kv_cache_cpu) != set(buffers):
             raise ValueError(f"cpu copy holds buffers {sorted(kv_cache_cpu)}, this pool has {sorted(buffers)}")
         side = self._transfer_stream()
         main = torch.cuda.current_stream(self.device) if side is not None else None
-        for name, stacked in buffers.items():
+        for name, token_rows in buffers.items():
+            stacked = token_rows.rows
             for i, start in enumerate(range(0, indices.numel(), chunk)):
-                idx = indices[start : start + chunk]
+                idx = token_rows.row_of(indices[start : start + chunk])
                 host = kv_cache_cpu[name][i]
                 if host.shape[1] != idx.numel():
                     raise ValueError(

@@ -4,6 +4,8 @@ A pool keeps each buffer as one stacked tensor ``[layers, rows, ...]``; ``move_k
 rows ``src[i]`` to ``tgt[i]`` in every layer of one or two such buffers (K and V, or a single latent buffer),
 as if every source were read before any target is written, so compaction shifts, swaps and cycles are safe.
 Rows are moved as raw 32-/16-/8-bit words (whichever divides the row and its address), so any dtype works.
+A token's row is the token itself (:func:`move_rows_triton`), or, for per-token state kept inside pages, a
+row of its page (:func:`move_token_rows_triton` with :class:`kvcore.token_rows.TokenRows`).
 
 ``N <= MOVE_MAX_TOKENS`` (512) slots: one launch, grid ``(buffers x layers, column tiles)``.  A program owns
 one (buffer, layer, column tile) region, loads the source rows of its tile for ALL N locations into
@@ -26,6 +28,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from kvcore.token_rows import TokenRows
 
 # Tiling (bytes).
 MOVE_TILE_BYTES = 32 * 1024  # target bytes per program in registers
@@ -53,11 +57,11 @@ def prev_pow2(n: int) -> int:
 
 
 
-def _check_move_args(k_cache, v_cache, tgt_loc, src_loc):
-    if v_cache is None:
-        v_cache = k_cache
-    if k_cache.dim() < 2 or v_cache.dim() < 2 or k_cache.shape[:2] != v_cache.shape[:2]:
-        raise ValueError(f"K/V caches must be [L, R, ...] alike, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+def _check_move_args(first: TokenRows, second: TokenRows | None, tgt_loc, src_loc):
+    if second is not None and first.rows.shape[0] != second.rows.shape[0]:
+        raise ValueError(
+            f"both buffers must stack the same layers, got {tuple(first.rows.shape)} and {tuple(second.rows.shape)}"
+        )
     for name, t in (("tgt_loc", tgt_loc), ("src_loc", src_loc)):
         if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
@@ -65,18 +69,34 @@ def _check_move_args(k_cache, v_cache, tgt_loc, src_loc):
         raise ValueError(f"tgt_loc {tuple(tgt_loc.shape)} and src_loc {tuple(src_loc.shape)} differ")
 
 
-def move_rows_native(
-    k_cache: torch.Tensor, v_cache: torch.Tensor | None, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+def _identity_rows(k_cache: torch.Tensor, v_cache: torch.Tensor | None) -> tuple[TokenRows, TokenRows | None]:
+    """K/V caches whose rows are the tokens; both ``[L, R, ...]`` with the same L and R."""
+    if v_cache is not None and (k_cache.dim() < 2 or v_cache.dim() < 2 or k_cache.shape[:2] != v_cache.shape[:2]):
+        raise ValueError(f"K/V caches must be [L, R, ...] alike, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    return TokenRows(k_cache), None if v_cache is None else TokenRows(v_cache)
+
+
+def move_token_rows_native(
+    first: TokenRows, second: TokenRows | None, tgt_loc: torch.Tensor, src_loc: torch.Tensor
 ) -> None:
-    """Torch reference of :func:`move_rows_triton`: per layer, gather the source rows, then scatter."""
-    _check_move_args(k_cache, v_cache, tgt_loc, src_loc)
+    """Torch reference of :func:`move_token_rows_triton`: per buffer and layer, gather the source rows, then
+    scatter them."""
+    _check_move_args(first, second, tgt_loc, src_loc)
     if tgt_loc.numel() == 0:
         return
-    tgt, src = tgt_loc.long(), src_loc.long()
-    for buf in (k_cache,) if v_cache is None else (k_cache, v_cache):
+    for token_rows in (first,) if second is None else (first, second):
+        buf = token_rows.rows
+        tgt, src = token_rows.row_of(tgt_loc).long(), token_rows.row_of(src_loc).long()
         for layer in range(buf.shape[0]):
             rows = buf[layer].index_select(0, src)
             buf[layer].index_copy_(0, tgt, rows)
+
+
+def move_rows_native(
+    k_cache: torch.Tensor, v_cache: torch.Tensor | None, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
+    """Torch reference of :func:`move_rows_triton`."""
+    move_token_rows_native(*_identity_rows(k_cache, v_cache), tgt_loc, src_loc)
 
 
 def _row_words(buf: torch.Tensor) -> torch.Tensor:
@@ -121,6 +141,16 @@ def _move_tile(
 
 
 @triton.jit
+def _token_row(t, TOKENS_PER_PAGE: tl.constexpr, ROWS_PER_PAGE: tl.constexpr, FIRST_ROW: tl.constexpr):
+    """:meth:`kvcore.token_rows.TokenRows.row_of` on the device."""
+    if TOKENS_PER_PAGE == ROWS_PER_PAGE and FIRST_ROW == 0:
+        r = t
+    else:
+        r = t + (t // TOKENS_PER_PAGE) * (ROWS_PER_PAGE - TOKENS_PER_PAGE) + FIRST_ROW
+    return r
+
+
+@triton.jit
 def _move_kv_kernel(
     k_ptr,
     v_ptr,
@@ -138,9 +168,17 @@ def _move_kv_kernel(
     V_TILE: tl.constexpr,
     K_WORD: tl.constexpr,
     V_WORD: tl.constexpr,
+    K_TPP: tl.constexpr,
+    K_RPP: tl.constexpr,
+    K_FIRST: tl.constexpr,
+    V_TPP: tl.constexpr,
+    V_RPP: tl.constexpr,
+    V_FIRST: tl.constexpr,
     N_PAD: tl.constexpr,
 ):
-    """Strides, ROW and TILE are in words of WORD bytes (the caches' pointers are cast to those words)."""
+    """Strides, ROW and TILE are in words of WORD bytes (the caches' pointers are cast to those words);
+    TPP, RPP and FIRST are each buffer's tokens per page, rows per page and first token row of a page
+    (:class:`kvcore.token_rows.TokenRows`)."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
     offs = tl.arange(0, N_PAD)
@@ -148,9 +186,15 @@ def _move_kv_kernel(
     tgt = tl.load(tgt_ptr + offs * tgt_stride, mask=mask_n, other=0).to(tl.int64)
     src = tl.load(src_ptr + offs * src_stride, mask=mask_n, other=0).to(tl.int64)
     if pid_b < num_layers:
-        _move_tile(k_ptr, pid_b, k_layer_stride, tgt, src, mask_n, pid_c, K_ROW, K_TILE, K_WORD)
+        _move_tile(
+            k_ptr, pid_b, k_layer_stride, _token_row(tgt, K_TPP, K_RPP, K_FIRST), _token_row(src, K_TPP, K_RPP, K_FIRST),
+            mask_n, pid_c, K_ROW, K_TILE, K_WORD,
+        )  # fmt: skip
     else:
-        _move_tile(v_ptr, pid_b - num_layers, v_layer_stride, tgt, src, mask_n, pid_c, V_ROW, V_TILE, V_WORD)
+        _move_tile(
+            v_ptr, pid_b - num_layers, v_layer_stride, _token_row(tgt, V_TPP, V_RPP, V_FIRST),
+            _token_row(src, V_TPP, V_RPP, V_FIRST), mask_n, pid_c, V_ROW, V_TILE, V_WORD,
+        )  # fmt: skip
 
 
 def _word_bytes(buf: torch.Tensor) -> int:
@@ -290,40 +334,47 @@ def _flag_overlaps(rows: int, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> t
     return flag
 
 
-def move_rows_triton(
-    k_cache: torch.Tensor, v_cache: torch.Tensor | None, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+def move_token_rows_triton(
+    first: TokenRows, second: TokenRows | None, tgt_loc: torch.Tensor, src_loc: torch.Tensor
 ) -> None:
-    """For every layer of both buffers: rows ``tgt_loc[i]`` <- rows ``src_loc[i]``, as torch's
-    ``buf[:, tgt] = buf[:, src]`` (every source read before any target is written, so overlapping moves
-    such as compaction shifts, swaps and cycles are fine).  Targets must be distinct.
+    """For every layer of one or two buffers: the rows of tokens ``tgt_loc[i]`` <- the rows of tokens
+    ``src_loc[i]``, as if every source were read before any target is written (so overlapping moves such as
+    compaction shifts, swaps and cycles are fine).  Targets must be distinct.
 
-    :param k_cache: contiguous ``[L, R, ...]`` buffer, any dtype (rows are moved as raw words).
-    :param v_cache: contiguous ``[L, R, ...]`` buffer with the same L and R (its row width may differ), or
-        None for a pool with one buffer (MLA's latent rows).
-    :param tgt_loc: ``[N]`` int32/int64 target rows, on the caches' device.
-    :param src_loc: ``[N]`` int32/int64 source rows.
+    :param first: the rows of a contiguous ``[L, R, ...]`` buffer, any dtype (rows move as raw words), with
+        where each token's row is (:class:`~kvcore.token_rows.TokenRows`: the token itself, or a row inside
+        its page).
+    :param second: a second buffer with the same L (its rows and paging may differ), or None.
+    :param tgt_loc: ``[N]`` int32/int64 target tokens, on the buffers' device.
+    :param src_loc: ``[N]`` int32/int64 source tokens.
 
-    ``N <= MOVE_MAX_TOKENS`` (512): one kernel launch, no allocation, no host sync (CUDA-graph safe; N is
-    read from the tensor shape).  Larger N: a device-side overlap flag picks, without a host sync, a
-    one-pass parallel row copy (no overlap) or a gather/scatter through a scratch buffer (overlap).
+    ``N <= MOVE_MAX_TOKENS`` (512): one kernel launch (token rows are found on the device), no allocation, no
+    host sync (CUDA-graph safe; N is read from the tensor shape).  Larger N: a device-side overlap flag
+    picks, without a host sync, a one-pass parallel row copy (no overlap) or a gather/scatter through a
+    scratch buffer (overlap).
     """
-    _check_move_args(k_cache, v_cache, tgt_loc, src_loc)
+    _check_move_args(first, second, tgt_loc, src_loc)
     n = tgt_loc.shape[0]
     if n == 0:
         return
-    buffers = (k_cache,) if v_cache is None else (k_cache, v_cache)
-    if not all(b.is_contiguous() for b in buffers):
+    buffers = (first,) if second is None else (first, second)
+    if not all(b.rows.is_contiguous() for b in buffers):
         raise ValueError("cache buffers must be contiguous")
     if n > MOVE_MAX_TOKENS:
         # The device decides: without overlap a straight parallel row copy (one pass over the bytes);
-        # with overlap the gather/scatter through scratch.  The path not taken exits at once.
-        flag = _flag_overlaps(k_cache.shape[1], tgt_loc, src_loc)
-        for words in (_row_words(b) for b in buffers):
-            _copy_rows(words, words, src_loc, tgt_loc, n, flag, 1)
-            _move_via_scratch(words, tgt_loc, src_loc, flag, 2)
+        # with overlap the gather/scatter through scratch.  The path not taken exits at once.  Overlap is a
+        # property of the tokens (a token's row is the same function of it in each buffer), and no token
+        # exceeds its buffer's row count.
+        flag = _flag_overlaps(max(b.rows.shape[1] for b in buffers), tgt_loc, src_loc)
+        for token_rows in buffers:
+            words = _row_words(token_rows.rows)
+            tgt, src = token_rows.row_of(tgt_loc), token_rows.row_of(src_loc)
+            _copy_rows(words, words, src, tgt, n, flag, 1)
+            _move_via_scratch(words, tgt, src, flag, 2)
         return
-    if v_cache is None:
-        v_cache = k_cache  # the V half of the grid is not launched
+    k_cache = first.rows
+    v_rows = second if second is not None else first  # the V half of the grid is not launched
+    v_cache = v_rows.rows
     kwb, vwb = _word_bytes(k_cache), _word_bytes(v_cache)
     k_row_bytes = k_cache.stride(1) * k_cache.element_size()
     v_row_bytes = v_cache.stride(1) * v_cache.element_size()
@@ -333,9 +384,25 @@ def move_rows_triton(
     k_row, v_row = k_row_bytes // kwb, v_row_bytes // vwb
     n_col = max(triton.cdiv(k_row, k_tile), triton.cdiv(v_row, v_tile))
     num_warps = max(1, min(8, prev_pow2(n_pad * tile_bytes // 4096)))
-    L, R = k_cache.shape[0], k_cache.shape[1]
+    L = k_cache.shape[0]
     _move_kv_kernel[(len(buffers) * L, n_col)](
-        k_cache, v_cache, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), n, L, R * k_row, R * v_row,
-        K_ROW=k_row, V_ROW=v_row, K_TILE=k_tile, V_TILE=v_tile, K_WORD=kwb, V_WORD=vwb, N_PAD=n_pad,
-        num_warps=num_warps,
+        k_cache, v_cache, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), n, L,
+        k_cache.shape[1] * k_row, v_cache.shape[1] * v_row,
+        K_ROW=k_row, V_ROW=v_row, K_TILE=k_tile, V_TILE=v_tile, K_WORD=kwb, V_WORD=vwb,
+        K_TPP=first.tokens_per_page, K_RPP=first.rows_per_page, K_FIRST=first.first_row,
+        V_TPP=v_rows.tokens_per_page, V_RPP=v_rows.rows_per_page, V_FIRST=v_rows.first_row,
+        N_PAD=n_pad, num_warps=num_warps,
     )  # fmt: skip
+
+
+def move_rows_triton(
+    k_cache: torch.Tensor, v_cache: torch.Tensor | None, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
+    """:func:`move_token_rows_triton` for buffers whose rows are the tokens: for every layer of both
+    buffers, rows ``tgt_loc[i]`` <- rows ``src_loc[i]``, as torch's ``buf[:, tgt] = buf[:, src]``.
+
+    :param k_cache: contiguous ``[L, R, ...]`` buffer, any dtype.
+    :param v_cache: contiguous ``[L, R, ...]`` buffer with the same L and R (its row width may differ), or
+        None for a pool with one buffer (MLA's latent rows).
+    """
+    move_token_rows_triton(*_identity_rows(k_cache, v_cache), tgt_loc, src_loc)

@@ -37,7 +37,8 @@ def run_self_check(pools: Pools, *, tokens: int = 64, seed: int = 0) -> list[Che
         results.append(CheckResult(name, ok, detail))
 
     before = allocator.available_size()
-    padding = {name: buf[:, :page].clone() for name, buf in pool.token_buffers().items()}
+    padding_tokens = torch.arange(page, device=pool.device)
+    padding = {name: rows.take(padding_tokens) for name, rows in pool.token_rows().items()}
     state: dict[str, torch.Tensor] = {}
 
     def alloc() -> tuple[bool, str]:
@@ -65,25 +66,25 @@ def run_self_check(pools: Pools, *, tokens: int = 64, seed: int = 0) -> list[Che
         return True, f"{tokens} tokens x {len(layers)} layers written by the pool's own write path, read back bit-exact"
 
     def move() -> tuple[bool, str]:
-        expected = {name: buf[:, src].clone() for name, buf in pool.token_buffers().items()}
+        expected = {name: rows.take(src) for name, rows in pool.token_rows().items()}
         pool.move_kv_cache(dst, src)
-        for name, buf in pool.token_buffers().items():
-            if not _same_bytes(buf[:, dst], expected[name]):
+        for name, rows in pool.token_rows().items():
+            if not _same_bytes(rows.take(dst), expected[name]):
                 return False, f"buffer {name!r}: moved rows differ from their sources"
         return True, f"{tokens} slots moved in all layers of {', '.join(expected)}"
 
     def offload() -> tuple[bool, str]:
         copy = pool.get_cpu_copy(dst)
-        expected = {name: buf[:, dst].clone() for name, buf in pool.token_buffers().items()}
+        expected = {name: rows.take(dst) for name, rows in pool.token_rows().items()}
         pool.load_cpu_copy(copy, src)
-        for name, buf in pool.token_buffers().items():
-            if not _same_bytes(buf[:, src], expected[name]):
+        for name, rows in pool.token_rows().items():
+            if not _same_bytes(rows.take(src), expected[name]):
                 return False, f"buffer {name!r}: rows loaded from the CPU copy differ"
         return True, "device -> host -> device round trip bit-exact"
 
     def padding_untouched() -> tuple[bool, str]:
-        for name, buf in pool.token_buffers().items():
-            if not _same_bytes(buf[:, :page], padding[name]):
+        for name, rows in pool.token_rows().items():
+            if not _same_bytes(rows.take(padding_tokens), padding[name]):
                 return False, f"buffer {name!r}: the padding page was written"
         return True, "page 0 (padding) unchanged"
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvcore import row_move
+from kvcore.token_rows import TokenRows
 
 from kvcore.testing.tensors import bits_equal as _bits_equal
 from kvcore.testing.tensors import compiled, skip_module_without_device, test_device
@@ -195,3 +196,55 @@ def test_single_buffer_move(monkeypatch, limit, pattern):
     row_move.move_rows_native(ref, None, tgt, src)
     row_move.move_rows_triton(buf, None, tgt, src)
     assert _bits_equal(ref, want) and _bits_equal(buf, want)
+
+
+# ==========================================================================================================
+# per-token rows inside pages (TokenRows): e.g. an indexer page of 4 keys then their scales
+# ==========================================================================================================
+
+
+def _paged_expected(pages: torch.Tensor, tokens_per_page: int, first: int, tgt, src) -> torch.Tensor:
+    """``pages`` [L, P, rows_per_page, W]: token ``t`` is row ``first + t % tokens_per_page`` of page
+    ``t // tokens_per_page``.  Every source read first, then written at its target; written out token by
+    token in Python so it does not share the addressing under test."""
+    want = pages.clone()
+    for t, s in zip(tgt, src):
+        want[:, t // tokens_per_page, first + t % tokens_per_page] = pages[:, s // tokens_per_page, first + s % tokens_per_page]
+    return want
+
+
+@pytest.mark.parametrize("limit", [512, 4], ids=["one-launch", "flagged"])
+@pytest.mark.parametrize("pattern", ["shift_down", "three_cycle", "swap_pairs", "disjoint", "long_chain_odd"])
+def test_token_rows_in_pages_move_with_their_tokens(monkeypatch, limit, pattern):
+    """Two buffers with different page geometries (keys: 4 tokens in pages of 6 rows of 8 bytes from row 0;
+    scales: 4 tokens in pages of 12 rows of 4 bytes from row 8) and an identity one, moved together."""
+    monkeypatch.setattr(row_move, "MOVE_MAX_TOKENS", limit)
+    gen = torch.Generator().manual_seed(17)
+    tokens_per_page, num_pages, layers = 4, 10, 3
+    index = _poison((layers, num_pages, 48), torch.uint8, gen)  # one page: 4 x 8 key bytes + 4 x 4 scale bytes
+    latent = _poison((layers, num_pages * tokens_per_page, 1, 12), torch.bfloat16, gen)
+    tgt_list, src_list = MOVE_PATTERNS[pattern]
+    tgt, src = (torch.tensor(v, device=DEVICE) for v in (tgt_list, src_list))
+    want_index = index.clone()
+    want_index.view(layers, num_pages, 6, 8).copy_(
+        _paged_expected(index.view(layers, num_pages, 6, 8), tokens_per_page, 0, tgt_list, src_list))
+    want_index.view(layers, num_pages, 12, 4).copy_(
+        _paged_expected(want_index.view(layers, num_pages, 12, 4), tokens_per_page, 8, tgt_list, src_list))
+    want_latent = latent.clone()
+    want_latent[:, tgt] = latent[:, src].clone()
+    for move in (row_move.move_token_rows_native, row_move.move_token_rows_triton):
+        got_index, got_latent = index.clone(), latent.clone()
+        got_keys = TokenRows(got_index.view(layers, num_pages * 6, 8), tokens_per_page, 6, 0)
+        got_scales = TokenRows(got_index.view(layers, num_pages * 12, 4), tokens_per_page, 12, 8)
+        move(TokenRows(got_latent), got_keys, tgt, src)
+        move(got_scales, None, tgt, src)
+        assert _bits_equal(got_latent, want_latent), move.__name__
+        assert _bits_equal(got_index, want_index), move.__name__
+
+
+def test_token_rows_buffers_must_stack_the_same_layers():
+    a = TokenRows(torch.zeros(2, 8, 4, device=DEVICE))
+    b = TokenRows(torch.zeros(3, 8, 4, device=DEVICE))
+    loc = torch.tensor([1], device=DEVICE)
+    with pytest.raises(ValueError, match="same layers"):
+        row_move.move_token_rows_triton(a, b, loc, loc)

@@ -14,6 +14,10 @@ Fixtures the implementer may override: ``kv_capabilities`` (a set of capability 
 a capability the pool does not declare are skipped by capability, never by backend name), ``kv_pool_size``
 and ``kv_page_size``; ``kv_writer`` defaults to the pool's own ``self_test_write``.  Without the required
 fixtures every test fails with a message naming the fixture.
+
+Moves and CPU offload are checked on every row of :meth:`KVCache.token_rows` (by default the token buffers;
+a pool with per-token state inside pages reports it there, as :class:`kvcore.token_rows.TokenRows`), and a
+move must leave every other byte of :meth:`KVCache.buffers` unchanged.
 """
 
 from __future__ import annotations
@@ -169,14 +173,19 @@ class BaseMoveTests(_Base):
                 "identity": src,
             }[pattern]
             src = src[: tgt.numel()]
-        expected = {}
-        for name, buf in kv_pool.token_buffers().items():
-            want = buf.clone()
-            want[:, tgt] = buf[:, src].clone()
-            expected[name] = want
+        what = f"a {pattern} move of {src.numel()} slots"
+        before = {name: buf.clone() for name, buf in kv_pool.buffers().items()}
+        token_rows = kv_pool.token_rows()  # views, possibly several of one buffer (a page's keys and scales)
+        sources = {name: rows.take(src) for name, rows in token_rows.items()}
+        old_targets = {name: rows.take(tgt) for name, rows in token_rows.items()}
         kv_pool.move_kv_cache(tgt, src)
-        for name, buf in kv_pool.token_buffers().items():
-            assert_same_bytes(buf, expected[name], f"buffer {name} after a {pattern} move of {src.numel()} slots")
+        for name, rows in token_rows.items():
+            assert_same_bytes(rows.take(tgt), sources[name], f"{name} rows of the targets after {what}")
+        # Nothing else may change: with the targets' old rows put back, every buffer is as before.
+        for name, rows in token_rows.items():
+            rows.rows[:, rows.row_of(tgt)] = old_targets[name]
+        for name, buf in kv_pool.buffers().items():
+            assert_same_bytes(buf, before[name], f"buffer {name} outside the targets' rows after {what}")
 
     def test_empty_move_is_a_no_op(self, kv_pool, kv_capabilities, generator):
         self.need(kv_capabilities, "move")
@@ -196,12 +205,12 @@ class BaseCpuCopyTests(_Base):
         randomize(kv_pool, generator)
         src = self.free_slots(kv_pool, 10, generator)
         dst = self.free_slots(kv_pool, 10, generator, offset=10)
-        saved = {name: buf[:, src].clone() for name, buf in kv_pool.token_buffers().items()}
+        saved = {name: rows.take(src) for name, rows in kv_pool.token_rows().items()}
         copy = kv_pool.get_cpu_copy(src)
         randomize(kv_pool, generator)  # the copy must not alias device memory
         kv_pool.load_cpu_copy(copy, dst)
-        for name, buf in kv_pool.token_buffers().items():
-            assert_same_bytes(buf[:, dst], saved[name], f"buffer {name} rows loaded back from the CPU copy")
+        for name, rows in kv_pool.token_rows().items():
+            assert_same_bytes(rows.take(dst), saved[name], f"buffer {name} rows loaded back from the CPU copy")
 
 
 class BaseBufferInfoTests(_Base):

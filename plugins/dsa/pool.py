@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from kvcore.pools import layer_id_of
+from kvcore.token_rows import TokenRows
 from kvcore_dsa import kernels
 from kvcore_dsa.layout import (
+    INDEX_PAGE_SIZE,
     INDEX_SCALE_BYTES,
     QUANT_BLOCK_SIZE,
     ROPE_STORAGE_DTYPE,
@@ -35,12 +37,12 @@ class DSATokenToKVPool(MLATokenToKVPool):
 
     What covers which buffer:
 
-    * :meth:`token_buffers` is ``{"kv"}`` only: :meth:`move_kv_cache`, CPU offload
-      (:meth:`get_cpu_copy` / :meth:`load_cpu_copy`) and :meth:`get_contiguous_buf_infos` work on token rows
-      and leave the page-indexed indexer alone.  :meth:`move_kv_cache` therefore does **not** move indexer
-      keys: a token moved to a new slot keeps its latent row, and its indexer key must be written again at the
-      new slot (:meth:`set_index_k_scale_buffer`) if the indexer will look at it there.  Likewise a CPU copy
-      holds no indexer keys.  Transfer engines reach the indexer through :meth:`get_state_buf_infos`.
+    * :meth:`token_rows` holds every per-token row: ``kv``, and the indexer's ``index_k`` (each token's key,
+      a 128-byte row of the pages seen as such rows) and, for fp8 keys, ``index_k_scale`` (its 4-byte
+      scale).  :meth:`move_kv_cache` and CPU offload (:meth:`get_cpu_copy` / :meth:`load_cpu_copy`) carry
+      all of them: a moved or reloaded token keeps its indexer key.
+    * :meth:`token_buffers` (and so :meth:`get_contiguous_buf_infos`) is ``{"kv"}``; transfer engines reach
+      the page-indexed indexer through :meth:`get_state_buf_infos`, as in SGLang.
     * :meth:`buffers` (and so ``get_kv_size_bytes``, ``mem_usage``) counts both.
 
     :param index_head_dim: the indexer key width; must be 128.
@@ -104,6 +106,21 @@ class DSATokenToKVPool(MLATokenToKVPool):
     def token_buffers(self) -> dict[str, torch.Tensor]:
         """Only the token-indexed latent rows; the indexer is page-indexed (see the class docstring)."""
         return {"kv": self.kv_cache}
+
+    def token_rows(self) -> dict[str, TokenRows]:
+        """``kv`` rows, and the indexer's per-token key (and scale) rows inside its pages."""
+        rows = {"kv": TokenRows(self.kv_cache)}
+        index = self.index_k_with_scale_cache
+        layers, pages, page_bytes = index.shape
+        key_bytes = self._index_key_bytes
+        rows["index_k"] = TokenRows(index.view(layers, pages * page_bytes // key_bytes, key_bytes),
+                                    INDEX_PAGE_SIZE, page_bytes // key_bytes)  # fmt: skip
+        if self._index_has_scale:
+            rows["index_k_scale"] = TokenRows(
+                index.view(layers, pages * page_bytes // INDEX_SCALE_BYTES, INDEX_SCALE_BYTES),
+                INDEX_PAGE_SIZE, page_bytes // INDEX_SCALE_BYTES, INDEX_PAGE_SIZE * key_bytes // INDEX_SCALE_BYTES,
+            )  # fmt: skip
+        return rows
 
     def get_kv_size_bytes(self) -> int:
         """Bytes of both buffers, all layers, padding included (the seed adds the indexer too)."""
@@ -198,17 +215,19 @@ class DSATokenToKVPool(MLATokenToKVPool):
         return nope, rope
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-        """Copy latent rows ``src_loc`` to ``tgt_loc`` in all layers at once (overlaps are safe).
-
-        Only the token-indexed ``kv`` rows move (:mod:`kvcore.row_move`); the page-indexed indexer keys are
-        **not** moved — write them at the new slots with :meth:`set_index_k_scale_buffer` if needed.
-        """
+        """Move tokens ``src_loc`` to ``tgt_loc`` in all layers, as if all sources were read first: their
+        latent rows and their indexer keys and scales (every :meth:`token_rows` buffer).  Two launches of the
+        overlap-safe row move of :mod:`kvcore.row_move` up to 512 tokens (rows and indexer keys, then
+        scales), each finding the indexer rows inside their pages on the device."""
         if tgt_loc.numel() != src_loc.numel():
             raise ValueError(f"move_kv_cache: {tgt_loc.numel()} targets but {src_loc.numel()} sources")
         if tgt_loc.numel() == 0:
             return
-        move = kernels.move_kv_rows_triton if self._use_triton else kernels.move_kv_rows_native
-        move(self.kv_cache, None, tgt_loc.reshape(-1), src_loc.reshape(-1))
+        move = kernels.move_token_rows_triton if self._use_triton else kernels.move_token_rows_native
+        tgt, src = tgt_loc.reshape(-1), src_loc.reshape(-1)
+        rows = list(self.token_rows().values())
+        for i in range(0, len(rows), 2):  # the row move takes two buffers at a time
+            move(rows[i], rows[i + 1] if i + 1 < len(rows) else None, tgt, src)
 
     # -- indexer -----------------------------------------------------------------------------------------
 

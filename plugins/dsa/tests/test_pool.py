@@ -170,17 +170,51 @@ def test_bf16_pool_is_plain_mla():
     assert bits_equal(got_nope, nope.contiguous()) and bits_equal(got_rope, rope.contiguous())
 
 
-def test_move_moves_latent_rows_only():
-    pool = make_pool()
+def _index_entries(pool, layer, fp8):
+    """Every token's indexer key (and scale) bytes in token order, read through the pool's public accessor
+    over all pages: ``[tokens, key bytes (+ 4)]``."""
+    pages = pool.index_k_with_scale_cache.shape[1]
+    table = torch.arange(pages, dtype=torch.int32)
+    keys = pool.get_index_k_continuous(layer, pages * 64, table).view(torch.uint8).reshape(pages * 64, -1)
+    if not fp8:
+        return keys
+    return torch.cat([keys, pool.get_index_k_scale_continuous(layer, pages * 64, table)], dim=1)
+
+
+@pytest.mark.parametrize("index_dtype", [None, "bfloat16"], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("mode", ["triton", "native"])
+def test_move_carries_latent_rows_and_indexer_keys(index_dtype, mode):
+    """A move (here a chain across a page boundary: 64 -> 65 -> 200, 130 -> 64) takes each token's latent
+    row and its indexer key and scale along, in every layer, and changes nothing else."""
+    pool = make_pool(kernels_mode=mode, index_dtype=index_dtype)
     _randomize(pool, 5)
-    index_before = pool.index_k_with_scale_cache.clone()
-    kv_before = pool.kv_cache.clone()
+    fp8 = index_dtype is None
     src, tgt = torch.tensor([64, 65, 130]), torch.tensor([65, 200, 64])
+    kv_before = pool.kv_cache.clone()
+    index_before = [_index_entries(pool, layer, fp8) for layer in range(LAYERS)]
     pool.move_kv_cache(tgt, src)
     want = kv_before.clone()
     want[:, tgt] = kv_before[:, src]
     assert bits_equal(pool.kv_cache, want)
-    assert bits_equal(pool.index_k_with_scale_cache, index_before)
+    for layer in range(LAYERS):
+        want = index_before[layer].clone()
+        want[tgt] = index_before[layer][src]
+        assert bits_equal(_index_entries(pool, layer, fp8), want)
+
+
+@pytest.mark.parametrize("index_dtype", [None, "bfloat16"], ids=["fp8", "bf16"])
+def test_cpu_copy_carries_indexer_keys(index_dtype):
+    pool = make_pool(index_dtype=index_dtype)
+    _randomize(pool, 8)
+    fp8 = index_dtype is None
+    src, dst = torch.tensor([64, 127, 128, 250]), torch.tensor([300, 66, 129, 191])
+    saved = [_index_entries(pool, layer, fp8)[src] for layer in range(LAYERS)]
+    copy = pool.get_cpu_copy(src)
+    assert set(copy) == ({"kv", "index_k", "index_k_scale"} if fp8 else {"kv", "index_k"})
+    _randomize(pool, 9)
+    pool.load_cpu_copy(copy, dst)
+    for layer in range(LAYERS):
+        assert bits_equal(_index_entries(pool, layer, fp8)[dst], saved[layer])
 
 
 # -- indexer -------------------------------------------------------------------------------------------------

@@ -1,0 +1,52 @@
+"""Where a stacked buffer keeps each token's row (:class:`TokenRows`), for moves, CPU offload and checks."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TokenRows"]
+
+
+class TokenRows:
+    """Where one stacked buffer keeps each token's row: what moves, CPU offload and checks address.
+
+    ``rows`` is ``[layer_num, R, ...]`` with rows along dim 1.  Token ``t`` is row ``t`` itself, or, for a
+    page-indexed buffer whose pages are ``rows_per_page`` rows long and keep the rows of their
+    ``tokens_per_page`` tokens from row ``first_row`` on (the other rows of a page holding other fields)::
+
+        row(t) = (t // tokens_per_page) * rows_per_page + first_row + t % tokens_per_page
+
+    For example a DSA indexer page of 64 keys of 128 bytes followed by 64 float32 scales is, viewed as
+    128-byte rows, 66 rows long with the keys from row 0; viewed as 4-byte rows, 2112 rows long with the
+    scales from row 2048.
+    """
+
+    __slots__ = ("rows", "tokens_per_page", "rows_per_page", "first_row")
+
+    def __init__(self, rows: torch.Tensor, tokens_per_page: int = 1, rows_per_page: int = 1, first_row: int = 0):
+        if rows.dim() < 2:
+            raise ValueError(f"token rows need a stacked [layers, rows, ...] tensor, got {tuple(rows.shape)}")
+        if tokens_per_page < 1 or rows_per_page < tokens_per_page + first_row or first_row < 0:
+            raise ValueError(
+                f"a page of {rows_per_page} rows cannot hold {tokens_per_page} token rows from row {first_row}"
+            )
+        self.rows = rows
+        self.tokens_per_page = tokens_per_page
+        self.rows_per_page = rows_per_page
+        self.first_row = first_row
+
+    @property
+    def is_identity(self) -> bool:
+        return self.tokens_per_page == self.rows_per_page and self.first_row == 0
+
+    def row_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The rows of ``tokens`` (a few elementwise device ops; no host sync, so graph-safe)."""
+        if self.is_identity:
+            return tokens
+        t = tokens.long()
+        pages = torch.div(t, self.tokens_per_page, rounding_mode="floor")
+        return t + pages * (self.rows_per_page - self.tokens_per_page) + self.first_row
+
+    def take(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[layer_num, len(tokens), ...]``: a copy of the tokens' rows in every layer."""
+        return self.rows.index_select(1, self.row_of(tokens).to(self.rows.device))
