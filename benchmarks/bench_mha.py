@@ -22,6 +22,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from kvcore import row_move
 from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvcore_mha import kernels
 from kvcore_mha.pool import MHATokenToKVPool
@@ -86,6 +87,14 @@ def copy_ceiling() -> float:
     us = bench(lambda: dst.copy_(src))
     tbps = 2 * n / (us * 1e-6) / 1e12
     return tbps
+
+
+def same_size_copy_us(moved_bytes: int) -> float:
+    """Microseconds of a plain device copy that reads and writes ``moved_bytes`` in all, in a CUDA graph like
+    the kernels: transfers of tens of MB do not reach the 1 GiB copy rate of :func:`copy_ceiling`."""
+    src = torch.empty(moved_bytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return graph_time_us(lambda: dst.copy_(src), 4)
 
 
 # -- correctness ---------------------------------------------------------------------------------------
@@ -219,7 +228,7 @@ def time_decode_graph(ceiling: float) -> None:
 
 def time_move(ceiling: float, sweep: bool) -> None:
     """move_kv_cache over 32 layers of K and V, disjoint slots (and, with ``sweep``, both large-N paths)."""
-    default_limit = kernels.MOVE_MAX_TOKENS
+    default_limit = row_move.MOVE_MAX_TOKENS
     sizes = (16, 64, 256, 512, 1024, 2048, 4096, 8192) if sweep else (16, 256, 512, 1024, 4096, 8192)
     pool = MHATokenToKVPool(size=1 << 15, page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=DIM, layer_num=LAYERS,
                             device="cuda", enable_memory_saver=False, kernels="triton")
@@ -236,7 +245,7 @@ def time_move(ceiling: float, sweep: bool) -> None:
         ref_done = False
         for pattern, (tgt, src) in patterns.items():
             for label, limit in limits.items():
-                kernels.MOVE_MAX_TOKENS = limit
+                row_move.MOVE_MAX_TOKENS = limit
                 fn = lambda: kernels.move_kv_cache_triton(pool.k_cache, pool.v_cache, tgt, src)  # noqa: E731
                 ours = graph_time_us(fn, 4)
                 ref = None
@@ -244,7 +253,7 @@ def time_move(ceiling: float, sweep: bool) -> None:
                     ref = bench(lambda: kernels.move_kv_cache_native(pool.k_cache, pool.v_cache, tgt, src))
                     ref_done = True
                 row(f"move_kv_cache 32L {pattern}", f"{n} slots [{label}]", ours, ref, moved, ceiling, "graph replay")
-    kernels.MOVE_MAX_TOKENS = default_limit
+    row_move.MOVE_MAX_TOKENS = default_limit
 
 
 def time_allocator() -> None:

@@ -18,7 +18,7 @@ import sys
 import torch
 import triton
 
-from bench_mha import check, copy_ceiling, finish, graph_time_us, row
+from bench_mha import check, copy_ceiling, finish, graph_time_us, row, same_size_copy_us
 from kvcore_dsa import kernels as dsa_kernels
 from kvcore_dsa.pool import DSATokenToKVPool
 from kvcore_mla.pool import MLATokenToKVPool
@@ -111,23 +111,41 @@ def correctness() -> None:
 def timings(ceiling: float) -> None:
     g = torch.Generator(device="cuda").manual_seed(1)
     size = 1 << 16
-    pools = {"mla": (mla_pool("triton", size=size), mla_pool("native", size=size)),
-             "dsa": (dsa_pool("triton", size=size), dsa_pool("native", size=size))}
+    # name: (pool maker, cache dtype, store label, gather label, bytes of one cache row)
+    kinds = {
+        "mla": (mla_pool, torch.bfloat16, "MLA store bf16", "MLA gather -> bf16", (RANK + ROPE) * 2),
+        "mla-fp8": (mla_pool, torch.float8_e4m3fn, "MLA store fp8 e4m3", "MLA fp8 gather -> bf16", RANK + ROPE),
+        "dsa": (dsa_pool, torch.float8_e4m3fn, "DSA fp8 quantize+store", "DSA dequant gather -> bf16", 656),
+    }
+    pools = {name: (make("triton", dtype, size=size), make("native", dtype, size=size))
+             for name, (make, dtype, *_) in kinds.items()}
     for n in (1, 64, 32768):
         loc = torch.randperm(size - 1, device="cuda", generator=g)[:n] + 1
         nope, rope = parts(n, g)
-        for family, (fast, ref) in pools.items():
-            out_row = (RANK + ROPE) * 2 if family == "mla" else 656
+        for name, (fast, ref) in pools.items():
+            _, _, store_label, gather_label, out_row = kinds[name]
             ours = graph_time_us(lambda: fast.set_mla_kv_buffer(0, loc, nope, rope), 4)
             base = graph_time_us(lambda: ref.set_mla_kv_buffer(0, loc, nope, rope), 4)
-            label = "MLA store bf16" if family == "mla" else "DSA fp8 quantize+store"
-            row(label, f"{n} tok", ours, base, n * ((RANK + ROPE) * 2 + out_row + 8), ceiling)
+            moved = n * ((RANK + ROPE) * 2 + out_row + 8)
+            note = f"same-size copy {same_size_copy_us(moved):.2f} us" if n >= 4096 else ""
+            row(store_label, f"{n} tok", ours, base, moved, ceiling, note)
             if n >= 64:
                 ours = graph_time_us(lambda: fast.get_mla_kv_buffer(0, loc, torch.bfloat16), 4)
                 base = graph_time_us(lambda: ref.get_mla_kv_buffer(0, loc, torch.bfloat16), 4)
-                label = "MLA gather -> bf16" if family == "mla" else "DSA dequant gather -> bf16"
-                row(label, f"{n} tok", ours, base, n * ((RANK + ROPE) * 2 + out_row + 8), ceiling)
-    fast, ref = pools["dsa"]
+                row(gather_label, f"{n} tok", ours, base, moved, ceiling, note)
+    # move_kv_cache of decode-sized sets over all 61 DeepSeek layers (DSA: latent rows plus indexer keys/scales)
+    del pools
+    for label, make, dtype, token_bytes in (("MLA", mla_pool, torch.bfloat16, (RANK + ROPE) * 2),
+                                            ("DSA", dsa_pool, torch.float8_e4m3fn, 656 + INDEX_DIM + 4)):
+        fast, ref = make("triton", dtype, size=size, layers=61), make("native", dtype, size=size, layers=61)
+        perm = torch.randperm(size - PAGE, device="cuda", generator=g) + PAGE
+        for n in (16, 4096):
+            src, tgt = perm[:n], perm[n : 2 * n]
+            ours = graph_time_us(lambda: fast.move_kv_cache(tgt, src), 2)
+            base = graph_time_us(lambda: ref.move_kv_cache(tgt, src), 2)
+            row(f"{label} move_kv_cache x 61 layers", f"{n} slots", ours, base, 2 * n * 61 * token_bytes, ceiling)
+        del fast, ref
+    fast, ref = dsa_pool("triton", size=size), dsa_pool("native", size=size)
     for n in (64, 32768):
         pages = torch.randperm(size // PAGE, device="cuda", generator=g)[: triton.cdiv(n, PAGE)] + 1
         loc = (pages[:, None] * PAGE + torch.arange(PAGE, device="cuda")).reshape(-1)[:n]

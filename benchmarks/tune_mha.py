@@ -2,8 +2,9 @@
 
     python benchmarks/tune_mha.py
 
-The chosen defaults live in ``kvcore_mha.kernels`` (STORE_TILE_ELEMS, STORE_COPY_TILE_ELEMS, _STORE_NUM_WARPS,
-_COPY_TILE_WORDS, _COPY_NUM_WARPS); this script shows the neighbourhood they were picked from.
+The chosen defaults live in ``kvcore_mha.kernels`` (STORE_TILE_ELEMS, STORE_COPY_TILE_ELEMS, _STORE_NUM_WARPS)
+and ``kvcore.row_move`` (_COPY_TILE_WORDS, _COPY_NUM_WARPS); this script shows the neighbourhood they were
+picked from.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import itertools
 import torch
 
 from bench_mha import DIM, HEADS, LAYERS, copy_ceiling, graph_time_us
+from kvcore import row_move
 from kvcore_mha import kernels
 
 
@@ -41,7 +43,7 @@ def main() -> None:
         perm = torch.randperm((1 << 15) - 1, device="cuda") + 1
         moved = 2 * n * HEADS * DIM * 2 * LAYERS * 2
         for tile, warps in itertools.product((4096, 8192, 16384), (4, 8, 16)):
-            kernels._COPY_TILE_WORDS, kernels._COPY_NUM_WARPS = tile, warps
+            row_move._COPY_TILE_WORDS, row_move._COPY_NUM_WARPS = tile, warps
             for pattern, (tgt, src) in {"disjoint": (perm[n : 2 * n], perm[:n]), "shift": (perm[:n], perm[1 : n + 1])}.items():
                 us = graph_time_us(lambda: kernels.move_kv_cache_triton(k, v, tgt, src), 2)
                 print(f"move {pattern} {n} tile={tile} warps={warps}: {us:.1f} us {moved / us / 1e6 / ceiling:.3f} of ceiling")
