@@ -341,9 +341,9 @@ def move_token_rows_triton(
     ``src_loc[i]``, as if every source were read before any target is written (so overlapping moves such as
     compaction shifts, swaps and cycles are fine).  Targets must be distinct.
 
-    :param first: the rows of a contiguous ``[L, R, ...]`` buffer, any dtype (rows move as raw words), with
-        where each token's row is (:class:`~kvcore.token_rows.TokenRows`: the token itself, or a row inside
-        its page).
+    :param first: a contiguous ``[L, R, ...]`` buffer (any dtype; rows move as raw words) and where each
+        token's row lies in it (:class:`~kvcore.token_rows.TokenRows`: the token itself, or a row inside its
+        page).
     :param second: a second buffer with the same L (its rows and paging may differ), or None.
     :param tgt_loc: ``[N]`` int32/int64 target tokens, on the buffers' device.
     :param src_loc: ``[N]`` int32/int64 source tokens.

@@ -12,10 +12,11 @@ Quantization, exactly as the torch references compute it (and so the Triton kern
 
 The kernels divide exactly as IEEE division does (Triton's ``/`` is an approximate division on GPUs; see
 ``_divide_rn``) and the references divide by device tensors (torch's CUDA division by a host scalar
-multiplies by its reciprocal instead).  fp8 and bf16 encodings go through :mod:`kvcore.fp8`'s integer encoders under the interpreter (whose float->fp8
-and float->bf16 casts round wrongly) and through the hardware conversion when compiled.  NaN and infinite
-inputs are outside the contract (a GPU's max ignores NaN, torch's amax propagates it), and so are float32
-subnormal inputs on a GPU that flushes them (the scale itself is never subnormal: see the zero-tile guard).
+multiplies by its reciprocal instead).  fp8 and bf16 encodings go through :mod:`kvcore.fp8`'s integer
+encoders under the interpreter (whose float->fp8 and float->bf16 casts round wrongly) and through the
+hardware conversion when compiled.  NaN and infinite inputs are outside the contract (a GPU's max ignores
+NaN, torch's amax propagates it), and so are float32 subnormal inputs on a GPU that flushes them (the scale
+itself is never subnormal: see the zero-tile guard).
 
 ``store_dsa_fp8_triton``
     Grid ``(token blocks,)``: a program loads the nope values of ``BLOCK_N`` tokens as ``[BLOCK_N, tiles,
