@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvcore.row_move import move_token_rows_native, move_token_rows_triton
 from kvcore.token_rows import TokenRows
 
 GB = 1 << 30
@@ -105,6 +106,9 @@ class KVCache(abc.ABC):
 
     #: tokens per device->host transfer chunk in CPU offload.
     cpu_offloading_chunk_size = 8192
+    #: Triton kernels (True) or the torch reference (False) for the shared paths; families set it from their
+    #: kernels mode.
+    _use_triton = False
 
     def __init__(
         self,
@@ -206,9 +210,23 @@ class KVCache(abc.ABC):
     @abc.abstractmethod
     def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, *args, **kwargs) -> None: ...
 
-    @abc.abstractmethod
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-        """Copy rows ``src_loc`` to ``tgt_loc`` in every layer, as if all sources were read first."""
+        """Move tokens ``src_loc`` to ``tgt_loc`` in every layer of every :meth:`token_rows` buffer, as if all
+        sources were read first (overlapping sets are safe; targets must be distinct).
+
+        The overlap-safe row move of :mod:`kvcore.row_move`, two buffers per launch (K and V together; a
+        DSA pool's latent rows with its indexer keys, then their scales): one launch per pair up to 512
+        tokens, no host sync.  ``_use_triton`` (set by each family from its kernels mode) picks the Triton
+        kernels or the torch reference."""
+        if tgt_loc.numel() != src_loc.numel():
+            raise ValueError(f"move_kv_cache: {tgt_loc.numel()} targets but {src_loc.numel()} sources")
+        if tgt_loc.numel() == 0:
+            return
+        move = move_token_rows_triton if self._use_triton else move_token_rows_native
+        tgt, src = tgt_loc.reshape(-1), src_loc.reshape(-1)
+        rows = list(self.token_rows().values())
+        for i in range(0, len(rows), 2):
+            move(rows[i], rows[i + 1] if i + 1 < len(rows) else None, tgt, src)
 
     @abc.abstractmethod
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -214,21 +214,6 @@ class DSATokenToKVPool(MLATokenToKVPool):
         gather(self.kv_cache, local, loc.reshape(-1), nope, rope, **self._fp8_kwargs())
         return nope, rope
 
-    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-        """Move tokens ``src_loc`` to ``tgt_loc`` in all layers, as if all sources were read first: their
-        latent rows and their indexer keys and scales (every :meth:`token_rows` buffer).  Two launches of the
-        overlap-safe row move of :mod:`kvcore.row_move` up to 512 tokens (rows and indexer keys, then
-        scales), each finding the indexer rows inside their pages on the device."""
-        if tgt_loc.numel() != src_loc.numel():
-            raise ValueError(f"move_kv_cache: {tgt_loc.numel()} targets but {src_loc.numel()} sources")
-        if tgt_loc.numel() == 0:
-            return
-        move = kernels.move_token_rows_triton if self._use_triton else kernels.move_token_rows_native
-        tgt, src = tgt_loc.reshape(-1), src_loc.reshape(-1)
-        rows = list(self.token_rows().values())
-        for i in range(0, len(rows), 2):  # the row move takes two buffers at a time
-            move(rows[i], rows[i + 1] if i + 1 < len(rows) else None, tgt, src)
-
     # -- indexer -----------------------------------------------------------------------------------------
 
     def get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:

@@ -113,15 +113,6 @@ class MHATokenToKVPool(KVCache):
         store = kernels.store_kv_triton if self._use_triton else kernels.store_kv_native
         store(self.k_cache, self.v_cache, local, loc, cache_k, cache_v, k_scale=k_scale, v_scale=v_scale, cache_dtype=self.dtype)
 
-    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-        """Copy rows ``src_loc`` to ``tgt_loc`` in all layers of K and V at once; overlapping sets are safe."""
-        if tgt_loc.numel() != src_loc.numel():
-            raise ValueError(f"move_kv_cache: {tgt_loc.numel()} targets but {src_loc.numel()} sources")
-        if tgt_loc.numel() == 0:
-            return
-        move = kernels.move_kv_cache_triton if self._use_triton else kernels.move_kv_cache_native
-        move(self.k_cache, self.v_cache, tgt_loc, src_loc)
-
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Random K/V rows through :meth:`set_kv_buffer` (from bf16 for fp8 caches, so the cast is exercised)."""
         source_dtype = torch.bfloat16 if self.dtype.itemsize == 1 else self.dtype

@@ -160,15 +160,6 @@ class MLATokenToKVPool(KVCache):
         store = kernels.store_nope_rope_triton if self._use_triton else kernels.store_nope_rope_native
         store(self.kv_cache, local, loc.reshape(-1), cache_k_nope, cache_k_rope, cache_dtype=self.dtype)
 
-    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-        """Copy rows ``src_loc`` to ``tgt_loc`` in all layers at once; overlapping sets are safe."""
-        if tgt_loc.numel() != src_loc.numel():
-            raise ValueError(f"move_kv_cache: {tgt_loc.numel()} targets but {src_loc.numel()} sources")
-        if tgt_loc.numel() == 0:
-            return
-        move = kernels.move_kv_cache_triton if self._use_triton else kernels.move_kv_cache_native
-        move(self.kv_cache, tgt_loc.reshape(-1), src_loc.reshape(-1))
-
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Random rows through :meth:`set_mla_kv_buffer`, from nope/rope views of one wider projection (from
         bf16 for fp8 caches, so the encoder runs)."""
