@@ -43,7 +43,6 @@ from kvcore.fp8 import (
     torch_e4m3fn_saturates,
 )
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.row_move import move_token_rows_native, move_token_rows_triton
 from kvcore.row_move import next_pow2
 from kvcore_dsa.layout import (
     E4M3_MAX,
@@ -60,8 +59,6 @@ __all__ = [
     "gather_dsa_fp8_triton",
     "get_index_k_native",
     "get_index_k_triton",
-    "move_token_rows_native",
-    "move_token_rows_triton",
     "quantize_concatenated",
     "quantize_parts",
     "row_bytes",
@@ -265,6 +262,25 @@ def store_dsa_fp8_native(
 
 
 @triton.jit
+def _row_block(
+    loc_ptr, loc_stride, n_tokens, layer_offset, ROW_BYTES: tl.constexpr, KV_LORA: tl.constexpr,
+    NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """This program's ``BLOCK_N`` tokens: (token index, token mask, byte offset of each row, nope columns
+    ``[0, TILES_PAD * TILE)``, and the mask of real tokens x nope columns)."""
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_n = offs_n < n_tokens
+    rows = tl.load(loc_ptr + offs_n * loc_stride, mask=mask_n, other=0).to(tl.int64)
+    base = layer_offset + rows * ROW_BYTES
+    cols = tl.arange(0, TILES_PAD * TILE)
+    if NUM_TILES == TILES_PAD:
+        mask = mask_n[:, None]
+    else:
+        mask = mask_n[:, None] & (cols < KV_LORA)[None, :]
+    return offs_n, mask_n, base, cols, mask
+
+
+@triton.jit
 def _store_dsa_fp8_kernel(
     cache_u8,
     cache_i16,
@@ -296,15 +312,9 @@ def _store_dsa_fp8_kernel(
     ``layer_offset`` and ROW_BYTES are in bytes; the int16/float32 views of the same cache are addressed in
     their own elements (offsets divided by 2 / 4: rows, the scales and the rope start stay aligned).  Tiles
     are padded to a power of two (TILES_PAD) and the padding masked."""
-    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask_n = offs_n < n_tokens
-    rows = tl.load(loc_ptr + offs_n * loc_stride, mask=mask_n, other=0).to(tl.int64)
-    base = layer_offset + rows * ROW_BYTES  # byte offset of each row
-    cols = tl.arange(0, TILES_PAD * TILE)
-    if NUM_TILES == TILES_PAD:
-        mask = mask_n[:, None]
-    else:
-        mask = mask_n[:, None] & (cols < KV_LORA)[None, :]
+    offs_n, mask_n, base, cols, mask = _row_block(
+        loc_ptr, loc_stride, n_tokens, layer_offset, ROW_BYTES, KV_LORA, NUM_TILES, TILES_PAD, TILE, BLOCK_N
+    )
     x = tl.load(nope_ptr + offs_n[:, None] * nope_sn + cols[None, :].to(tl.int64) * nope_sd,
                 mask=mask, other=0.0).to(tl.float32)  # fmt: skip
     x3 = tl.reshape(x, (BLOCK_N, TILES_PAD, TILE))
@@ -443,15 +453,9 @@ def _gather_dsa_fp8_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """One program reads whole rows of ``BLOCK_N`` tokens."""
-    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask_n = offs_n < n_tokens
-    rows = tl.load(loc_ptr + offs_n * loc_stride, mask=mask_n, other=0).to(tl.int64)
-    base = layer_offset + rows * ROW_BYTES
-    cols = tl.arange(0, TILES_PAD * TILE)
-    if NUM_TILES == TILES_PAD:
-        mask = mask_n[:, None]
-    else:
-        mask = mask_n[:, None] & (cols < KV_LORA)[None, :]
+    offs_n, mask_n, base, cols, mask = _row_block(
+        loc_ptr, loc_stride, n_tokens, layer_offset, ROW_BYTES, KV_LORA, NUM_TILES, TILES_PAD, TILE, BLOCK_N
+    )
     b = tl.load(cache_u8 + base[:, None] + cols[None, :], mask=mask, other=0)
     t = tl.arange(0, TILES_PAD)
     s = tl.load(cache_f32 + ((base + KV_LORA) // 4)[:, None] + t[None, :],
