@@ -234,8 +234,9 @@ class KVCache(abc.ABC):
 
         Used by ``kvcore up``'s self-check and as the conformance kit's default writer.
 
-        :returns: for every buffer the write touched, the exact rows (storage dtype, ``[len(loc), ...]``) that
-            must now sit at ``buffers()[name][layer - start_layer, loc]``.
+        :returns: for every :meth:`token_rows` buffer the write touched, the exact rows (storage dtype,
+            ``[len(loc), ...]``) that must now be the rows of tokens ``loc`` in that layer
+            (``token_rows()[name].take(loc, layer - start_layer)``).
         """
 
     # -- CPU offload -------------------------------------------------------------------------------------

@@ -47,6 +47,10 @@ class TokenRows:
         pages = torch.div(t, self.tokens_per_page, rounding_mode="floor")
         return t + pages * (self.rows_per_page - self.tokens_per_page) + self.first_row
 
-    def take(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``[layer_num, len(tokens), ...]``: a copy of the tokens' rows in every layer."""
-        return self.rows.index_select(1, self.row_of(tokens).to(self.rows.device))
+    def take(self, tokens: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """A copy of the tokens' rows: ``[layer_num, len(tokens), ...]``, or ``[len(tokens), ...]`` of one
+        (0-based, local) ``layer``."""
+        rows = self.row_of(tokens).to(self.rows.device)
+        if layer is None:
+            return self.rows.index_select(1, rows)
+        return self.rows[layer].index_select(0, rows)

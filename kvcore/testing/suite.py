@@ -35,8 +35,8 @@ CAPABILITIES = frozenset({"move", "cpu_offload", "buffer_infos", "set_kv_buffer"
 class KVWriter(Protocol):
     """Writes random rows into ``pool`` at ``loc`` of ``layer`` through the family's own write API.
 
-    :returns: for every token buffer touched, the exact rows (storage dtype, shape ``[len(loc), ...]``)
-        that must now be at ``loc`` of that layer in ``pool.buffers()[name]``.
+    :returns: for every :meth:`~kvcore.pools.KVCache.token_rows` buffer touched, the exact rows (storage
+        dtype, shape ``[len(loc), ...]``) that must now be the rows of tokens ``loc`` in that layer.
     """
 
     def __call__(self, pool, layer: int, loc: torch.Tensor, generator: torch.Generator) -> Mapping[str, torch.Tensor]: ...
@@ -123,22 +123,30 @@ class BaseStoreTests(_Base):
         layer = kv_pool.end_layer  # the last layer catches per-layer offset mistakes
         local = layer - kv_pool.start_layer
         loc = self.free_slots(kv_pool, n, generator).to(index_dtype)
+        token_rows = kv_pool.token_rows()
+        old_rows = {name: rows.take(loc, local) for name, rows in token_rows.items()}
         expected = kv_writer(kv_pool, layer, loc, generator)
         assert expected, "kv_writer returned no buffers"
+        unknown = sorted(set(expected) - set(token_rows))
+        assert not unknown, f"kv_writer returned rows of {unknown}, which token_rows() does not name"
+        what = f"writing {n} rows of layer {layer}"
+        for name, rows in expected.items():
+            assert_same_bytes(token_rows[name].take(loc, local), rows, f"{name} rows after {what}")
+        # Nothing else may change: with the old rows put back, every buffer is as before.
+        for name in expected:
+            rows = token_rows[name]
+            rows.rows[local, rows.row_of(loc).long()] = old_rows[name]
         for name, buf in kv_pool.buffers().items():
-            want = before[name].clone()
-            if name in expected:
-                want[local, loc.long()] = expected[name].to(want.device)
-            assert_same_bytes(buf, want, f"buffer {name} after writing {n} rows of layer {layer}")
+            assert_same_bytes(buf, before[name], f"buffer {name} outside the written rows after {what}")
 
     def test_padding_page_untouched(self, kv_pool, kv_writer, generator):
         randomize(kv_pool, generator)
-        page = kv_pool.page_size
-        padding = {name: buf[:, :page].clone() for name, buf in kv_pool.buffers().items()}
+        padding_tokens = torch.arange(kv_pool.page_size, device=kv_pool.device)
+        padding = {name: rows.take(padding_tokens) for name, rows in kv_pool.token_rows().items()}
         for layer in range(kv_pool.start_layer, kv_pool.end_layer + 1):
             kv_writer(kv_pool, layer, self.free_slots(kv_pool, 8, generator), generator)
-        for name, buf in kv_pool.buffers().items():
-            assert_same_bytes(buf[:, :page], padding[name], f"padding page of buffer {name}")
+        for name, rows in kv_pool.token_rows().items():
+            assert_same_bytes(rows.take(padding_tokens), padding[name], f"padding page of buffer {name}")
 
     def test_layer_object_with_layer_id_and_offset_layers(self, kv_pool_factory, kv_pool_size, kv_page_size, kv_writer, generator):
         pool = kv_pool_factory(size=kv_pool_size, page_size=kv_page_size, start_layer=5)
@@ -146,8 +154,9 @@ class BaseStoreTests(_Base):
         randomize(pool, generator)
         loc = self.free_slots(pool, 3, generator)
         expected = kv_writer(pool, pool.end_layer, loc, generator)
+        token_rows = pool.token_rows()
         for name, rows in expected.items():
-            assert_same_bytes(pool.buffers()[name][pool.layer_num - 1, loc], rows, f"buffer {name}, global layer {pool.end_layer}")
+            assert_same_bytes(token_rows[name].take(loc, pool.layer_num - 1), rows, f"buffer {name}, global layer {pool.end_layer}")
         with pytest.raises(IndexError, match="layer"):
             pool.get_key_buffer(pool.start_layer - 1)
         with pytest.raises(IndexError, match="layer"):

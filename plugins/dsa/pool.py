@@ -286,9 +286,9 @@ class DSATokenToKVPool(MLATokenToKVPool):
         """Random latent rows through :meth:`set_mla_kv_buffer` and random indexer keys through
         :meth:`set_index_k_scale_buffer`.
 
-        :returns: ``{"kv": rows}`` only — the expected latent rows (for fp8 from the torch reference
-            :func:`~kvcore_dsa.kernels.quantize_concatenated`).  The indexer rows are page-addressed, so they
-            cannot be returned in the token-row form the checks compare; they land in ``index_k``.
+        :returns: the expected rows of every :meth:`token_rows` buffer: ``kv`` (for fp8 from the torch
+            reference :func:`~kvcore_dsa.kernels.quantize_concatenated`), ``index_k`` (the key bytes) and, for
+            fp8 keys, ``index_k_scale`` (the float32 scale bytes).
         """
         if self.nsa_kv_cache_store_fp8:
             r, p = self.kv_lora_rank, self.qk_rope_head_dim
@@ -303,8 +303,12 @@ class DSATokenToKVPool(MLATokenToKVPool):
         keys = torch.randn((n, self.index_head_dim), generator=generator) * 2
         keys = torch.where(keys == 0, torch.ones_like(keys), keys)
         if self._index_has_scale:
+            keys = keys.to(torch.float8_e4m3fn).to(self.device)
             scales = (torch.rand(n, generator=generator) + 0.01).to(self.device)
-            self.set_index_k_scale_buffer(layer, loc, keys.to(torch.float8_e4m3fn).to(self.device), scales)
+            self.set_index_k_scale_buffer(layer, loc, keys, scales)
+            expected["index_k_scale"] = scales.view(torch.uint8).reshape(n, INDEX_SCALE_BYTES)
         else:
-            self.set_index_k_scale_buffer(layer, loc, keys.to(torch.bfloat16).to(self.device))
+            keys = keys.to(torch.bfloat16).to(self.device)
+            self.set_index_k_scale_buffer(layer, loc, keys)
+        expected["index_k"] = keys.view(torch.uint8)
         return expected

@@ -283,10 +283,17 @@ def test_self_test_write_writes_both_buffers():
     for dtype, index_dtype in ((torch.float8_e4m3fn, None), (torch.bfloat16, "bfloat16")):
         pool = make_pool(dtype, index_dtype=index_dtype)
         _randomize(pool, 8)
+        fp8 = index_dtype is None
         index_before = pool.index_k_with_scale_cache.clone()
+        entries_before = _index_entries(pool, 1, fp8)
         loc = torch.tensor([64, 127, 128, 200])
         expected = pool.self_test_write(1, loc, torch.Generator().manual_seed(1))
-        assert set(expected) == {"kv"}
+        assert set(expected) == ({"kv", "index_k", "index_k_scale"} if fp8 else {"kv", "index_k"})
         assert bits_equal(pool.kv_cache[1, loc], expected["kv"])
+        # The indexer rows returned are the ones now read back through the pool's accessors, at loc only.
+        written = torch.cat([expected["index_k"], expected["index_k_scale"]], dim=1) if fp8 else expected["index_k"]
+        want = entries_before.clone()
+        want[loc] = written
+        assert bits_equal(_index_entries(pool, 1, fp8), want)
         assert not torch.equal(pool.index_k_with_scale_cache[1], index_before[1])
         assert torch.equal(pool.index_k_with_scale_cache[0], index_before[0])
