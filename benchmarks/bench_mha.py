@@ -149,8 +149,8 @@ def correctness() -> None:
             # give every request a prefix ending at a random place inside its own last page
             last = (torch.arange(bs, device="cuda") + 1) * page * 64 + (prefix % page) - 1
             last = torch.where(prefix > 0, last, torch.full_like(last, -1))
-            out = alloc.alloc_extend(prefix, seq, last, int((seq - prefix).sum()))
-            dec = alloc.alloc_decode(seq + 1, out[torch.cumsum(seq - prefix, 0) - 1])
+            out = alloc.alloc_extend(prefix, None, seq, None, last, int((seq - prefix).sum()))
+            dec = alloc.alloc_decode(seq + 1, None, out[torch.cumsum(seq - prefix, 0) - 1])
             results.append((out, dec))
         check(f"allocator page={page} extend+decode", torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1]), "triton vs native")
     # CUDA-graph capture of store and move through the pool
@@ -266,13 +266,13 @@ def time_allocator() -> None:
         seq = seq_cpu.cuda()
         last = torch.arange(bs, device="cuda") * 4096 + 17
         for _ in range(20):
-            out = alloc.alloc_decode(seq, last, seq_lens_cpu=seq_cpu)
+            out = alloc.alloc_decode(seq, seq_cpu, last)
             alloc.free(out)
         torch.cuda.synchronize()
         iters = 200
         start = time.perf_counter()
         for _ in range(iters):
-            out = alloc.alloc_decode(seq, last, seq_lens_cpu=seq_cpu)
+            out = alloc.alloc_decode(seq, seq_cpu, last)
             alloc.free(out)
         host_us = (time.perf_counter() - start) / iters * 1e6
         torch.cuda.synchronize()

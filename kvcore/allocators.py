@@ -14,11 +14,15 @@ Shared rules:
 * ``need_sort=True`` defers freed slots to ``release_pages``; they are merged into ``free_pages`` and sorted
   only when an allocation would otherwise fall short, so allocations stay as contiguous as they can.
 * Between :meth:`~BaseTokenToKVPoolAllocator.free_group_begin` and
-  :meth:`~BaseTokenToKVPoolAllocator.free_group_end`, frees are collected and released together at the end.
+  :meth:`~BaseTokenToKVPoolAllocator.free_group_end`, frees are collected (as copies: the caller may reuse its
+  tensor at once) and released together at the end; groups do not nest.
+* ``alloc_extend`` and ``alloc_decode`` take SGLang's positional order, each device tensor followed by its
+  optional CPU copy (see :data:`ALLOC_EXTEND_ORDER`, :data:`ALLOC_DECODE_ORDER`).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import torch
@@ -28,14 +32,47 @@ from kvcore.errors import ConfigError
 from kvcore.kernel_mode import use_triton
 
 __all__ = [
+    "ALLOC_DECODE_ORDER",
+    "ALLOC_EXTEND_ORDER",
     "BaseTokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",
     "PagedTokenToKVPoolAllocator",
 ]
 
 
+ALLOC_EXTEND_ORDER = "alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)"
+ALLOC_DECODE_ORDER = "alloc_decode(seq_lens, seq_lens_cpu, last_loc)"
+
+
 def _empty_index(device: torch.device) -> torch.Tensor:
     return torch.empty((0,), dtype=torch.int64, device=device)
+
+
+def _check_call(order: str, tensors: dict[str, Any], optional: dict[str, Any]) -> None:
+    """Required tensors present, optional CPU copies tensors or None.  The error spells out SGLang's order,
+    which is what a call written for another order trips over."""
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            got = "nothing" if value is None else type(value).__name__
+            raise TypeError(f"{name} must be a tensor, got {got}; the arguments are {order}")
+    for name, value in optional.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a CPU tensor or None, got {type(value).__name__}; the arguments are {order}")
+
+
+def _given(**kwargs: Any) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _token_count(value: Any) -> int:
+    if isinstance(value, bool) or value is None:
+        raise TypeError(f"extend_num_tokens must be an int, got {value!r}; the arguments are {ALLOC_EXTEND_ORDER}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"extend_num_tokens must be an int, got {type(value).__name__}; the arguments are {ALLOC_EXTEND_ORDER}"
+        ) from None
 
 
 class BaseTokenToKVPoolAllocator:
@@ -109,7 +146,17 @@ class BaseTokenToKVPoolAllocator:
     # -- free groups --------------------------------------------------------------------------------------
 
     def free_group_begin(self) -> None:
-        """Start collecting frees; they are released together by :meth:`free_group_end`."""
+        """Start collecting frees; they are released together by :meth:`free_group_end`.
+
+        :raises RuntimeError: when a group is already open (its pending frees would be lost, as SGLang also
+            refuses); end it first.
+        """
+        if not self.is_not_in_free_group:
+            pending = sum(int(t.numel()) for t in self.free_group)
+            raise RuntimeError(
+                f"free_group_begin: a free group is already open with {pending} pending location(s); "
+                "call free_group_end first (free groups do not nest)"
+            )
         self.is_not_in_free_group = False
         self.free_group = []
 
@@ -142,6 +189,16 @@ class BaseTokenToKVPoolAllocator:
         self.merge_and_sort_free()
         return True
 
+    def _hold_in_group(self, free_index: torch.Tensor) -> bool:
+        """Inside a free group, keep a copy of ``free_index`` for :meth:`free_group_end` and return True.
+
+        A copy, because engines reuse their index tensors before the group ends; keeping the caller's tensor
+        would free whatever it holds by then (the padding slot, or nothing)."""
+        if self.is_not_in_free_group:
+            return False
+        self.free_group.append(free_index.clone())
+        return True
+
     def _release(self, ids: torch.Tensor, *, prepend: bool) -> None:
         if self.need_sort:
             self.release_pages = torch.cat((ids, self.release_pages) if prepend else (self.release_pages, ids))
@@ -156,19 +213,29 @@ class BaseTokenToKVPoolAllocator:
     def free(self, free_index: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def alloc_extend(self, *args, **kwargs) -> Optional[torch.Tensor]:
+    def alloc_extend(
+        self, prefix_lens, prefix_lens_cpu=None, seq_lens=None, seq_lens_cpu=None, last_loc=None, extend_num_tokens=None
+    ) -> Optional[torch.Tensor]:
+        """See :data:`ALLOC_EXTEND_ORDER`."""
         raise NotImplementedError
 
-    def alloc_decode(self, *args, **kwargs) -> Optional[torch.Tensor]:
+    def alloc_decode(self, seq_lens, seq_lens_cpu=None, last_loc=None) -> Optional[torch.Tensor]:
+        """See :data:`ALLOC_DECODE_ORDER`."""
         raise NotImplementedError
 
-    def get_cpu_copy(self, indices: torch.Tensor):
-        """Host copy of the KV rows at ``indices`` (delegates to the pool)."""
-        return self._kvcache.get_cpu_copy(indices)
+    def get_cpu_copy(self, indices: torch.Tensor, mamba_indices=None, req_pool_index=None):
+        """Host copy of the KV rows at ``indices`` (delegates to the pool).
 
-    def load_cpu_copy(self, kv_cache_cpu, indices: torch.Tensor) -> None:
-        """Write a :meth:`get_cpu_copy` result back at ``indices`` (delegates to the pool)."""
-        self._kvcache.load_cpu_copy(kv_cache_cpu, indices)
+        ``mamba_indices`` / ``req_pool_index`` (SGLang's retraction path) are passed on only when given, so a
+        pool without per-request state need not accept them."""
+        return self._kvcache.get_cpu_copy(indices, **_given(mamba_indices=mamba_indices, req_pool_index=req_pool_index))
+
+    def load_cpu_copy(self, kv_cache_cpu, indices: torch.Tensor, mamba_indices=None, req_pool_index=None) -> None:
+        """Write a :meth:`get_cpu_copy` result back at ``indices`` (delegates to the pool, like
+        :meth:`get_cpu_copy`)."""
+        self._kvcache.load_cpu_copy(
+            kv_cache_cpu, indices, **_given(mamba_indices=mamba_indices, req_pool_index=req_pool_index)
+        )
 
 
 class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
@@ -221,34 +288,34 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
 
         Empty input is a no-op; inside a free group the slots are held until :meth:`free_group_end`.
         """
-        if free_index.numel() == 0:
-            return
-        if not self.is_not_in_free_group:
-            self.free_group.append(free_index)
+        if free_index.numel() == 0 or self._hold_in_group(free_index):
             return
         self._release(free_index.to(dtype=torch.int64).reshape(-1), prepend=False)
 
     def alloc_extend(
         self,
         prefix_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        last_loc: torch.Tensor,
-        extend_num_tokens: int,
-        *,
         prefix_lens_cpu: Optional[torch.Tensor] = None,
+        seq_lens: Optional[torch.Tensor] = None,
         seq_lens_cpu: Optional[torch.Tensor] = None,
+        last_loc: Optional[torch.Tensor] = None,
+        extend_num_tokens: Optional[int] = None,
     ) -> Optional[torch.Tensor]:
-        """With one-token pages an extend is ``alloc(extend_num_tokens)``; the other arguments are unused."""
-        return self.alloc(extend_num_tokens)
+        """With one-token pages an extend is ``alloc(extend_num_tokens)``; the lengths are only checked for
+        presence (SGLang's order, see :data:`ALLOC_EXTEND_ORDER`)."""
+        _check_call(ALLOC_EXTEND_ORDER, {"prefix_lens": prefix_lens, "seq_lens": seq_lens, "last_loc": last_loc},
+                    {"prefix_lens_cpu": prefix_lens_cpu, "seq_lens_cpu": seq_lens_cpu})  # fmt: skip
+        return self.alloc(_token_count(extend_num_tokens))
 
     def alloc_decode(
         self,
         seq_lens: torch.Tensor,
-        last_loc: torch.Tensor,
-        *,
         seq_lens_cpu: Optional[torch.Tensor] = None,
+        last_loc: Optional[torch.Tensor] = None,
     ) -> Optional[torch.Tensor]:
-        """With one-token pages a decode step is ``alloc(len(seq_lens))``."""
+        """With one-token pages a decode step is ``alloc(len(seq_lens))`` (SGLang's order, see
+        :data:`ALLOC_DECODE_ORDER`)."""
+        _check_call(ALLOC_DECODE_ORDER, {"seq_lens": seq_lens, "last_loc": last_loc}, {"seq_lens_cpu": seq_lens_cpu})
         return self.alloc(seq_lens.numel())
 
 
@@ -320,28 +387,31 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def alloc_extend(
         self,
         prefix_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        last_loc: torch.Tensor,
-        extend_num_tokens: int,
-        *,
         prefix_lens_cpu: Optional[torch.Tensor] = None,
+        seq_lens: Optional[torch.Tensor] = None,
         seq_lens_cpu: Optional[torch.Tensor] = None,
+        last_loc: Optional[torch.Tensor] = None,
+        extend_num_tokens: Optional[int] = None,
     ) -> Optional[torch.Tensor]:
         """Locations for tokens ``prefix_lens[i] .. seq_lens[i]-1`` of each request, concatenated in order.
 
         Each request first fills the rest of its last prefix page (from ``last_loc[i] + 1``), then takes
-        new pages from the free list in request order.
+        new pages from the free list in request order.  The arguments are SGLang's, in its order
+        (:data:`ALLOC_EXTEND_ORDER`); the CPU copies are optional.
 
         :param prefix_lens: ``[bs]`` tokens already cached per request (device).
+        :param prefix_lens_cpu: CPU copy of ``prefix_lens``; with ``seq_lens_cpu`` it lets the page count be
+            taken without a device sync (without them the device tensors are read, which syncs).
         :param seq_lens: ``[bs]`` sequence lengths after the extend (device).
+        :param seq_lens_cpu: CPU copy of ``seq_lens``.
         :param last_loc: ``[bs]`` token index of each request's last prefix token (read only when the prefix
             ends inside a page; ``-1`` otherwise by habit).
         :param extend_num_tokens: ``sum(seq_lens - prefix_lens)``.
-        :param prefix_lens_cpu: CPU copy of ``prefix_lens``; with ``seq_lens_cpu`` it lets the page count be
-            taken without a device sync.
-        :param seq_lens_cpu: CPU copy of ``seq_lens``.
         :returns: int64 ``[extend_num_tokens]``, or ``None`` (nothing changed) when too few pages are free.
         """
+        _check_call(ALLOC_EXTEND_ORDER, {"prefix_lens": prefix_lens, "seq_lens": seq_lens, "last_loc": last_loc},
+                    {"prefix_lens_cpu": prefix_lens_cpu, "seq_lens_cpu": seq_lens_cpu})  # fmt: skip
+        extend_num_tokens = _token_count(extend_num_tokens)
         if prefix_lens_cpu is not None and seq_lens_cpu is not None:
             pre_c, seq_c = prefix_lens_cpu, seq_lens_cpu
             # Cheap on the CPU and catches a mismatch that would otherwise write past the output.
@@ -365,20 +435,21 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def alloc_decode(
         self,
         seq_lens: torch.Tensor,
-        last_loc: torch.Tensor,
-        *,
         seq_lens_cpu: Optional[torch.Tensor] = None,
+        last_loc: Optional[torch.Tensor] = None,
     ) -> Optional[torch.Tensor]:
         """One new token location per request; ``seq_lens`` already counts the new token.
 
         Request ``i`` takes a new page iff ``(seq_lens[i] - 1) % page_size == 0`` (its location is then
-        ``new_page * page_size``), else its location is ``last_loc[i] + 1``.
+        ``new_page * page_size``), else its location is ``last_loc[i] + 1``.  SGLang's order
+        (:data:`ALLOC_DECODE_ORDER`).
 
         :param seq_lens: ``[bs]`` sequence lengths including the new token (device, each >= 1).
+        :param seq_lens_cpu: CPU copy of ``seq_lens``, to count new pages without a device sync (optional).
         :param last_loc: ``[bs]`` token index of each request's previous last token.
-        :param seq_lens_cpu: CPU copy of ``seq_lens``, to count new pages without a device sync.
         :returns: int64 ``[bs]``, or ``None`` (nothing changed) when too few pages are free.
         """
+        _check_call(ALLOC_DECODE_ORDER, {"seq_lens": seq_lens, "last_loc": last_loc}, {"seq_lens_cpu": seq_lens_cpu})
         num_new_pages = _k.num_new_pages_decode(
             seq_lens_cpu if seq_lens_cpu is not None else seq_lens, self.page_size
         )
@@ -395,10 +466,7 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         ``need_sort``.  Empty input is a no-op; inside a free group they are held until
         :meth:`free_group_end`.  Every token of a freed page is freed: free whole requests' pages only.
         """
-        if free_index.numel() == 0:
-            return
-        if not self.is_not_in_free_group:
-            self.free_group.append(free_index)
+        if free_index.numel() == 0 or self._hold_in_group(free_index):
             return
         free_page_indices = torch.unique(free_index.reshape(-1).to(torch.int64) // self.page_size)
         self._release(free_page_indices, prepend=True)

@@ -226,11 +226,16 @@ def plan_from_layouts(
         context_length=cfg.model.context_length,
         sizes=sizes,
         kv_cache_bytes=layout.total_bytes(sizes),
-        req_to_token_bytes=max_running_requests * cfg.model.context_length * REQ_TO_TOKEN_ITEMSIZE,
+        req_to_token_bytes=req_to_token_bytes(max_running_requests, cfg.model.context_length),
         limiting_pp_rank=limiting,
         pp_size=len(layouts),
         warnings=tuple(warnings),
     )
+
+
+def req_to_token_bytes(requests: int, context_length: int) -> int:
+    """Bytes of the request table: ``requests`` slots plus the padding row 0, ``context_length`` int32 each."""
+    return (requests + 1) * context_length * REQ_TO_TOKEN_ITEMSIZE
 
 
 def _sizes(layout: PoolLayout, tokens: int, ratio: float) -> dict[str, int]:

@@ -59,15 +59,22 @@ def host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 class ReqToTokenPool:
-    """Maps each request slot to the token locations of its sequence (``int32 [size, max_context_len]``)."""
+    """Maps each request slot to the token locations of its sequence (``int32 [size + 1, max_context_len]``).
+
+    Row 0 is padding, as slot 0 of the token pools is: CUDA-graph batches padded with dummy requests point
+    them at request slot 0, so their reads and writes land there harmlessly.  ``alloc`` hands out slots
+    ``1 .. size`` only, so ``size`` requests stay available.
+    """
 
     def __init__(self, size: int, max_context_len: int, device: str, enable_memory_saver: bool = False):
         check_memory_saver(enable_memory_saver)
+        if size <= 0 or max_context_len <= 0:
+            raise ValueError(f"size and max_context_len must be positive, got {size}, {max_context_len}")
         self.size = size
         self.max_context_len = max_context_len
         self.device = device
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
-        self.free_slots = list(range(size))
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
+        self.clear()
 
     def write(self, indices, values) -> None:
         self.req_to_token[indices] = values
@@ -89,7 +96,8 @@ class ReqToTokenPool:
             self.free_slots.extend(int(i) for i in free_index)
 
     def clear(self) -> None:
-        self.free_slots = list(range(self.size))
+        """Every slot but the padding row 0 free."""
+        self.free_slots = list(range(1, self.size + 1))
 
     @property
     def mem_usage(self) -> float:
@@ -144,9 +152,12 @@ class KVCache(abc.ABC):
 
     # -- layers ------------------------------------------------------------------------------------------
 
-    def local_layer(self, layer: Any) -> int:
-        """Index into the stacked buffers for a global layer id (or an object with ``layer_id``)."""
-        layer_id = layer_id_of(layer)
+    def local_layer(self, layer: Any, layer_id_override: int | None = None) -> int:
+        """Index into the stacked buffers for a global layer id (or an object with ``layer_id``).
+
+        ``layer_id_override``, when given, is the global id instead (SGLang's composite pools call their
+        sub-pools' writes with ``layer=None`` and the id here)."""
+        layer_id = layer_id_of(layer) if layer_id_override is None else layer_id_override
         if not self.start_layer <= layer_id <= self.end_layer:
             raise IndexError(
                 f"layer {layer_id} is not stored by this {type(self).__name__} "
@@ -208,7 +219,22 @@ class KVCache(abc.ABC):
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     @abc.abstractmethod
-    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, *args, **kwargs) -> None: ...
+    def set_kv_buffer(
+        self,
+        layer,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor | None,
+        k_scale=None,
+        v_scale=None,
+        layer_id_override: int | None = None,
+    ) -> None:
+        """Store the rows of ``loc.numel()`` tokens into ``layer`` (an int, anything with ``layer_id``, or None
+        with ``layer_id_override``), converting to the cache dtype; the caller's tensors are never modified.
+
+        ``k_scale`` / ``v_scale`` follow SGLang: they divide an input whose dtype differs from the cache's, and
+        are ignored for an input already in the cache dtype (a family whose rows take no scale refuses them).
+        """
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """Move tokens ``src_loc`` to ``tgt_loc`` in every layer of every :meth:`token_rows` buffer, as if all
@@ -258,9 +284,13 @@ class KVCache(abc.ABC):
             stream = self._offload_stream = torch.cuda.Stream(self.device)
         return stream
 
-    def get_cpu_copy(self, indices: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    def get_cpu_copy(self, indices: torch.Tensor, mamba_indices=None, req_pool_index=None) -> dict[str, list[torch.Tensor]]:
         """Copy the rows of tokens ``indices`` of every :meth:`token_rows` buffer (all layers) to host memory,
         in chunks.
+
+        ``mamba_indices`` / ``req_pool_index`` are the keywords SGLang's retraction path passes; they select
+        per-request state, which a pool of per-token rows does not keep, so they are accepted and unused here
+        (hybrid pools with per-request state override this method).
 
         :returns: ``{buffer name: [chunk tensors of shape [layer_num, chunk, ...]]}``, page-locked when CUDA
             is present; pass it to :meth:`load_cpu_copy`.
@@ -293,8 +323,11 @@ class KVCache(abc.ABC):
             side.synchronize()
         return copy
 
-    def load_cpu_copy(self, kv_cache_cpu: dict[str, list[torch.Tensor]], indices: torch.Tensor) -> None:
-        """Write a :meth:`get_cpu_copy` result back at (possibly different) rows ``indices``."""
+    def load_cpu_copy(
+        self, kv_cache_cpu: dict[str, list[torch.Tensor]], indices: torch.Tensor, mamba_indices=None, req_pool_index=None
+    ) -> None:
+        """Write a :meth:`get_cpu_copy` result back at (possibly different) rows ``indices`` (the extra keywords
+        as in :meth:`get_cpu_copy`)."""
         indices = torch.as_tensor(indices, device=self.device).long()
         chunk = self.cpu_offloading_chunk_size
         buffers = self.token_rows()

@@ -257,9 +257,10 @@ def test_paged_alloc_short_changes_nothing(need_sort):
     assert a.alloc(16) is None
     assert state_lists(a) == before and a.available_size() == 12
     pre, seq, last = tensors([0, 0], [5, 9], [-1, -1])
-    assert a.alloc_extend(pre, seq, last, 14) is None  # needs 2 + 3 pages, 3 left
+    assert a.alloc_extend(pre, None, seq, None, last, 14) is None  # needs 2 + 3 pages, 3 left
     assert state_lists(a) == before
-    assert a.alloc_decode(*tensors([1, 1, 5, 9], [-1, -1, 3, 7])) is None  # needs 4 pages
+    seq, last = tensors([1, 1, 5, 9], [-1, -1, 3, 7])
+    assert a.alloc_decode(seq, None, last) is None  # needs 4 pages
     assert state_lists(a) == before
 
 
@@ -344,6 +345,54 @@ def test_free_group(kind, ps, need_sort):
     assert a.available_size() == 5 * ps
 
 
+@pytest.mark.parametrize("kind,ps", [("token", 1), ("paged", 16)])
+@pytest.mark.parametrize("need_sort", [False, True])
+def test_free_group_keeps_a_copy_of_each_freed_tensor(kind, ps, need_sort):
+    # An engine reuses its index tensor before the group ends (SGLang's scheduler does): the pending frees must
+    # be what the tensor held at free() time, not what it holds at free_group_end().
+    a = make(kind, 8 * ps, ps=ps, need_sort=need_sort)
+    x = a.alloc(8 * ps)
+    a.free_group_begin()
+    reused = x[: 2 * ps].clone()
+    a.free(reused)
+    reused.zero_()  # the caller's buffer now points at the padding slot
+    a.free_group_end()
+    assert a.available_size() == 2 * ps
+    free = sorted(a.free_pages.tolist() + a.release_pages.tolist())
+    assert free == [1, 2], f"pending frees changed with the caller's tensor: free pages {free}"
+    assert a.alloc(2 * ps).min().item() >= ps, "the padding page was handed out"
+
+
+@pytest.mark.parametrize("kind,ps", [("token", 1), ("paged", 16)])
+def test_nested_free_group_begin_is_refused_and_keeps_pending_frees(kind, ps):
+    a = make(kind, 8 * ps, ps=ps)
+    x = a.alloc(8 * ps)
+    a.free_group_begin()
+    a.free(x[: 2 * ps])
+    with pytest.raises(RuntimeError, match=f"already open with {2 * ps} pending"):
+        a.free_group_begin()
+    a.free(x[2 * ps : 3 * ps])
+    a.free_group_end()
+    assert a.available_size() == 3 * ps and a.is_not_in_free_group
+
+
+@pytest.mark.parametrize("kind,ps", [("token", 1), ("paged", 4)])
+def test_alloc_calls_in_another_order_name_sglangs(kind, ps):
+    # kvcore's earlier order was alloc_extend(prefix_lens, seq_lens, last_loc, n) and alloc_decode(seq_lens, last_loc).
+    a = make(kind, 8 * ps, ps=ps)
+    pre, seq, last = tensors([0], [3], [-1])
+    with pytest.raises(TypeError, match=r"alloc_extend\(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu"):
+        a.alloc_extend(pre, seq, last, 3)
+    with pytest.raises(TypeError, match=r"alloc_decode\(seq_lens, seq_lens_cpu, last_loc\)"):
+        a.alloc_decode(seq, last)
+    with pytest.raises(TypeError, match="extend_num_tokens must be an int"):
+        a.alloc_extend(pre, pre.cpu(), seq, seq.cpu(), last, None)
+    assert a.available_size() == 8 * ps
+    assert a.alloc_extend(pre, pre.cpu(), seq, seq.cpu(), last, 3).numel() == 3
+    dseq, dlast = tensors([4], [a.alloc(ps)[0].item()])
+    assert a.alloc_decode(dseq, dseq.cpu(), dlast).numel() == 1
+
+
 @pytest.mark.parametrize("kind,ps", [("token", 1), ("paged", 4)])
 def test_backup_restore_and_clear(kind, ps):
     a = make(kind, 8 * ps, ps=ps, need_sort=True)
@@ -368,16 +417,17 @@ def test_paged_alloc_extend_and_decode(kernels):
     a = make("paged", 40, ps=ps, kernels=kernels)
     # Request 0: new, 6 tokens; request 1: new, 4 tokens; request 2: new, 0 tokens.
     pre, seq, last = tensors([0, 0, 0], [6, 4, 0], [-1, -1, -1])
-    out = a.alloc_extend(pre, seq, last, 10, prefix_lens_cpu=pre.cpu(), seq_lens_cpu=seq.cpu())
+    out = a.alloc_extend(pre, pre.cpu(), seq, seq.cpu(), last, 10)  # SGLang's positional order
     assert out.tolist() == [4, 5, 6, 7, 8, 9, 12, 13, 14, 15]
     assert a.available_size() == 40 - 3 * ps
     # Extend request 0 (prefix ends mid-page at 9) by 5, request 1 (prefix ends on a boundary) by 1.
     pre, seq, last = tensors([6, 4], [11, 5], [9, -1])
-    out = a.alloc_extend(pre, seq, last, 6)  # without CPU copies: counted on the device tensors
+    out = a.alloc_extend(pre, seq_lens=seq, last_loc=last, extend_num_tokens=6)  # no CPU copies: read on the device
     assert out.tolist() == [10, 11, 16, 17, 18, 20]
     # Decode: request 0 at seq 12 (continues page 4), request 1 at seq 6 (continues page 5),
     # request 2 at seq 1 (new page).
-    out = a.alloc_decode(*tensors([12, 6, 1], [18, 20, -1]), seq_lens_cpu=torch.tensor([12, 6, 1]))
+    seq, last = tensors([12, 6, 1], [18, 20, -1])
+    out = a.alloc_decode(seq, torch.tensor([12, 6, 1]), last)
     assert out.tolist() == [19, 21, 24]
     assert a.free_pages.tolist() == [7, 8, 9, 10]
 
@@ -386,7 +436,7 @@ def test_alloc_extend_checks_token_count():
     a = make("paged", 16, ps=4)
     pre, seq, last = tensors([0], [5], [-1])
     with pytest.raises(ValueError, match="extend_num_tokens=4"):
-        a.alloc_extend(pre, seq, last, 4, prefix_lens_cpu=pre.cpu(), seq_lens_cpu=seq.cpu())
+        a.alloc_extend(pre, pre.cpu(), seq, seq.cpu(), last, 4)
     assert a.available_size() == 16
 
 
@@ -401,14 +451,15 @@ def test_paged_allocator_matches_model_on_random_batches(kernels, ps):
         free = a.free_pages.tolist()
         expected, used = model_extend(pre, seq, last, free, ps)
         pre_t, seq_t, last_t = tensors(pre, seq, last)
-        out = a.alloc_extend(pre_t, seq_t, last_t, len(expected), prefix_lens_cpu=pre_t.cpu(), seq_lens_cpu=seq_t.cpu())
+        out = a.alloc_extend(pre_t, pre_t.cpu(), seq_t, seq_t.cpu(), last_t, len(expected))
         assert out.tolist() == expected
         assert a.free_pages.tolist() == free[used:]
         dseq = [s + 1 for s in seq]
         dlast = [rng.randint(1, 10**4) * ps + (s - 1) % ps for s in seq]
         free = a.free_pages.tolist()
         expected, used = model_decode(dseq, dlast, free, ps)
-        out = a.alloc_decode(*tensors(dseq, dlast), seq_lens_cpu=torch.tensor(dseq))
+        dseq_t, dlast_t = tensors(dseq, dlast)
+        out = a.alloc_decode(dseq_t, torch.tensor(dseq), dlast_t)
         assert out.tolist() == expected
         assert a.free_pages.tolist() == free[used:]
 
@@ -416,13 +467,14 @@ def test_paged_allocator_matches_model_on_random_batches(kernels, ps):
 def test_token_allocator_extend_and_decode_are_plain_alloc():
     a = make("token", 10)
     pre, seq, last = tensors([2, 0], [5, 1], [7, -1])
-    assert a.alloc_extend(pre, seq, last, 4, prefix_lens_cpu=pre.cpu(), seq_lens_cpu=seq.cpu()).tolist() == [1, 2, 3, 4]
-    assert a.alloc_decode(*tensors([6, 2], [4, 4]), seq_lens_cpu=torch.tensor([6, 2])).tolist() == [5, 6]
-    assert a.alloc_extend(pre, seq, last, 5) is None and a.available_size() == 4
+    dseq, dlast = tensors([6, 2], [4, 4])
+    assert a.alloc_extend(pre, pre.cpu(), seq, seq.cpu(), last, 4).tolist() == [1, 2, 3, 4]
+    assert a.alloc_decode(dseq, dseq.cpu(), dlast).tolist() == [5, 6]
+    assert a.alloc_extend(pre, None, seq, None, last, 5) is None and a.available_size() == 4
     # A paged allocator with one-token pages gives the same locations.
     p = make("paged", 10, ps=1)
-    assert p.alloc_extend(pre, seq, last, 4).tolist() == [1, 2, 3, 4]
-    assert p.alloc_decode(*tensors([6, 2], [4, 4])).tolist() == [5, 6]
+    assert p.alloc_extend(pre, None, seq, None, last, 4).tolist() == [1, 2, 3, 4]
+    assert p.alloc_decode(dseq, None, dlast).tolist() == [5, 6]
 
 
 def test_kernel_mode_auto_on_cpu_uses_reference():
@@ -485,7 +537,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         use_cpu = data.draw(st.booleans())
         before = state_lists(self.a)
         kw = dict(prefix_lens_cpu=pre_t.cpu(), seq_lens_cpu=seq_t.cpu()) if use_cpu else {}
-        out = self.a.alloc_extend(pre_t, seq_t, last_t, sum(adds), **kw)
+        out = self.a.alloc_extend(pre_t, seq_lens=seq_t, last_loc=last_t, extend_num_tokens=sum(adds), **kw)
         free_pages = self.NUM_PAGES - len(self.used_pages())
         if self.pages_needed(pre, seq) > free_pages:
             assert out is None
@@ -507,7 +559,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         seq_t, last_t = tensors(seq, last)
         before = state_lists(self.a)
         kw = dict(seq_lens_cpu=seq_t.cpu()) if data.draw(st.booleans()) else {}
-        out = self.a.alloc_decode(seq_t, last_t, **kw)
+        out = self.a.alloc_decode(seq_t, last_loc=last_t, **kw)
         need = sum((s - 1) % self.ps == 0 for s in seq)
         if need > self.NUM_PAGES - len(self.used_pages()):
             assert out is None and state_lists(self.a) == before
@@ -607,18 +659,26 @@ def test_cpu_copy_delegates_to_the_pool():
         def __init__(self):
             self.calls = []
 
-        def get_cpu_copy(self, indices):
-            self.calls.append(("get", indices.tolist()))
+        def get_cpu_copy(self, indices, **kwargs):
+            self.calls.append(("get", indices.tolist(), kwargs))
             return {"copy": indices.clone()}
 
-        def load_cpu_copy(self, copy, indices):
-            self.calls.append(("load", copy["copy"].tolist(), indices.tolist()))
+        def load_cpu_copy(self, copy, indices, **kwargs):
+            self.calls.append(("load", copy["copy"].tolist(), indices.tolist(), kwargs))
 
     pool = RecordingPool()
     allocator = TokenToKVPoolAllocator(16, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
     copy = allocator.get_cpu_copy(torch.tensor([3, 4]))
     allocator.load_cpu_copy(copy, torch.tensor([7, 8]))
-    assert pool.calls == [("get", [3, 4]), ("load", [3, 4], [7, 8])]
+    assert pool.calls == [("get", [3, 4], {}), ("load", [3, 4], [7, 8], {})]
+    # SGLang's retraction path names the request's state; the allocator passes it on when given.
+    mamba = torch.tensor([2])
+    copy = allocator.get_cpu_copy(torch.tensor([3]), mamba_indices=mamba, req_pool_index=5)
+    allocator.load_cpu_copy(copy, torch.tensor([9]), mamba_indices=mamba, req_pool_index=5)
+    assert pool.calls[2:] == [
+        ("get", [3], {"mamba_indices": mamba, "req_pool_index": 5}),
+        ("load", [3], [9], {"mamba_indices": mamba, "req_pool_index": 5}),
+    ]
 
 
 def test_debug_print_reports_the_free_lists():

@@ -78,7 +78,7 @@ def check_plan_consistency(plan):
     assert plan.kv_cache_bytes <= plan.budget.kv_budget_bytes
     assert plan.sizes["tokens"] == plan.max_total_num_tokens
     assert plan.max_total_num_tokens % plan.page_size == 0
-    assert plan.req_to_token_bytes == plan.max_running_requests * plan.context_length * 4
+    assert plan.req_to_token_bytes == (plan.max_running_requests + 1) * plan.context_length * 4  # + padding row 0
 
 
 # -- the headline number ---------------------------------------------------------------------------------------

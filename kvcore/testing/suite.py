@@ -221,6 +221,19 @@ class BaseCpuCopyTests(_Base):
         for name, rows in kv_pool.token_rows().items():
             assert_same_bytes(rows.take(dst), saved[name], f"buffer {name} rows loaded back from the CPU copy")
 
+    def test_cpu_copy_accepts_the_retraction_keywords(self, kv_pool, kv_capabilities, generator):
+        """SGLang's retraction path passes ``mamba_indices=`` and ``req_pool_index=``; a pool without
+        per-request state accepts and ignores them."""
+        self.need(kv_capabilities, "cpu_offload")
+        randomize(kv_pool, generator)
+        src = self.free_slots(kv_pool, 4, generator)
+        dst = self.free_slots(kv_pool, 4, generator, offset=4)
+        saved = {name: rows.take(src) for name, rows in kv_pool.token_rows().items()}
+        copy = kv_pool.get_cpu_copy(src, mamba_indices=None, req_pool_index=None)
+        kv_pool.load_cpu_copy(copy, dst, mamba_indices=None, req_pool_index=None)
+        for name, rows in kv_pool.token_rows().items():
+            assert_same_bytes(rows.take(dst), saved[name], f"buffer {name} rows after a copy with retraction keywords")
+
 
 class BaseBufferInfoTests(_Base):
     def test_contiguous_buf_infos_match_buffers(self, kv_pool, kv_capabilities):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.pools import layer_id_of
 from kvcore.token_rows import TokenRows
 from kvcore_dsa import kernels
 from kvcore_dsa.layout import (
@@ -23,7 +22,7 @@ from kvcore_mla.pool import MLATokenToKVPool
 
 
 class DSATokenToKVPool(MLATokenToKVPool):
-    """SGLang's ``NSATokenToKVPool``: an MLA pool whose fp8 rows carry per-tile scales, plus the indexer's keys.
+    """SGLang's ``DSATokenToKVPool`` (formerly ``NSATokenToKVPool``, kept as an alias): an MLA pool whose fp8 rows carry per-tile scales, plus the indexer's keys.
 
     Buffers (formats in :mod:`kvcore_dsa.layout`):
 
@@ -76,7 +75,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         check_dsa_dims(page_size=page_size, kv_lora_rank=kv_lora_rank, index_head_dim=index_head_dim)
         self.index_head_dim = index_head_dim
         self.index_k_dtype = resolve_index_dtype(index_dtype)
-        self.nsa_kv_cache_store_fp8 = uses_scaled_fp8(dtype)
+        self.dsa_kv_cache_store_fp8 = uses_scaled_fp8(dtype)
         super().__init__(
             size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device, enable_memory_saver,
             start_layer, end_layer,
@@ -137,7 +136,12 @@ class DSATokenToKVPool(MLATokenToKVPool):
         return {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim}
 
     def set_mla_kv_buffer(
-        self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
+        self,
+        layer,
+        loc: torch.Tensor,
+        cache_k_nope: torch.Tensor,
+        cache_k_rope: torch.Tensor,
+        layer_id_override: int | None = None,
     ) -> None:
         """Store the latent rows of ``loc.numel()`` tokens from their two parts, in one launch.
 
@@ -148,9 +152,9 @@ class DSATokenToKVPool(MLATokenToKVPool):
             strides.
         :param cache_k_rope: ``[N, 1, qk_rope_head_dim]`` or ``[N, qk_rope_head_dim]``, likewise.
         """
-        if not self.nsa_kv_cache_store_fp8:
-            return super().set_mla_kv_buffer(layer, loc, cache_k_nope, cache_k_rope)
-        local = self.local_layer(layer)
+        if not self.dsa_kv_cache_store_fp8:
+            return super().set_mla_kv_buffer(layer, loc, cache_k_nope, cache_k_rope, layer_id_override)
+        local = self.local_layer(layer, layer_id_override)
         store = kernels.store_dsa_fp8_triton if self._use_triton else kernels.store_dsa_fp8_native
         store(self.kv_cache, local, loc.reshape(-1), cache_k_nope, cache_k_rope, **self._fp8_kwargs())
 
@@ -162,19 +166,21 @@ class DSATokenToKVPool(MLATokenToKVPool):
         cache_v: torch.Tensor | None = None,
         k_scale=None,
         v_scale=None,
+        layer_id_override: int | None = None,
     ) -> None:
-        """Store concatenated latent rows ``cache_k`` (``cache_v`` is ignored, as in MLA).
+        """Store concatenated latent rows ``cache_k`` (``cache_v`` is ignored, as in MLA; ``layer_id_override``
+        replaces ``layer``).
 
         fp8 cache: float rows ``[N, 1, kv_lora_rank + qk_rope_head_dim]`` (or ``[N, 576]``) are quantized
         exactly like :meth:`set_mla_kv_buffer`; rows already in the 656-byte format (uint8 or float8_e4m3fn,
         e.g. from a transfer) are copied as bytes.  Rows carry their own scales, so ``k_scale`` / ``v_scale``
         must be None.  Other dtypes: the MLA store.
         """
-        if not self.nsa_kv_cache_store_fp8:
-            return super().set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale)
+        if not self.dsa_kv_cache_store_fp8:
+            return super().set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale, layer_id_override)
         if k_scale is not None or v_scale is not None:
             raise ValueError("DSA fp8 rows carry per-tile scales; pass k_scale=None and v_scale=None")
-        local = self.local_layer(layer)
+        local = self.local_layer(layer, layer_id_override)
         loc = loc.reshape(-1)
         n = loc.numel()
         if cache_k.dtype in (torch.uint8, torch.float8_e4m3fn) and cache_k.shape[-1] == self.kv_cache_dim:
@@ -184,7 +190,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         width = self.kv_lora_rank + self.qk_rope_head_dim
         if cache_k.shape[-1] != width or cache_k.numel() != n * width:
             raise ValueError(
-                f"layer {layer_id_of(layer)}: cache_k {tuple(cache_k.shape)} is not {n} rows of kv_lora_rank + "
+                f"layer {self.start_layer + local}: cache_k {tuple(cache_k.shape)} is not {n} rows of kv_lora_rank + "
                 f"qk_rope_head_dim = {width} values (or of {self.kv_cache_dim} quantized bytes)"
             )
         rows = cache_k.reshape(n, width)
@@ -202,7 +208,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         :returns: ``(cache_k_nope [N, 1, kv_lora_rank], cache_k_rope [N, 1, qk_rope_head_dim])``: the nope
             values ``float32(fp8) * scale`` and the stored bf16 rope, converted to ``dst_dtype``.
         """
-        if not self.nsa_kv_cache_store_fp8:
+        if not self.dsa_kv_cache_store_fp8:
             return super().get_mla_kv_buffer(layer, loc, dst_dtype)
         local = self.local_layer(layer)
         self._wait_for_layer(local)
@@ -290,7 +296,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
             reference :func:`~kvcore_dsa.kernels.quantize_concatenated`), ``index_k`` (the key bytes) and, for
             fp8 keys, ``index_k_scale`` (the float32 scale bytes).
         """
-        if self.nsa_kv_cache_store_fp8:
+        if self.dsa_kv_cache_store_fp8:
             r, p = self.kv_lora_rank, self.qk_rope_head_dim
             values = torch.randn((loc.numel(), 1, r + p + 3), generator=generator) * 2
             values = torch.where(values == 0, torch.ones_like(values), values).to(torch.bfloat16).to(self.device)
@@ -312,3 +318,8 @@ class DSATokenToKVPool(MLATokenToKVPool):
             self.set_index_k_scale_buffer(layer, loc, keys)
         expected["index_k"] = keys.view(torch.uint8)
         return expected
+
+
+#: SGLang's earlier name for the DSA pool (NSA = native sparse attention, as DeepSeek sparse attention was first
+#: called there).
+NSATokenToKVPool = DSATokenToKVPool

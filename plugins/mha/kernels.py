@@ -98,11 +98,8 @@ def _check_store_args(k_cache, v_cache, layer_index, loc, cache_k, cache_v, cach
         raise ValueError(f"cache_v must be [N, H, Dv] = {(n, vs[2], vs[3])}, got {tuple(cache_v.shape)}")
     if cache_k.dtype != cache_v.dtype:
         raise ValueError(f"cache_k and cache_v must share a dtype, got {cache_k.dtype} and {cache_v.dtype}")
-    if cache_k.dtype not in _FLOAT_INPUTS:
-        if cache_k.dtype != cache_dtype:
-            raise ValueError(f"unsupported input dtype {cache_k.dtype} for cache dtype {cache_dtype}")
-        if k_scale is not None or v_scale is not None:
-            raise ValueError("inputs already in the fp8 cache dtype are copied as bytes; they take no scale")
+    if cache_k.dtype not in _FLOAT_INPUTS and cache_k.dtype != cache_dtype:
+        raise ValueError(f"unsupported input dtype {cache_k.dtype} for cache dtype {cache_dtype}")
 
 
 def _scale_tensor(scale, device) -> torch.Tensor:
@@ -112,14 +109,15 @@ def _scale_tensor(scale, device) -> torch.Tensor:
 
 
 def _convert_native(x: torch.Tensor, cache_dtype: torch.dtype, scale) -> torch.Tensor:
-    if is_fp8_dtype(cache_dtype):
-        if x.dtype == cache_dtype and scale is None:
-            return x.view(torch.uint8)
-        xf = x.float()
-        if scale is not None:
-            xf = xf / _scale_tensor(scale, x.device)
-        return xf.to(cache_dtype).view(torch.uint8)
-    return x.to(cache_dtype)
+    """``x`` as the cache stores it: copied when it already has the cache dtype (any scale ignored), else
+    divided by ``scale`` in float32 (when given) and converted; fp8 viewed as its uint8 storage."""
+    if x.dtype == cache_dtype:
+        y = x
+    elif scale is not None:
+        y = (x.float() / _scale_tensor(scale, x.device)).to(cache_dtype)
+    else:
+        y = x.to(cache_dtype)
+    return y.view(torch.uint8) if is_fp8_dtype(cache_dtype) else y
 
 
 def store_kv_native(
@@ -136,8 +134,6 @@ def store_kv_native(
 ) -> None:
     """Torch reference of :func:`store_kv_triton` (same signature and semantics)."""
     _check_store_args(k_cache, v_cache, layer_index, loc, cache_k, cache_v, cache_dtype, k_scale, v_scale)
-    if not is_fp8_dtype(cache_dtype):
-        k_scale = v_scale = None
     idx = loc.long()
     k_cache[layer_index, idx] = _convert_native(cache_k, cache_dtype, k_scale)
     v_cache[layer_index, idx] = _convert_native(cache_v, cache_dtype, v_scale)
@@ -188,6 +184,11 @@ def _store_tile(
         tl.store(dst, x, mask=mask)
     else:
         xf = x.to(tl.float32)
+        if SCALE_MODE == 1:
+            xf = tl.math.div_rn(xf, tl.zeros_like(xf) + scale_value)
+        elif SCALE_MODE == 2:
+            s = tl.load(scale_ptr).to(tl.float32)
+            xf = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
         if OUT == 1:
             tl.store(dst, xf, mask=mask)
         elif OUT == 2:
@@ -198,11 +199,6 @@ def _store_tile(
             else:
                 tl.store(dst, f32_to_bf16_bits(xf).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
         else:
-            if SCALE_MODE == 1:
-                xf = tl.math.div_rn(xf, tl.zeros_like(xf) + scale_value)
-            elif SCALE_MODE == 2:
-                s = tl.load(scale_ptr).to(tl.float32)
-                xf = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
             if HW_CVT:
                 tl.store(dst, f32_to_fp8_bits_hw(xf, FP8_KIND, SATURATE).to(tl.uint8), mask=mask)
             else:
@@ -299,11 +295,11 @@ def store_kv_triton(
     :param layer_index: 0-based layer in the stacked caches.
     :param loc: ``[N]`` int32 or int64 row indices (distinct; duplicates leave one unspecified writer).
     :param cache_k: ``[N, H, Dk]`` float32/float16/bfloat16, or ``cache_dtype`` itself (then copied as is,
-        fp8 included, and no scale is accepted); any strides (qkv-split views need no copy).
+        fp8 included); any strides (qkv-split views need no copy).
     :param cache_v: ``[N, H, Dv]`` likewise.  Neither input is modified.
-    :param k_scale: fp8 caches only: K is divided (IEEE division in float32) by this scale before
-        encoding; a python number or a 0-d/1-element tensor on the cache's device (read in the kernel).
-        Ignored for non-fp8 caches.
+    :param k_scale: when ``cache_k`` has another dtype than the cache (SGLang's rule), K is divided by this
+        scale (IEEE division in float32, one rounding) before it is converted; ignored for inputs already in
+        the cache dtype.  A python number or a 0-d/1-element tensor on the cache's device (read in the kernel).
     :param v_scale: likewise for V.
     :param cache_dtype: the cache's logical dtype.  Same as the input: plain copy; float casts round to
         nearest even; fp8 bytes are bit-exact with ``(x.float() / scale).to(cache_dtype)`` of the torch
@@ -319,12 +315,10 @@ def store_kv_triton(
     if kcs[3] != 1 or kcs[2] != dk or vcs[3] != 1 or vcs[2] != dv:
         raise ValueError("cache rows must be contiguous ([H, D] packed)")
     fp8 = cache_dtype in FP8_DTYPES
-    if not fp8:
-        k_scale = v_scale = None
-
     k_src, v_src = cache_k, cache_v
-    if cache_k.dtype == cache_dtype and k_scale is None and v_scale is None:
+    if cache_k.dtype == cache_dtype:
         out = _OUT_COPY
+        k_scale = v_scale = None  # SGLang's rule: scales apply only to inputs that are converted
         if fp8:
             k_src, v_src = cache_k.view(torch.uint8), cache_v.view(torch.uint8)
     elif fp8:

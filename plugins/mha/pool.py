@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.kernel_mode import use_triton
-from kvcore.pools import KVCache, layer_id_of
+from kvcore.pools import KVCache
 from kvcore_mha import kernels
 
 
@@ -90,13 +90,15 @@ class MHATokenToKVPool(KVCache):
         v_scale: float | torch.Tensor | None = None,
         layer_id_override: int | None = None,
     ) -> None:
-        """Store K and V of ``loc.numel()`` tokens into ``layer`` (an int or anything with ``layer_id``).
+        """Store K and V of ``loc.numel()`` tokens into ``layer`` (an int, anything with ``layer_id``, or None
+        with ``layer_id_override``).
 
-        Inputs of another dtype are converted (divided by ``k_scale``/``v_scale`` first, for fp8) inside the
-        kernel; the inputs themselves are never modified.
+        Inputs of another dtype than the cache are divided by ``k_scale`` / ``v_scale`` (when given; float32
+        division, one rounding) and converted inside the kernel; inputs already in the cache dtype are copied
+        and the scales ignored, as in SGLang.  Unlike SGLang, the inputs themselves are never modified.
         """
-        layer_id = layer_id_override if layer_id_override is not None else layer_id_of(layer)
-        local = self.local_layer(layer_id)
+        local = self.local_layer(layer, layer_id_override)
+        layer_id = self.start_layer + local
         expected_k = (self.head_num, self.head_dim)
         expected_v = (self.head_num, self.v_head_dim)
         cache_k = cache_k.view(-1, *expected_k) if cache_k.dim() == 2 else cache_k

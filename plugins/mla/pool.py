@@ -30,6 +30,14 @@ class MLATokenToKVPool(KVCache):
     :param kernels: ``auto`` (Triton on CUDA), ``triton`` or ``native`` (torch reference).
     """
 
+    #: True only for a DSA pool whose rows are fp8 with per-tile scales (SGLang's name; composite pools read it).
+    dsa_kv_cache_store_fp8 = False
+
+    @property
+    def nsa_kv_cache_store_fp8(self) -> bool:
+        """SGLang's earlier name of :attr:`dsa_kv_cache_store_fp8`."""
+        return self.dsa_kv_cache_store_fp8
+
     def __init__(
         self,
         size: int,
@@ -118,16 +126,18 @@ class MLATokenToKVPool(KVCache):
         cache_v: torch.Tensor | None = None,
         k_scale=None,
         v_scale=None,
+        layer_id_override: int | None = None,
     ) -> None:
         """Store already concatenated latent rows ``cache_k`` ``[N, 1, kv_lora_rank + qk_rope_head_dim]`` (or
         ``[N, ...]`` of that width) at ``loc``, converted to the cache dtype.
 
         ``cache_v`` is ignored (the value is a prefix of the key row), as in SGLang.  MLA rows are stored
-        unscaled: ``k_scale`` / ``v_scale`` must be None.  The inputs are never modified.
+        unscaled: ``k_scale`` / ``v_scale`` must be None.  ``layer_id_override`` replaces ``layer`` (which may
+        then be None).  The inputs are never modified.
         """
         if k_scale is not None or v_scale is not None:
             raise ValueError("MLATokenToKVPool stores latent rows unscaled; pass k_scale=None and v_scale=None")
-        local = self.local_layer(layer)
+        local = self.local_layer(layer, layer_id_override)
         width = self.kv_lora_rank + self.qk_rope_head_dim
         if cache_k.shape[-1] != width or cache_k.numel() != loc.numel() * width:
             raise ValueError(
@@ -139,18 +149,24 @@ class MLATokenToKVPool(KVCache):
         store(self.kv_cache, local, loc.reshape(-1), rows, cache_dtype=self.dtype)
 
     def set_mla_kv_buffer(
-        self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
+        self,
+        layer,
+        loc: torch.Tensor,
+        cache_k_nope: torch.Tensor,
+        cache_k_rope: torch.Tensor,
+        layer_id_override: int | None = None,
     ) -> None:
         """Store the two parts of the latent rows of ``loc.numel()`` tokens in one launch, no concatenation.
 
-        :param layer: a global layer id, or anything with ``layer_id``.
+        :param layer: a global layer id, or anything with ``layer_id`` (or None with ``layer_id_override``).
         :param loc: ``[N]`` int32/int64 token slots.
         :param cache_k_nope: ``[N, 1, kv_lora_rank]`` (any strides, e.g. a split of a bigger projection).
         :param cache_k_rope: ``[N, 1, qk_rope_head_dim]`` (any strides).
+        :param layer_id_override: the global layer id, replacing ``layer``.
         Both are converted to the cache dtype exactly as ``x.to(dtype)`` (fp8 encoded bit-exactly); the inputs
         are never modified.
         """
-        local = self.local_layer(layer)
+        local = self.local_layer(layer, layer_id_override)
         expected = ((self.kv_lora_rank, "kv_lora_rank"), (self.qk_rope_head_dim, "qk_rope_head_dim"))
         for x, (width, name), what in zip((cache_k_nope, cache_k_rope), expected, ("cache_k_nope", "cache_k_rope")):
             if x.shape[-1] != width:

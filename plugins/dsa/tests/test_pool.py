@@ -12,7 +12,8 @@ from kvcore.errors import ConfigError
 from kvcore.testing.tensors import bits_equal, randn_nonzero
 from kvcore_dsa import kernels
 from kvcore_dsa.layout import calculate_mla_kv_cache_dim, dsa_layout, index_page_bytes
-from kvcore_dsa.pool import DSATokenToKVPool
+from kvcore_dsa.pool import DSATokenToKVPool, NSATokenToKVPool
+from kvcore_mla.pool import MLATokenToKVPool
 
 
 RANK, ROPE, LAYERS, SIZE = 512, 64, 2, 4 * 64
@@ -68,6 +69,16 @@ def test_buffers_and_layout(dtype, index_dtype, row_dim, row_dtype, page_bytes):
     assert declared["kv"].shape(SIZE) == tuple(pool.kv_cache.shape)
     assert declared["index_k"].shape(SIZE) == tuple(pool.index_k_with_scale_cache.shape)
     assert layout.total_bytes({"tokens": SIZE}) == pool.get_kv_size_bytes()
+
+
+@pytest.mark.parametrize("dtype, scaled", [(torch.float8_e4m3fn, True), (torch.bfloat16, False)])
+def test_sglang_dsa_names_and_their_nsa_aliases(dtype, scaled):
+    pool = make_pool(dtype, kernels_mode="native")
+    assert pool.dsa_kv_cache_store_fp8 is scaled and pool.nsa_kv_cache_store_fp8 is scaled
+    assert NSATokenToKVPool is DSATokenToKVPool
+    mla = MLATokenToKVPool(size=64, page_size=1, dtype=torch.float8_e4m3fn, kv_lora_rank=RANK, qk_rope_head_dim=ROPE,
+                           layer_num=1, device="cpu", enable_memory_saver=False, kernels="native")  # fmt: skip
+    assert mla.dsa_kv_cache_store_fp8 is False and mla.nsa_kv_cache_store_fp8 is False
 
 
 def test_calculate_mla_kv_cache_dim():
@@ -157,6 +168,20 @@ def test_fp8_set_kv_buffer_quantizes_concatenated_rows_and_copies_quantized_byte
         other.set_kv_buffer(1, loc, row, None, k_scale=2.0)
     with pytest.raises(ValueError, match="576"):
         other.set_kv_buffer(1, loc, row[..., :500], None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16"])
+def test_layer_id_override_on_both_writes(dtype):
+    by_id, by_override = make_pool(dtype, "native", start_layer=3), make_pool(dtype, "native", start_layer=3)
+    loc = torch.tensor([64, 130, 65])
+    nope, rope, row = _parts(3, 5)
+    by_id.set_mla_kv_buffer(4, loc, nope, rope)
+    by_override.set_mla_kv_buffer(None, loc, nope, rope, layer_id_override=4)
+    assert bits_equal(by_override.kv_cache, by_id.kv_cache)
+    by_id.set_kv_buffer(3, loc, row, None)
+    by_override.set_kv_buffer(Layer(4), loc, row, None, layer_id_override=3)
+    assert bits_equal(by_override.kv_cache, by_id.kv_cache)
+    assert not bits_equal(by_id.kv_cache[0], torch.zeros_like(by_id.kv_cache[0]))
 
 
 def test_bf16_pool_is_plain_mla():

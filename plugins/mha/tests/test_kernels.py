@@ -73,6 +73,12 @@ STORE_CASES = [
     (torch.bfloat16, torch.float8_e5m2, None, None, 33, torch.int32, "contiguous", 1e4),
     (torch.bfloat16, torch.float8_e5m2, "tensor0d", "float", 7, torch.int64, "qkv_split", 1e4),
     (torch.float16, torch.float8_e5m2, "float", "tensor1", 1, torch.int32, "contiguous", 1e-3),
+    # SGLang's rule: scales divide every converted input, whatever the cache dtype ...
+    (torch.float32, torch.bfloat16, "float", "tensor0d", 33, torch.int64, "qkv_split", 3.0),
+    (torch.bfloat16, torch.float32, "tensor1", "float", 7, torch.int32, "transposed", 1.0),
+    (torch.float32, torch.float16, "tensor0d", None, 7, torch.int64, "contiguous", 3.0),
+    # ... and are ignored for inputs already in the cache dtype.
+    (torch.bfloat16, torch.bfloat16, "float", "tensor1", 7, torch.int64, "qkv_split", 1.0),
 ]
 
 
@@ -120,13 +126,14 @@ def test_store_kv_matches_reference(case):
     cache_dtype = case[1]
     idx = loc.long()
     for x, out, scale in ((cache_k, out_k, k_scale), (cache_v, out_v, v_scale)):
-        if fp8.is_fp8_dtype(cache_dtype):
-            xf = x.float()
-            if scale is not None:
-                xf = xf / torch.as_tensor(scale, dtype=torch.float32).to(DEVICE).reshape(1)
-            want = xf.to(cache_dtype).view(torch.uint8)
+        if x.dtype == cache_dtype:
+            want = x
+        elif scale is not None:
+            want = (x.float() / torch.as_tensor(scale, dtype=torch.float32).to(DEVICE).reshape(1)).to(cache_dtype)
         else:
             want = x.to(cache_dtype)
+        if fp8.is_fp8_dtype(cache_dtype):
+            want = want.view(torch.uint8)
         assert _bits_equal(out[1, idx], want)
 
 
@@ -175,19 +182,32 @@ def test_store_kv_last_layer_and_fp8_bytes_copy():
     assert _bits_equal(k_cache[L - 1, loc], cache_k.view(torch.uint8))
 
 
-def test_store_kv_scale_ignored_for_float_caches():
+@pytest.mark.parametrize("impl", ["triton", "native"])
+def test_store_kv_scales_apply_only_to_converted_inputs(impl):
+    # SGLang's rule: a float32 input into a bf16 cache with k_scale=2 stores x / 2 (exact in binary, so
+    # (x / 2).to(bf16) is an independent expectation); an input already in the cache dtype is copied unscaled.
+    store = getattr(kernels, f"store_kv_{impl}")
     gen = torch.Generator().manual_seed(4)
     n = 4
     k_cache = _poison((L, ROWS, H, DK), torch.bfloat16, gen)
     v_cache = _poison((L, ROWS, H, DV), torch.bfloat16, gen)
     cache_k, cache_v = _make_inputs(n, torch.float32, "contiguous", gen, 1.0)
+    before = (cache_k.clone(), cache_v.clone())
     loc = torch.tensor([2, 4, 6, 8], dtype=torch.int32, device=DEVICE)
-    kernels.store_kv_triton(
-        k_cache, v_cache, 0, loc, cache_k, cache_v, k_scale=0.5, v_scale=torch.tensor(2.0, device=DEVICE),
-        cache_dtype=torch.bfloat16,
-    )  # fmt: skip
-    assert _bits_equal(k_cache[0, loc.long()], cache_k.to(torch.bfloat16))
-    assert _bits_equal(v_cache[0, loc.long()], cache_v.to(torch.bfloat16))
+    store(k_cache, v_cache, 0, loc, cache_k, cache_v, k_scale=2.0, v_scale=torch.tensor(0.5, device=DEVICE),
+          cache_dtype=torch.bfloat16)  # fmt: skip
+    assert _bits_equal(k_cache[0, loc.long()], (cache_k / 2).to(torch.bfloat16))
+    assert _bits_equal(v_cache[0, loc.long()], (cache_v * 2).to(torch.bfloat16))
+    assert _bits_equal(cache_k, before[0]) and _bits_equal(cache_v, before[1]), "the caller's inputs changed"
+    bk, bv = cache_k.to(torch.bfloat16), cache_v.to(torch.bfloat16)
+    store(k_cache, v_cache, 1, loc, bk, bv, k_scale=2.0, v_scale=2.0, cache_dtype=torch.bfloat16)
+    assert _bits_equal(k_cache[1, loc.long()], bk) and _bits_equal(v_cache[1, loc.long()], bv)
+    # fp8 bytes into an fp8 cache: copied, the scale ignored.
+    k8 = _poison((L, ROWS, H, DK), torch.uint8, gen)
+    v8 = _poison((L, ROWS, H, DV), torch.uint8, gen)
+    x8k, x8v = cache_k.to(torch.float8_e4m3fn), cache_v.to(torch.float8_e4m3fn)
+    store(k8, v8, 0, loc, x8k, x8v, k_scale=3.0, v_scale=3.0, cache_dtype=torch.float8_e4m3fn)
+    assert _bits_equal(k8[0, loc.long()], x8k.view(torch.uint8)) and _bits_equal(v8[0, loc.long()], x8v.view(torch.uint8))
 
 
 def test_store_kv_small_rows_and_empty():
@@ -225,8 +245,6 @@ def test_store_kv_rejects_bad_arguments():
         kernels.store_kv_triton(k_cache, v_cache, 0, loc[:1], x, x, cache_dtype=torch.bfloat16)
     k8, v8 = k_cache.view(torch.uint8), v_cache.view(torch.uint8)[..., :8]
     x8 = torch.ones(2, 1, 16, device=DEVICE).to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError):  # fp8 input takes no scale
-        kernels.store_kv_triton(k8, k8, 0, loc, x8, x8, k_scale=2.0, cache_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError):  # K and V caches with different head counts / shapes
         kernels.store_kv_triton(k8, v8.reshape(2, 8, 2, 4), 0, loc, x8, x8, cache_dtype=torch.float8_e4m3fn)
 

@@ -132,6 +132,22 @@ def test_split_and_concatenated_writes_and_both_kernel_modes_agree(dtype):
             assert bits_equal(got_rope, want[..., KV_LORA_RANK:].to(out_dtype)), (kernels, dst)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_layer_id_override_on_both_writes(dtype):
+    gen = torch.Generator().manual_seed(11)
+    loc = torch.tensor([2, 40, 7], device=test_device())
+    fused = randn_nonzero((3, 1, KV_LORA_RANK + ROPE_DIM), torch.float32, gen, 3.0)
+    nope, rope = fused[..., :KV_LORA_RANK], fused[..., KV_LORA_RANK:]
+    by_id, by_override = make_pool(dtype, "auto", start_layer=2), make_pool(dtype, "auto", start_layer=2)
+    by_id.set_mla_kv_buffer(3, loc, nope, rope)
+    by_override.set_mla_kv_buffer(None, loc, nope, rope, layer_id_override=3)
+    assert bits_equal(by_override.kv_cache, by_id.kv_cache)
+    by_id.set_kv_buffer(4, loc, fused, None)
+    by_override.set_kv_buffer(Layer(2), loc, fused, None, layer_id_override=4)
+    assert bits_equal(by_override.kv_cache, by_id.kv_cache)
+    assert bits_equal(by_id.kv_cache[2, loc.long()], fused.to(dtype).view(by_id.store_dtype))
+
+
 def test_sizes_views_and_errors():
     pool = make_pool(torch.float8_e4m3fn, "native", size=64, page_size=16, start_layer=1)
     assert pool.kv_cache.shape == (LAYERS, 80, 1, KV_LORA_RANK + ROPE_DIM)
