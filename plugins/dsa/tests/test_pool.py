@@ -174,7 +174,7 @@ def test_fp8_set_kv_buffer_quantizes_concatenated_rows_and_copies_quantized_byte
 def test_layer_id_override_on_both_writes(dtype):
     by_id, by_override = make_pool(dtype, "native", start_layer=3), make_pool(dtype, "native", start_layer=3)
     loc = torch.tensor([64, 130, 65])
-    nope, rope, row = _parts(3, 5)
+    nope, rope, row = (t.cpu() for t in _parts(3, 5))  # the pools are CPU pools in both test modes
     by_id.set_mla_kv_buffer(4, loc, nope, rope)
     by_override.set_mla_kv_buffer(None, loc, nope, rope, layer_id_override=4)
     assert bits_equal(by_override.kv_cache, by_id.kv_cache)
