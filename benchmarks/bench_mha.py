@@ -132,9 +132,9 @@ def correctness() -> None:
                 src = src[~torch.isin(src, tgt)][: n]
                 tgt = tgt[: src.numel()]
             k_ref, v_ref = k.clone(), v.clone()
-            kernels.move_kv_cache_native(k_ref, v_ref, tgt, src)
+            row_move.move_rows_native(k_ref, v_ref, tgt, src)
             kk, vv = k.clone(), v.clone()
-            kernels.move_kv_cache_triton(kk, vv, tgt, src)
+            row_move.move_rows_triton(kk, vv, tgt, src)
             check(f"move {pattern} n={tgt.numel()}", torch.equal(kk, k_ref) and torch.equal(vv, v_ref), "vs torch gather-then-scatter")
     # allocator kernels: triton vs torch reference on the GPU
     for page in (1, 16, 64):
@@ -246,11 +246,11 @@ def time_move(ceiling: float, sweep: bool) -> None:
         for pattern, (tgt, src) in patterns.items():
             for label, limit in limits.items():
                 row_move.MOVE_MAX_TOKENS = limit
-                fn = lambda: kernels.move_kv_cache_triton(pool.k_cache, pool.v_cache, tgt, src)  # noqa: E731
+                fn = lambda: row_move.move_rows_triton(pool.k_cache, pool.v_cache, tgt, src)  # noqa: E731
                 ours = graph_time_us(fn, 4)
                 ref = None
                 if not ref_done:
-                    ref = bench(lambda: kernels.move_kv_cache_native(pool.k_cache, pool.v_cache, tgt, src))
+                    ref = bench(lambda: row_move.move_rows_native(pool.k_cache, pool.v_cache, tgt, src))
                     ref_done = True
                 row(f"move_kv_cache 32L {pattern}", f"{n} slots [{label}]", ours, ref, moved, ceiling, "graph replay")
     row_move.MOVE_MAX_TOKENS = default_limit

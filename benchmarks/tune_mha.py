@@ -45,7 +45,7 @@ def main() -> None:
         for tile, warps in itertools.product((4096, 8192, 16384), (4, 8, 16)):
             row_move._COPY_TILE_WORDS, row_move._COPY_NUM_WARPS = tile, warps
             for pattern, (tgt, src) in {"disjoint": (perm[n : 2 * n], perm[:n]), "shift": (perm[:n], perm[1 : n + 1])}.items():
-                us = graph_time_us(lambda: kernels.move_kv_cache_triton(k, v, tgt, src), 2)
+                us = graph_time_us(lambda: row_move.move_rows_triton(k, v, tgt, src), 2)
                 print(f"move {pattern} {n} tile={tile} warps={warps}: {us:.1f} us {moved / us / 1e6 / ceiling:.3f} of ceiling")
 
 

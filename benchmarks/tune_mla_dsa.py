@@ -16,6 +16,8 @@ import itertools
 import torch
 
 from bench_mha import copy_ceiling, graph_time_us, same_size_copy_us
+from kvcore.dtypes import storage_dtype
+from kvcore_dsa.layout import scaled_row_bytes
 from kvcore_dsa import kernels as dsa
 from kvcore_mla import kernels as mla
 
@@ -57,7 +59,7 @@ def main() -> None:
 
     mla_settings = list(itertools.product((1024, 2048, 4096), (256, 1024), (2, 4)))
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        cache = torch.zeros(1, ROWS, 1, RANK + ROPE, dtype=mla.storage_dtype(cache_dtype), device="cuda")
+        cache = torch.zeros(1, ROWS, 1, RANK + ROPE, dtype=storage_dtype(cache_dtype), device="cuda")
         out_bytes = (RANK + ROPE) * cache_dtype.itemsize
         moved = N * ((RANK + ROPE) * 2 + out_bytes + 8)
         tag = str(cache_dtype).removeprefix("torch.")
@@ -68,7 +70,7 @@ def main() -> None:
               moved, ceiling)  # fmt: skip
         del cache
 
-    width = dsa.row_bytes(RANK, ROPE)
+    width = scaled_row_bytes(RANK, ROPE)
     cache = torch.zeros(1, ROWS, 1, width, dtype=torch.uint8, device="cuda")
     moved = N * ((RANK + ROPE) * 2 + width + 8)
     dsa_settings = list(itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8)))

@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from kvcore.backend import PoolRequest
-from kvcore.config import EngineConfig
+from kvcore.config import EngineConfig, ModelConfig
 from kvcore.errors import PluginError
 from kvcore.layout import PoolLayout
 from kvcore.planner import MemoryPlan, memory_budget, plan_from_layouts
@@ -18,8 +18,9 @@ from kvcore.selection import Selection, select_backend
 logger = logging.getLogger(__name__)
 
 
-def make_request(cfg: EngineConfig, pp_rank: int | None = None) -> PoolRequest:
-    """The per-rank :class:`PoolRequest` for ``cfg`` (``pp_rank`` defaults to ``parallel.pp_rank``)."""
+def _core_request(cfg: EngineConfig, pp_rank: int | None = None) -> PoolRequest:
+    """What the core knows of the request: every shared field, the raw ``kv_cache.options`` and every model
+    section the config holds.  Selection works on this; the chosen backend then resolves it."""
     if pp_rank is not None:
         cfg = attrs.evolve(cfg, parallel=attrs.evolve(cfg.parallel, pp_rank=pp_rank))
     start, end = cfg.layer_range
@@ -39,14 +40,32 @@ def make_request(cfg: EngineConfig, pp_rank: int | None = None) -> PoolRequest:
         v_head_dim=model.v_head_dim or model.head_dim,
         kernels=cfg.hardware.kernels,
         backend=cfg.kv_cache.backend,
+        model_name=model.name,
         options=cfg.kv_cache.options,
-        model=model,
+        sections={name: getattr(model, name) for name in _section_names(type(model))},
     )
+
+
+def _section_names(model_type: type) -> tuple[str, ...]:
+    """The plugin-declared sections of a (possibly extended) model schema."""
+    shared = {f.name for f in attrs.fields(ModelConfig)}
+    return tuple(f.name for f in attrs.fields(model_type) if f.name not in shared)
+
+
+def make_request(cfg: EngineConfig, pp_rank: int | None = None, *, registry: Registry | None = None) -> PoolRequest:
+    """The per-rank :class:`PoolRequest` for ``cfg`` (``pp_rank`` defaults to ``parallel.pp_rank``), as the
+    selected backend reads it (:meth:`BackendSpec.resolve`: its model sections and options validated).
+
+    :raises SelectionError: when no backend serves ``cfg``.
+    :raises ConfigError: naming the model section or option to fix.
+    """
+    request = _core_request(cfg, pp_rank)
+    return select_backend(registry or get_registry(), request).backend.resolve(request)
 
 
 def select(cfg: EngineConfig, registry: Registry | None = None) -> Selection:
     """Which backend serves ``cfg``, with the reasons for every registered backend."""
-    return select_backend(registry or get_registry(), make_request(cfg))
+    return select_backend(registry or get_registry(), _core_request(cfg))
 
 
 def buffer_layout(selection: Selection, registry: Registry, request: PoolRequest) -> PoolLayout:
@@ -73,10 +92,10 @@ def plan_memory(
     :param weights_loaded: the profile was taken after the weights loaded; do not charge them again.
     """
     registry = registry or get_registry()
-    selection = select_backend(registry, make_request(cfg))
+    selection = select_backend(registry, _core_request(cfg))
     layouts = []
     for rank in range(cfg.parallel.pp_size):
-        request = make_request(cfg, pp_rank=rank)
+        request = selection.backend.resolve(_core_request(cfg, pp_rank=rank))
         layouts.append(buffer_layout(selection, registry, request))
     budget = memory_budget(cfg, free_memory_bytes=free_memory_bytes, weights_loaded=weights_loaded)
     return plan_from_layouts(cfg, layouts, budget)
@@ -103,13 +122,14 @@ def build_pools(
 ) -> Pools:
     """Plan (unless ``plan`` is given) and allocate the pools for this rank."""
     registry = registry or get_registry()
-    request = make_request(cfg)
-    if request.device_type == "cuda" and not torch.cuda.is_available():
+    if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             f"hardware={cfg.hardware.name} allocates on CUDA, but no CUDA device is visible; "
             "use `kvcore plan` to size pools without a device, or hardware=cpu"
         )
-    selection = select_backend(registry, request)
+    core = _core_request(cfg)
+    selection = select_backend(registry, core)
+    request = selection.backend.resolve(core)
     if plan is None:
         plan = plan_memory(cfg, registry=registry, free_memory_bytes=free_memory_bytes, weights_loaded=weights_loaded)
     hook = registry.hook

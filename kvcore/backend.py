@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 import torch
 
+from kvcore.errors import ConfigError
+
 ANY = "*"
 
 
@@ -37,8 +39,18 @@ def _frozen_mapping(value) -> Mapping[str, Any]:
 class PoolRequest:
     """What the engine asks a backend to hold, for one rank; a pure function of the config.
 
-    Dimensions are per rank: ``head_num`` is the KV heads this tensor-parallel rank stores, ``layer_num`` the
-    layers of this pipeline stage (global ids ``start_layer .. end_layer``).
+    The core fills in what every family shares.  A family reads its own model dimensions from
+    :meth:`section` (the ``model.<name>`` sections its backend declares in ``BackendSpec.model_sections``) and
+    its ``kv_cache.options`` from :attr:`options`, both validated by :meth:`BackendSpec.resolve` before the
+    request reaches the backend's ``layout`` and ``create_pool``.
+
+    :param layer_num: layers of this pipeline stage, global ids ``start_layer .. end_layer``.
+    :param head_num: key/value heads this tensor-parallel rank stores (replicated when tp exceeds them), with
+        ``head_dim`` / ``v_head_dim``: what families with per-head rows (MHA/GQA) store; others ignore them.
+    :param options: ``kv_cache.options``: the raw mapping until the selected backend resolves the request, then
+        that backend's options object (None for a backend that takes no options).
+    :param sections: the model's family sections by name (objects of the declaring plugin's schema); after
+        resolution, exactly the backend's declared sections.
     """
 
     attention: str
@@ -55,12 +67,26 @@ class PoolRequest:
     v_head_dim: int
     kernels: str = "auto"
     backend: str = "auto"
-    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
-    model: Any = None  # the full model config, for family-specific dimensions (kv_lora_rank, ...)
+    model_name: str = ""
+    options: Any = attrs.field(factory=dict)
+    sections: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
 
     @property
     def device_type(self) -> str:
         return torch.device(self.device).type
+
+    def section(self, name: str) -> Any:
+        """The model section ``model.<name>`` (e.g. ``request.section("mla").kv_lora_rank``).
+
+        :raises ConfigError: naming ``model.<name>`` when the model file does not set it.
+        """
+        value = self.sections.get(name)
+        if value is None:
+            raise ConfigError(
+                f"model.{name} is not set for model {self.model_name!r} (attention={self.attention}); "
+                f"add a '{name}:' section with the dimensions from the model's config.json (`kvcore config` lists its keys)"
+            )
+        return value
 
     def pool_kwargs(self) -> dict[str, Any]:
         """The constructor keywords every :class:`kvcore.pools.KVCache` shares, for this request's rank."""
@@ -96,6 +122,10 @@ class BackendSpec:
     :param page_sizes: page sizes served, or None for any.
     :param priority: higher wins among equally specific matches.
     :param description: one line for ``kvcore plugins``.
+    :param model_sections: the ``model.<name>`` sections this backend reads, each an attrs class whose fields
+        (documented with :func:`kvcore.config.key`) become config keys; a family's backends share one class.
+    :param options_schema: an attrs class of this backend's ``kv_cache.options``, or None for a backend that
+        takes none (then any option is an error).
     :param plugin: the registering plugin's name; filled in by the plugin manager.
     """
 
@@ -109,6 +139,8 @@ class BackendSpec:
     page_sizes: tuple[int, ...] | None = attrs.field(default=None)
     priority: int = 0
     description: str = ""
+    model_sections: Mapping[str, type] = attrs.field(factory=dict, converter=_frozen_mapping)
+    options_schema: type | None = None
     plugin: str = ""
 
     def __attrs_post_init__(self) -> None:
@@ -116,6 +148,21 @@ class BackendSpec:
             raise ValueError(f"backend {self.name!r} declares no attention kinds")
         if self.kv_dtypes is not None and not all(isinstance(d, torch.dtype) for d in self.kv_dtypes):
             raise TypeError(f"backend {self.name!r}: kv_dtypes must be torch dtypes, got {self.kv_dtypes!r}")
+        for what, schema in [*self.model_sections.items(), ("options_schema", self.options_schema)]:
+            if schema is not None and not attrs.has(schema):
+                raise TypeError(f"backend {self.name!r}: {what} must be an attrs class, got {schema!r}")
+
+    def resolve(self, request: PoolRequest) -> PoolRequest:
+        """``request`` as this backend reads it: its declared model sections (each required) and its options
+        validated into :attr:`options_schema`.
+
+        :raises ConfigError: naming the ``model.<section>`` or ``kv_cache.options.<key>`` to fix.
+        """
+        from kvcore.config import structured_options
+
+        sections = {name: request.section(name) for name in self.model_sections}
+        options = structured_options(self.options_schema, request.options, self.name)
+        return attrs.evolve(request, sections=sections, options=options)
 
     def mismatches(self, request: PoolRequest) -> list[str]:
         """Why this backend cannot serve ``request``; empty when it can."""

@@ -17,6 +17,7 @@ Group files are searched next to the engine file first, then in the configs ship
 
 from __future__ import annotations
 
+import functools
 import math
 from importlib import resources
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any, Optional
 import attrs
 import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from kvcore.errors import ConfigError
 from kvcore.kernel_mode import KERNEL_MODES
@@ -64,69 +65,75 @@ def _one_of(*options: str):
     return check
 
 
-def _positive(instance, attribute, value) -> None:
+def positive(instance, attribute, value) -> None:
+    """attrs validator: None, MISSING or a positive number (the error names the key)."""
     if value is not None and value != MISSING and value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
 
 
+def key(default: Any = MISSING, doc: str = "", **kwargs) -> Any:
+    """A config field with its documentation: every key of the schema says what it means (``kvcore config``
+    prints them all).  Plugins declaring model sections and backend options document their keys the same way.
+    ``factory=`` replaces ``default``."""
+    if "factory" in kwargs:
+        return attrs.field(metadata={"doc": doc}, **kwargs)
+    return attrs.field(default=default, metadata={"doc": doc}, **kwargs)
+
+
 @attrs.define
 class ModelConfig:
-    """A model's attention dimensions, from its ``config.json``; one YAML file per model under ``model/``."""
+    """A model's attention dimensions, from its ``config.json``; one YAML file per model under ``model/``.
 
-    name: str = MISSING
-    architecture: str = MISSING
-    attention: str = "mha"
-    num_hidden_layers: int = attrs.field(default=MISSING, validator=_positive)
-    num_attention_heads: int = attrs.field(default=MISSING, validator=_positive)
-    num_key_value_heads: int = attrs.field(default=MISSING, validator=_positive)
-    head_dim: int = attrs.field(default=MISSING, validator=_positive)
-    v_head_dim: Optional[int] = attrs.field(default=None, validator=_positive)
-    hidden_size: int = attrs.field(default=MISSING, validator=_positive)
-    context_length: int = attrs.field(default=MISSING, validator=_positive)
-    num_parameters: int = attrs.field(default=MISSING, validator=_positive)
-    dtype: str = "bfloat16"
-    # The checkpoint's weight dtype when it differs from the compute dtype (DeepSeek-V3 ships fp8 weights).
-    weight_dtype: Optional[str] = None
-    # MLA / DSA (DeepSeek latent attention); unused by MHA models.
-    kv_lora_rank: Optional[int] = None
-    qk_rope_head_dim: Optional[int] = None
-    qk_nope_head_dim: Optional[int] = None
-    index_head_dim: Optional[int] = None
-    # Hybrid sliding-window attention: window length and which layers use it.
-    sliding_window: Optional[int] = None
-    swa_layer_ids: Optional[list[int]] = None
+    Only what every family shares lives here.  A family's own dimensions (MLA's latent ranks, DSA's indexer,
+    ...) are sections its plugin declares (``BackendSpec.model_sections``), written ``model.<section>.<key>``;
+    :func:`load_config` adds them to this schema.
+    """
+
+    name: str = key(doc="the model's name (its file under configs/model/)")
+    architecture: str = key(doc="config.json's architecture (e.g. LlamaForCausalLM), for reports")
+    attention: str = key("mha", doc="the attention family; selects the backends that can serve the model (mha, mla, dsa, ...)")
+    num_hidden_layers: int = key(validator=positive, doc="transformer layers (config.json num_hidden_layers)")
+    num_attention_heads: int = key(validator=positive, doc="query heads (config.json num_attention_heads)")
+    num_key_value_heads: int = key(validator=positive, doc="key/value heads (config.json num_key_value_heads; = query heads without GQA)")
+    head_dim: int = key(validator=positive, doc="width of one query/key head (config.json head_dim, or hidden_size / num_attention_heads)")
+    v_head_dim: Optional[int] = key(None, validator=positive, doc="width of one value head when it differs from head_dim")
+    hidden_size: int = key(validator=positive, doc="the model's hidden size (config.json hidden_size)")
+    context_length: int = key(validator=positive, doc="longest sequence (config.json max_position_embeddings); sizes the request table")
+    num_parameters: int = key(validator=positive, doc="parameter count; weights per rank are charged against the memory budget")
+    dtype: str = key("bfloat16", doc="compute dtype; kv_cache.dtype=auto follows it")
+    weight_dtype: Optional[str] = key(None, doc="the checkpoint's weight dtype when it differs from dtype (DeepSeek-V3 ships fp8 weights)")
 
 
 @attrs.define
 class HardwareConfig:
     """A device profile: what ``plan`` assumes and where ``up`` allocates."""
 
-    name: str = MISSING
-    device: str = "cpu"
-    vendor: str = "generic"
-    memory_gib: float = attrs.field(default=MISSING, validator=_positive)
-    kernels: str = attrs.field(default="auto", validator=_one_of(*KERNEL_MODES))
+    name: str = key(doc="the profile's name (its file under configs/hardware/)")
+    device: str = key("cpu", doc="where pools are allocated: cpu or cuda")
+    vendor: str = key("generic", doc="hardware vendor; a backend that names it wins over generic ones")
+    memory_gib: float = key(validator=positive, doc="device memory in GiB, before the model loads (an engine may pass what it profiled instead)")
+    kernels: str = key("auto", validator=_one_of(*KERNEL_MODES), doc="hot-path kernels: auto (Triton on CUDA, torch on the CPU), triton or native (torch)")
 
 
 @attrs.define
 class KVCacheConfig:
     """The cache itself: element type, page size and (optionally) an explicit backend."""
 
-    dtype: str = "auto"
-    page_size: int = attrs.field(default=1, validator=_positive)
-    backend: str = "auto"
-    options: dict[str, Any] = attrs.field(factory=dict)
+    dtype: str = key("auto", doc="cache dtype: auto (model.dtype), bfloat16, float16, float32, float8_e4m3fn, float8_e5m2 (fp8 is stored as uint8)")
+    page_size: int = key(1, validator=positive, doc="tokens per page; 1 uses the token allocator, more the paged one")
+    backend: str = key("auto", doc="auto (the best matching backend), or a backend name from `kvcore plugins`")
+    options: dict[str, Any] = key(factory=dict, doc="the selected backend's own options (kv_cache.options.<name>; `kvcore config` lists each backend's)")
 
 
 @attrs.define
 class MemoryConfig:
-    """Budget knobs, with the seed configurator's meanings."""
+    """Budget knobs, with the meanings of SGLang's KV-cache configurator."""
 
-    mem_fraction_static: float = 0.88
-    max_total_tokens: Optional[int] = attrs.field(default=None, validator=_positive)
-    max_running_requests: Optional[int] = attrs.field(default=None, validator=_positive)
-    swa_full_tokens_ratio: float = 0.8
-    budget_gib: Optional[float] = attrs.field(default=None, validator=_positive)
+    mem_fraction_static: float = key(0.88, doc="share of device memory for weights + KV cache; the rest is runtime slack")
+    max_total_tokens: Optional[int] = key(None, validator=positive, doc="cap on the KV pool's tokens (a warning when it exceeds what fits)")
+    max_running_requests: Optional[int] = key(None, validator=positive, doc="cap on concurrent requests, over all data-parallel workers")
+    swa_full_tokens_ratio: float = key(0.8, doc="hybrid sliding-window models: window-layer tokens per full-attention token")
+    budget_gib: Optional[float] = key(None, validator=positive, doc="an explicit KV budget in GiB, replacing the memory arithmetic")
 
     def __attrs_post_init__(self) -> None:
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -135,19 +142,23 @@ class MemoryConfig:
 
 @attrs.define
 class ParallelConfig:
-    tp_size: int = attrs.field(default=1, validator=_positive)
-    pp_size: int = attrs.field(default=1, validator=_positive)
-    pp_rank: int = 0
-    dp_size: int = attrs.field(default=1, validator=_positive)
+    """How the model is split over devices; pools are sized per rank."""
+
+    tp_size: int = key(1, validator=positive, doc="tensor-parallel ranks (KV heads are split over them)")
+    pp_size: int = key(1, validator=positive, doc="pipeline stages (layers are split over them)")
+    pp_rank: int = key(0, doc="this process's pipeline stage")
+    dp_size: int = key(1, validator=positive, doc="data-parallel workers sharing memory.max_running_requests")
 
 
 @attrs.define
 class EngineConfig:
-    model: ModelConfig = attrs.field(factory=ModelConfig)
-    hardware: HardwareConfig = attrs.field(factory=HardwareConfig)
-    kv_cache: KVCacheConfig = attrs.field(factory=KVCacheConfig)
-    memory: MemoryConfig = attrs.field(factory=MemoryConfig)
-    parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
+    """The whole configuration: one section per concern."""
+
+    model: ModelConfig = key(factory=ModelConfig, doc="the model's dimensions")
+    hardware: HardwareConfig = key(factory=HardwareConfig, doc="the device profile")
+    kv_cache: KVCacheConfig = key(factory=KVCacheConfig, doc="the cache")
+    memory: MemoryConfig = key(factory=MemoryConfig, doc="the memory budget")
+    parallel: ParallelConfig = key(factory=ParallelConfig, doc="the parallel layout")
 
     # -- derived, per-rank quantities (pure functions of the config) -------------------------------------
 
@@ -180,6 +191,31 @@ class EngineConfig:
         weight_dtype = parse_dtype(self.model.weight_dtype, "model.weight_dtype") if self.model.weight_dtype else self.model_dtype
         total = self.model.num_parameters * weight_dtype.itemsize
         return math.ceil(total / (self.parallel.tp_size * self.parallel.pp_size))
+
+
+@functools.lru_cache(maxsize=64)
+def engine_schema(model_sections: tuple[tuple[str, type], ...] = ()) -> type[EngineConfig]:
+    """:class:`EngineConfig` with the plugins' model sections added to ``model`` (each ``Optional``, None when a
+    model file leaves it out), so loading validates them like every other key.
+
+    :param model_sections: ``(name, attrs class)`` pairs, sorted by name (the registry's
+        :attr:`~kvcore.plugins.Registry.model_sections`).
+    """
+    if not model_sections:
+        return EngineConfig
+    fields = {
+        name: attrs.field(default=None, type=Optional[schema], metadata={"doc": (schema.__doc__ or "").strip().splitlines()[0]})
+        for name, schema in model_sections
+    }
+    model = attrs.make_class("ModelConfig", fields, bases=(ModelConfig,))
+    model.__doc__ = ModelConfig.__doc__
+    engine = attrs.make_class(
+        "EngineConfig",
+        {"model": attrs.field(factory=model, type=model, metadata={"doc": "the model's dimensions"})},
+        bases=(EngineConfig,),
+    )
+    engine.__doc__ = EngineConfig.__doc__
+    return engine
 
 
 def validate(cfg: EngineConfig) -> EngineConfig:
@@ -281,14 +317,20 @@ def _split_defaults(engine: DictConfig, engine_file: Path) -> tuple[dict[str, st
     return chosen, body
 
 
-def load_config(*overrides: str, path: str | Path | None = None) -> EngineConfig:
+def load_config(*overrides: str, path: str | Path | None = None, registry=None) -> EngineConfig:
     """Compose and validate an :class:`EngineConfig`.
 
     :param overrides: ``group=option`` choices (``model=llama-3-8b``) and dotlist overrides
         (``kv_cache.page_size=16``).
     :param path: the engine YAML (default: the ``engine.yaml`` shipped with kvcore).
+    :param registry: the plugins whose model sections the schema includes (default: the installed ones).
     :raises ConfigError: naming the full key path of whatever is wrong.
     """
+    if registry is None:
+        from kvcore.plugins import get_registry
+
+        registry = get_registry()
+    schema = engine_schema(registry.model_sections)
     engine_file = Path(path) if path is not None else packaged_configs() / "engine.yaml"
     engine = _load_yaml(engine_file)
     chosen, body = _split_defaults(engine, engine_file)
@@ -308,22 +350,30 @@ def load_config(*overrides: str, path: str | Path | None = None) -> EngineConfig
             dotlist.append(item)
 
     try:
-        merged = OmegaConf.structured(EngineConfig)
+        merged = OmegaConf.structured(schema)
         for group in GROUPS:
             if group in chosen:
                 path = _group_file(group, chosen[group], engine_file)
                 group_cfg = _load_yaml(path)
                 merged = OmegaConf.merge(merged, group_cfg if _is_global_package(path) else {group: group_cfg})
         merged = OmegaConf.merge(merged, body, OmegaConf.from_dotlist(dotlist))
-        sections = {}
-        for field in attrs.fields(EngineConfig):
-            try:
-                sections[field.name] = OmegaConf.to_object(merged[field.name])
-            except (ValueError, TypeError) as exc:  # an attrs validator: prefix the section for the full key
-                raise ConfigError(f"{field.name}.{exc}") from None
+        sections = {field.name: _to_object(merged[field.name], field.name) for field in attrs.fields(schema)}
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe_omegaconf_error(exc)) from None
-    return validate(EngineConfig(**sections))
+    return validate(schema(**sections))
+
+
+def _to_object(node: DictConfig, path: str) -> Any:
+    """``OmegaConf.to_object(node)``, with an attrs validator's error prefixed by the full key path: the
+    validator names only its own field, so a failing nested section (``model.mla``) is found and named."""
+    try:
+        return OmegaConf.to_object(node)
+    except (ValueError, TypeError) as exc:
+        for name in node.keys():
+            child = node._get_node(name)
+            if isinstance(child, DictConfig) and not child._is_none():
+                _to_object(child, f"{path}.{name}")  # raises with the deeper path if the error is in there
+        raise ConfigError(f"{path}.{exc}") from None
 
 
 def _describe_omegaconf_error(exc: OmegaConfBaseException) -> str:
@@ -333,6 +383,34 @@ def _describe_omegaconf_error(exc: OmegaConfBaseException) -> str:
     if cause is not None and not isinstance(cause, OmegaConfBaseException):
         message = f"{message}: {cause}"
     return f"{key}: {message}" if key else message
+
+
+def structured_options(schema: type | None, raw: Any, backend: str) -> Any:
+    """``kv_cache.options`` validated into a backend's options class (an instance of ``schema``), or None for a
+    backend that takes no options.
+
+    :raises ConfigError: naming ``kv_cache.options.<key>``, the backend and the options it takes.
+    """
+    if schema is not None and isinstance(raw, schema):
+        return raw
+    raw = dict(raw or {})
+    if schema is None:
+        if raw:
+            raise ConfigError(
+                f"kv_cache.options.{sorted(raw)[0]} is not an option of backend {backend!r}, which takes none; "
+                "remove it from kv_cache.options"
+            )
+        return None
+    valid = ", ".join(f.name for f in attrs.fields(schema))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
+    except ConfigKeyError as exc:
+        raise ConfigError(f"kv_cache.options.{exc.full_key} is not an option of backend {backend!r}; its options: {valid}") from None
+    except OmegaConfBaseException as exc:
+        problem = _describe_omegaconf_error(exc)
+    except (ValueError, TypeError) as exc:  # an attrs validator of the schema
+        problem = str(exc)
+    raise ConfigError(f"kv_cache.options.{problem} (backend {backend!r} takes: {valid})")
 
 
 def to_yaml(cfg: EngineConfig) -> str:

@@ -39,35 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from kvcore import dtypes
 
-# Kind codes passed to kernels as constexprs (0 means "not fp8").
-FP8_NONE = 0
-FP8_E4M3FN = 1
-FP8_E5M2 = 2
-
-E4M3FN_MAX = 448.0
-E5M2_MAX = 57344.0
-
-
-def is_fp8_dtype(dtype: torch.dtype) -> bool:
-    """True for the fp8 cache dtypes kvcore supports (float8_e4m3fn, float8_e5m2)."""
-    return dtype in FP8_DTYPES
-
-
-def fp8_kind(dtype: torch.dtype) -> int:
-    """The kernel constexpr code of ``dtype``: FP8_E4M3FN, FP8_E5M2, or FP8_NONE for any other dtype."""
-    if dtype == torch.float8_e4m3fn:
-        return FP8_E4M3FN
-    if dtype == torch.float8_e5m2:
-        return FP8_E5M2
-    return FP8_NONE
-
-
-def storage_dtype(cache_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a cache buffer is allocated with: torch.uint8 for fp8 caches, ``cache_dtype`` otherwise."""
-    return torch.uint8 if is_fp8_dtype(cache_dtype) else cache_dtype
-
+# The fp8 kind constexpr the encoders and decoders dispatch on is the dtype's code of :mod:`kvcore.dtypes`.
+_E4M3FN = tl.constexpr(dtypes.E4M3FN)
 
 @functools.lru_cache(maxsize=None)
 def torch_e4m3fn_saturates() -> bool:
@@ -141,8 +116,8 @@ def f32_to_e5m2_bits(x):
 
 @triton.jit
 def f32_to_fp8_bits(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
-    """Dispatch on the fp8 kind constexpr (FP8_E4M3FN = 1, FP8_E5M2 = 2)."""
-    if KIND == 1:
+    """Dispatch on the fp8 kind constexpr: ``kvcore.dtypes.E4M3FN`` or ``kvcore.dtypes.E5M2``."""
+    if KIND == _E4M3FN:
         r = f32_to_e4m3fn_bits(x, SATURATE)
     else:
         r = f32_to_e5m2_bits(x)
@@ -157,7 +132,7 @@ def f32_to_fp8_bits_hw(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
     (triton-lang/triton#8322)."""
     sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
     ax = tl.abs(x)
-    if KIND == 1:
+    if KIND == _E4M3FN:
         r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
         if not SATURATE:
             # older torch: anything that rounds past 448 (ties at 464 go down to 448), and +-inf, is NaN
@@ -220,8 +195,8 @@ def e5m2_bits_to_f32(b):
 
 @triton.jit
 def fp8_bits_to_f32(b, KIND: tl.constexpr):
-    """Dispatch on the fp8 kind constexpr (FP8_E4M3FN = 1, FP8_E5M2 = 2)."""
-    if KIND == 1:
+    """Dispatch on the fp8 kind constexpr: ``kvcore.dtypes.E4M3FN`` or ``kvcore.dtypes.E5M2``."""
+    if KIND == _E4M3FN:
         r = e4m3fn_bits_to_f32(b)
     else:
         r = e5m2_bits_to_f32(b)
@@ -229,12 +204,6 @@ def fp8_bits_to_f32(b, KIND: tl.constexpr):
 
 
 __all__ = [
-    "E4M3FN_MAX",
-    "E5M2_MAX",
-    "FP8_DTYPES",
-    "FP8_E4M3FN",
-    "FP8_E5M2",
-    "FP8_NONE",
     "e4m3fn_bits_to_f32",
     "e5m2_bits_to_f32",
     "f32_to_bf16_bits",
@@ -243,8 +212,5 @@ __all__ = [
     "f32_to_fp8_bits",
     "f32_to_fp8_bits_hw",
     "fp8_bits_to_f32",
-    "fp8_kind",
-    "is_fp8_dtype",
-    "storage_dtype",
     "torch_e4m3fn_saturates",
 ]

@@ -77,6 +77,12 @@ class Registry:
     def backends(self) -> Mapping[str, BackendSpec]:
         return MappingProxyType(self._backends)
 
+    @property
+    def model_sections(self) -> tuple[tuple[str, type], ...]:
+        """Every ``model.<name>`` section the registered backends declare, as sorted ``(name, schema)`` pairs
+        (what :func:`kvcore.config.load_config` adds to the schema)."""
+        return tuple(sorted({n: t for b in self._backends.values() for n, t in b.model_sections.items()}.items()))
+
     def failure_of(self, plugin: str) -> PluginFailure | None:
         return next((f for f in self.failures if f.plugin == plugin), None)
 
@@ -159,6 +165,20 @@ class Registry:
                     f"disable one of them with KVCORE_DISABLE_PLUGINS={name} or ={owner.plugin}",
                 )
                 return False
+        declared = {n: (t, b) for b in self._backends.values() for n, t in b.model_sections.items()}
+        for record in found:
+            for section, schema in record.model_sections.items():
+                other = declared.get(section)
+                if other is not None and other[0] is not schema:
+                    self._fail(
+                        name,
+                        "register",
+                        f"backend {record.name!r} declares model section {section!r} as {schema.__qualname__}, but "
+                        f"backend {other[1].name!r} (plugin {other[1].plugin!r}) declares it as {other[0].__qualname__}; "
+                        "a section has one schema: import the declaring plugin's class",
+                    )
+                    return False
+                declared[section] = (schema, record)
         for record in found:
             self._backends[record.name] = record
         return True

@@ -23,16 +23,11 @@ from typing import Any
 
 import torch
 
+from kvcore.dtypes import storage_dtype
 from kvcore.row_move import move_token_rows_native, move_token_rows_triton
 from kvcore.token_rows import TokenRows
 
 GB = 1 << 30
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def storage_dtype(dtype: torch.dtype) -> torch.dtype:
-    """How a cache of ``dtype`` is stored: fp8 as uint8 (index_put has no fp8 kernels), others as is."""
-    return torch.uint8 if dtype in FP8_DTYPES else dtype
 
 
 def check_memory_saver(enable_memory_saver: bool) -> None:

@@ -10,12 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore import fp8
+from kvcore import dtypes, fp8
 
 from kvcore.testing.tensors import compiled, skip_module_without_device, test_device
 
 skip_module_without_device()
 COMPILED, DEVICE = compiled(), test_device()
+_BF16 = tl.constexpr(dtypes.BF16)
 
 
 # ==========================================================================================================
@@ -30,7 +31,7 @@ def _encode_kernel(
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if KIND == 0:
+    if KIND == _BF16:
         tl.store(out_ptr + offs, fp8.f32_to_bf16_bits(x).to(tl.int16), mask=mask)
     elif HW:
         tl.store(out_ptr + offs, fp8.f32_to_fp8_bits_hw(x, KIND, SATURATE).to(tl.uint8), mask=mask)
@@ -48,7 +49,7 @@ def _decode_kernel(b_ptr, out_ptr, n, KIND: tl.constexpr, BLOCK: tl.constexpr):
 
 def _encode(x: torch.Tensor, kind: int, saturate: bool, hw: bool = False) -> torch.Tensor:
     x = x.to(DEVICE)
-    out = torch.empty(x.numel(), dtype=torch.int16 if kind == 0 else torch.uint8, device=DEVICE)
+    out = torch.empty(x.numel(), dtype=torch.int16 if kind == dtypes.BF16 else torch.uint8, device=DEVICE)
     block = 4096
     _encode_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), kind, saturate, block, hw)
     return out.cpu()
@@ -59,7 +60,7 @@ def _sweep_values() -> torch.Tensor:
     neighbours, the subnormal ranges, overflow, inf, nan, float32 subnormals and random bit patterns."""
     parts = []
     up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
-    for dt in fp8.FP8_DTYPES:
+    for dt in dtypes.FP8_DTYPES:
         v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt).float()
         v = v[~v.isnan()].unique().sort().values
         finite = v[v.isfinite()]
@@ -95,7 +96,7 @@ def _e4m3fn_expected(x: torch.Tensor, saturate: bool) -> torch.Tensor:
 @pytest.mark.parametrize("saturate", [False, True])
 def test_e4m3fn_encoder_bit_exact(saturate):
     x = _SWEEP
-    got = _encode(x, fp8.FP8_E4M3FN, saturate)
+    got = _encode(x, dtypes.E4M3FN, saturate)
     want = _e4m3fn_expected(x, saturate)
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, [(x[i].item(), got[i].item(), want[i].item()) for i in bad[:8]]
@@ -109,7 +110,7 @@ def test_e4m3fn_expected_matches_installed_torch():
 
 def test_e5m2_encoder_bit_exact():
     x = _SWEEP
-    got = _encode(x, fp8.FP8_E5M2, False)
+    got = _encode(x, dtypes.E5M2, False)
     want = x.to(torch.float8_e5m2).view(torch.uint8)
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, [(x[i].item(), got[i].item(), want[i].item()) for i in bad[:8]]
@@ -117,7 +118,7 @@ def test_e5m2_encoder_bit_exact():
 
 def test_bf16_encoder_bit_exact():
     x = _SWEEP
-    got = _encode(x, 0, False)
+    got = _encode(x, dtypes.BF16, False)
     want = x.to(torch.bfloat16).view(torch.int16)
     nan = x.isnan()
     assert torch.equal(got[~nan], want[~nan])
@@ -126,29 +127,34 @@ def test_bf16_encoder_bit_exact():
     assert torch.equal(got[nan] < 0, x[nan].view(torch.int32) < 0)
 
 
-@pytest.mark.parametrize("dtype", fp8.FP8_DTYPES, ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("dtype", dtypes.FP8_DTYPES, ids=["e4m3fn", "e5m2"])
 def test_fp8_decoders_bit_exact(dtype):
     b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     out = torch.empty(256, dtype=torch.float32, device=DEVICE)
-    _decode_kernel[(1,)](b.to(DEVICE), out, 256, fp8.fp8_kind(dtype), 256)
+    _decode_kernel[(1,)](b.to(DEVICE), out, 256, dtypes.dtype_code(dtype), 256)
     assert torch.equal(out.cpu().view(torch.int32), b.view(dtype).float().view(torch.int32))
 
 
-def test_fp8_torch_side_helpers():
-    assert fp8.storage_dtype(torch.float8_e4m3fn) == torch.uint8
-    assert fp8.storage_dtype(torch.float8_e5m2) == torch.uint8
-    assert fp8.storage_dtype(torch.bfloat16) == torch.bfloat16
-    assert fp8.is_fp8_dtype(torch.float8_e5m2) and not fp8.is_fp8_dtype(torch.float16)
-    assert fp8.fp8_kind(torch.float8_e4m3fn) == fp8.FP8_E4M3FN
-    assert fp8.fp8_kind(torch.float8_e5m2) == fp8.FP8_E5M2
-    assert fp8.fp8_kind(torch.bfloat16) == fp8.FP8_NONE
+def test_dtype_helpers_and_codes():
+    assert dtypes.storage_dtype(torch.float8_e4m3fn) == torch.uint8
+    assert dtypes.storage_dtype(torch.float8_e5m2) == torch.uint8
+    assert dtypes.storage_dtype(torch.bfloat16) == torch.bfloat16
+    assert dtypes.is_fp8_dtype(torch.float8_e5m2) and not dtypes.is_fp8_dtype(torch.float16)
+    codes = [dtypes.SAME] + [dtypes.dtype_code(d) for d in dtypes.DTYPE_CODES]
+    assert len(set(codes)) == len(codes), "every dtype has its own code, distinct from SAME"
+    assert dtypes.conversion_code(torch.bfloat16, torch.bfloat16) == dtypes.SAME
+    assert dtypes.conversion_code(torch.float32, torch.float8_e5m2) == dtypes.E5M2
+    with pytest.raises(ValueError, match="raw uint8"):
+        dtypes.conversion_code(torch.uint8, torch.bfloat16)
+    with pytest.raises(ValueError, match="nope: unsupported dtype torch.int32"):
+        dtypes.dtype_code(torch.int32, "nope")
     inf_byte = torch.tensor([float("inf")]).to(torch.float8_e4m3fn).view(torch.uint8).item()
     assert fp8.torch_e4m3fn_saturates() == (inf_byte == 0x7E)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not COMPILED, reason="the GPU conversion path runs compiled only (the interpreter's cast rounds wrongly)")
-@pytest.mark.parametrize("kind", [fp8.FP8_E4M3FN, fp8.FP8_E5M2], ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("kind", [dtypes.E4M3FN, dtypes.E5M2], ids=["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("saturate", [False, True])
 def test_hardware_fp8_conversion_matches_the_integer_encoder(kind, saturate):
     x = _sweep_values()

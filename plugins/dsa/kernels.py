@@ -39,18 +39,20 @@ import triton.language as tl
 from kvcore.fp8 import (
     e4m3fn_bits_to_f32,
     f32_to_bf16_bits,
-    f32_to_fp8_bits,
+    f32_to_e4m3fn_bits,
     torch_e4m3fn_saturates,
 )
+from kvcore.dtypes import E4M3FN_MAX
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.row_move import next_pow2
 from kvcore_dsa.layout import (
-    E4M3_MAX,
     INDEX_PAGE_SIZE,
     INDEX_SCALE_BYTES,
     QUANT_BLOCK_SIZE,
     ROPE_STORAGE_DTYPE,
     SCALE_MIN,
+    index_page_bytes_of,
+    scaled_row_bytes,
 )
 
 __all__ = [
@@ -61,7 +63,6 @@ __all__ = [
     "get_index_k_triton",
     "quantize_concatenated",
     "quantize_parts",
-    "row_bytes",
     "set_index_k_native",
     "set_index_k_triton",
     "store_dsa_fp8_native",
@@ -69,6 +70,7 @@ __all__ = [
 ]
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+_E4M3FN_MAX = tl.constexpr(E4M3FN_MAX)
 _DST_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 # Tokens per program (powers of two) and warps, per kernel; a store/gather program handles whole rows.
@@ -81,11 +83,6 @@ _INDEX_BLOCK_N = 32  # x (128 key bytes + 4 scale bytes) per program
 _INDEX_NUM_WARPS = 4
 
 
-def row_bytes(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
-    """Bytes of one scaled fp8 row (656 for 512 / 64)."""
-    return kv_lora_rank + kv_lora_rank // QUANT_BLOCK_SIZE * 4 + qk_rope_head_dim * ROPE_STORAGE_DTYPE.itemsize
-
-
 # ==========================================================================================================
 # torch references: quantize / dequantize
 # ==========================================================================================================
@@ -96,7 +93,7 @@ def _tile_scales(nope_f32: torch.Tensor) -> torch.Tensor:
     amax = nope_f32.abs().amax(dim=-1)
     # Divide by a tensor, not a Python number: torch's CUDA division by a host scalar multiplies by the
     # reciprocal, which is not the IEEE quotient.
-    scale = amax / torch.full_like(amax, E4M3_MAX)
+    scale = amax / torch.full_like(amax, E4M3FN_MAX)
     return torch.maximum(scale, torch.full_like(scale, SCALE_MIN))
 
 
@@ -150,7 +147,7 @@ _LIFT = tl.constexpr(2.0**64)
 @triton.jit
 def _tile_scale(amax, SCALE_MIN: tl.constexpr):
     """max(amax / 448, SCALE_MIN), the IEEE quotient (``/`` is approximate on GPUs)."""
-    scale = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)
+    scale = tl.math.div_rn(amax, tl.zeros_like(amax) + _E4M3FN_MAX)
     return tl.maximum(scale, tl.zeros_like(scale) + SCALE_MIN)  # the zero-tile guard
 
 
@@ -187,7 +184,7 @@ def _e4m3_bits(q, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
     if HW_CVT:
         bits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        bits = f32_to_fp8_bits(q, 1, SATURATE).to(tl.uint8)
+        bits = f32_to_e4m3fn_bits(q, SATURATE).to(tl.uint8)
     return bits
 
 
@@ -229,7 +226,7 @@ def _check_store_args(kv_cache, layer_index, loc, nope, rope, kv_lora_rank, qk_r
     _check_loc(loc)
     nope = _as_2d(nope, kv_lora_rank, "cache_k_nope")
     rope = _as_2d(rope, qk_rope_head_dim, "cache_k_rope")
-    _check_cache(kv_cache, layer_index, row_bytes(kv_lora_rank, qk_rope_head_dim))
+    _check_cache(kv_cache, layer_index, scaled_row_bytes(kv_lora_rank, qk_rope_head_dim))
     n = loc.shape[0]
     if nope.shape[0] != n or rope.shape[0] != n:
         raise ValueError(f"{n} locations but {nope.shape[0]} nope / {rope.shape[0]} rope rows")
@@ -351,7 +348,7 @@ def store_dsa_fp8_triton(
 ) -> None:
     """Quantize and store latent rows: ``kv_cache[layer_index, loc[i], 0] = quantize(nope[i] ++ rope[i])``.
 
-    :param kv_cache: contiguous uint8 ``[L, R, 1, row_bytes(kv_lora_rank, qk_rope_head_dim)]``.
+    :param kv_cache: contiguous uint8 ``[L, R, 1, scaled_row_bytes(kv_lora_rank, qk_rope_head_dim)]``.
     :param layer_index: 0-based layer in the stack.
     :param loc: ``[N]`` int32/int64 distinct rows.
     :param cache_k_nope: ``[N, kv_lora_rank]`` or ``[N, 1, kv_lora_rank]`` float32/float16/bfloat16, any
@@ -385,7 +382,7 @@ def store_dsa_fp8_triton(
 
 def _check_gather_args(kv_cache, layer_index, loc, nope_out, rope_out, kv_lora_rank, qk_rope_head_dim):
     _check_loc(loc)
-    _check_cache(kv_cache, layer_index, row_bytes(kv_lora_rank, qk_rope_head_dim))
+    _check_cache(kv_cache, layer_index, scaled_row_bytes(kv_lora_rank, qk_rope_head_dim))
     n = loc.shape[0]
     for name, t, w in (("nope_out", nope_out, kv_lora_rank), ("rope_out", rope_out, qk_rope_head_dim)):
         if t.numel() != n * w or not t.is_contiguous():
@@ -517,7 +514,7 @@ def _index_geometry(index_buf: torch.Tensor, key_bytes: int, has_scale: bool) ->
     """Checks ``index_buf`` [L, pages, page_bytes] uint8 against the key width; returns the page bytes."""
     if index_buf.dtype != torch.uint8 or index_buf.dim() != 3 or not index_buf.is_contiguous():
         raise ValueError(f"index buffer must be contiguous uint8 [L, pages, page_bytes], got {index_buf.dtype} {tuple(index_buf.shape)}")
-    page_bytes = INDEX_PAGE_SIZE * (key_bytes + (INDEX_SCALE_BYTES if has_scale else 0))
+    page_bytes = index_page_bytes_of(key_bytes, has_scale)
     if index_buf.shape[2] != page_bytes:
         raise ValueError(f"index pages hold {index_buf.shape[2]} bytes, keys of {key_bytes} bytes need {page_bytes}")
     return page_bytes
@@ -649,7 +646,7 @@ def _check_get_index(index_buf, layer_index, seq_len, page_indices, key_bytes, k
     needed = triton.cdiv(seq_len, INDEX_PAGE_SIZE)
     if seq_len < 0 or page_indices.shape[0] < needed:
         raise ValueError(f"seq_len={seq_len} needs {needed} page indices, got {page_indices.shape[0]}")
-    has_scale = index_buf.shape[2] == INDEX_PAGE_SIZE * (key_bytes + INDEX_SCALE_BYTES)
+    has_scale = index_buf.shape[2] == index_page_bytes_of(key_bytes, True)
     page_bytes = _index_geometry(index_buf, key_bytes, has_scale)
     if k_out is not None and (k_out.dtype != torch.uint8 or k_out.shape != (seq_len, key_bytes) or not k_out.is_contiguous()):
         raise ValueError(f"k_out must be contiguous uint8 [{seq_len}, {key_bytes}], got {k_out.dtype} {tuple(k_out.shape)}")

@@ -33,18 +33,18 @@ index page ``loc // 64`` at slot ``loc % 64``), so the pool's page size must be 
 
 from __future__ import annotations
 
+import attrs
 import torch
 
+from kvcore.config import key, positive
+from kvcore.dtypes import storage_dtype
 from kvcore.errors import ConfigError
 from kvcore.layout import BufferLayout, PoolLayout
-from kvcore.pools import storage_dtype
 
 #: values per fp8 quantization tile of the nope part (one float32 scale each).
 QUANT_BLOCK_SIZE = 128
 #: the dtype the rope part is kept in inside an fp8 row.
 ROPE_STORAGE_DTYPE = torch.bfloat16
-#: largest finite float8_e4m3fn value: a tile's amax maps onto it.
-E4M3_MAX = 448.0
 #: the zero-tile guard: scales are clamped to float32's smallest normal number.
 SCALE_MIN = 2.0**-126
 #: tokens per indexer page; the pool's page size must equal it.
@@ -62,10 +62,28 @@ INDEX_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-#: the ``kv_cache.options`` keys the DSA backend understands.
-OPTIONS = ("index_dtype",)
 
-PAGE_SIZE_MESSAGE = "kv_cache.page_size must be 64 for DSA (the indexer's page)"
+
+@attrs.define
+class DSADims:
+    """DeepSeek sparse attention's lightning indexer (model.dsa), from the model's config.json."""
+
+    index_head_dim: int = key(validator=positive, doc="indexer key width (config.json index_head_dim); DSA pools need 128")
+
+
+def _index_dtype_name(instance, attribute, value) -> None:
+    if str(value).lower() not in INDEX_DTYPES:
+        raise ValueError(f"index_dtype={value!r} is not one of: {', '.join(INDEX_DTYPES)}")
+
+
+@attrs.define
+class DSAOptions:
+    """kv_cache.options of the dsa backend."""
+
+    index_dtype: str = key(
+        "fp8", validator=_index_dtype_name,
+        doc="the indexer's key cache: fp8 (128 fp8 bytes + a float32 scale per token, SGLang's format) or bfloat16",
+    )  # fmt: skip
 
 
 def uses_scaled_fp8(dtype: torch.dtype) -> bool:
@@ -73,12 +91,16 @@ def uses_scaled_fp8(dtype: torch.dtype) -> bool:
     return dtype == torch.float8_e4m3fn
 
 
+def scaled_row_bytes(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+    """Bytes of one scaled fp8 row: fp8 nope, a float32 scale per 128-value tile, bf16 rope (656 for 512 / 64)."""
+    return kv_lora_rank + kv_lora_rank // QUANT_BLOCK_SIZE * 4 + qk_rope_head_dim * ROPE_STORAGE_DTYPE.itemsize
+
+
 def calculate_mla_kv_cache_dim(kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype, is_dsa: bool) -> int:
     """Width of one MLA/DSA latent row in elements of the storage dtype (bytes for fp8 caches).
 
-    The seed configurator's ``calculate_mla_kv_cache_dim``: ``kv_lora_rank + qk_rope_head_dim`` for MLA and
-    for DSA with a non-e4m3 cache; for a DSA float8_e4m3fn cache, the scaled row
-    ``kv_lora_rank + kv_lora_rank // 128 * 4 + qk_rope_head_dim * 2`` (656 for 512 / 64).
+    SGLang's KV-cache configurator's ``calculate_mla_kv_cache_dim``: ``kv_lora_rank + qk_rope_head_dim`` for
+    MLA and for DSA with a non-e4m3 cache; for a DSA float8_e4m3fn cache, :func:`scaled_row_bytes`.
 
     :raises ConfigError: a DSA fp8 cache whose kv_lora_rank is not a multiple of the 128-value tile.
     """
@@ -86,26 +108,30 @@ def calculate_mla_kv_cache_dim(kv_lora_rank: int, qk_rope_head_dim: int, dtype: 
         return kv_lora_rank + qk_rope_head_dim
     if kv_lora_rank % QUANT_BLOCK_SIZE:
         raise ConfigError(
-            f"model.kv_lora_rank={kv_lora_rank} must be a multiple of {QUANT_BLOCK_SIZE} for a DSA fp8 cache "
+            f"model.mla.kv_lora_rank={kv_lora_rank} must be a multiple of {QUANT_BLOCK_SIZE} for a DSA fp8 cache "
             f"(one scale per {QUANT_BLOCK_SIZE}-value tile)"
         )
-    return kv_lora_rank + kv_lora_rank // QUANT_BLOCK_SIZE * 4 + qk_rope_head_dim * ROPE_STORAGE_DTYPE.itemsize
+    return scaled_row_bytes(kv_lora_rank, qk_rope_head_dim)
+
+
+def index_page_bytes_of(key_bytes: int, has_scale: bool) -> int:
+    """Bytes of one indexer page: 64 keys of ``key_bytes``, then (fp8 keys) 64 float32 scales."""
+    return INDEX_PAGE_SIZE * (key_bytes + (INDEX_SCALE_BYTES if has_scale else 0))
 
 
 def index_page_bytes(index_dtype: torch.dtype, index_head_dim: int = INDEX_HEAD_DIM) -> int:
-    """Bytes of one indexer page: 64 keys (fp8: plus 64 float32 scales)."""
-    if index_dtype == torch.float8_e4m3fn:
-        return INDEX_PAGE_SIZE * (index_head_dim + INDEX_SCALE_BYTES)
-    return INDEX_PAGE_SIZE * index_head_dim * index_dtype.itemsize
+    """Bytes of one indexer page of ``index_dtype`` keys (8448 for fp8, 16384 for bf16)."""
+    fp8 = index_dtype == torch.float8_e4m3fn
+    return index_page_bytes_of(index_head_dim * (1 if fp8 else index_dtype.itemsize), fp8)
 
 
 def index_pages(size: int, page_size: int) -> int:
-    """Indexer pages per layer for a pool of ``size`` tokens (the seed's ``(size + page_size + 1) // page_size``)."""
+    """Indexer pages per layer for a pool of ``size`` tokens (SGLang's ``(size + page_size + 1) // page_size``)."""
     return (size + page_size + 1) // page_size
 
 
 def resolve_index_dtype(value) -> torch.dtype:
-    """``kv_cache.options.index_dtype`` (a name, a torch dtype, or None for the default fp8) as a dtype."""
+    """An indexer dtype (a name of :data:`INDEX_DTYPES`, a torch dtype, or None for the default fp8) as a dtype."""
     if value is None:
         return torch.float8_e4m3fn
     if isinstance(value, torch.dtype):
@@ -126,14 +152,19 @@ def check_dsa_dims(*, page_size: int, kv_lora_rank: int, index_head_dim: int) ->
     :raises ConfigError: page size other than 64, kv_lora_rank not a multiple of 128, index_head_dim not 128.
     """
     if page_size != INDEX_PAGE_SIZE:
-        raise ConfigError(f"{PAGE_SIZE_MESSAGE}, got {page_size}; set kv_cache.page_size=64")
+        raise ConfigError(
+            f"kv_cache.page_size must be {INDEX_PAGE_SIZE} for DSA (the indexer's page), got {page_size}; "
+            f"set kv_cache.page_size={INDEX_PAGE_SIZE}"
+        )
     if kv_lora_rank is None or kv_lora_rank % QUANT_BLOCK_SIZE:
         raise ConfigError(
-            f"model.kv_lora_rank={kv_lora_rank} must be a multiple of {QUANT_BLOCK_SIZE} for DSA "
+            f"model.mla.kv_lora_rank={kv_lora_rank} must be a multiple of {QUANT_BLOCK_SIZE} for DSA "
             f"(the fp8 row keeps one scale per {QUANT_BLOCK_SIZE}-value tile)"
         )
     if index_head_dim != INDEX_HEAD_DIM:
-        raise ConfigError(f"model.index_head_dim={index_head_dim} must be {INDEX_HEAD_DIM} for DSA (one indexer head of 128)")
+        raise ConfigError(
+            f"model.dsa.index_head_dim={index_head_dim} must be {INDEX_HEAD_DIM} for DSA (one indexer head of 128)"
+        )
 
 
 def dsa_layout(

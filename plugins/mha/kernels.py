@@ -16,8 +16,7 @@ implementation: the pool calls ``*_triton`` or ``*_native`` (see ``kvcore.kernel
     Sources may be strided in the token and head dims (qkv splits); when the head dim is packed
     (``stride(1) == D * stride(2)`` and ``stride(2) == 1``) the load is a plain contiguous row.
 
-``move_kv_cache_triton`` / ``move_kv_cache_native``
-    The family-independent row move of :mod:`kvcore.row_move` over the pool's K and V buffers.
+Moves between slots are the family-independent row move of :mod:`kvcore.row_move` (``KVCache.move_kv_cache``).
 """
 
 from __future__ import annotations
@@ -28,25 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore import dtypes
+from kvcore.dtypes import is_fp8_dtype, storage_dtype
+from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
-
-from kvcore.row_move import move_rows_native as move_kv_cache_native
-from kvcore.row_move import move_rows_triton as move_kv_cache_triton
 from kvcore.row_move import next_pow2 as _next_pow2
-from kvcore.fp8 import (
-    FP8_DTYPES,
-    f32_to_bf16_bits,
-    f32_to_fp8_bits,
-    f32_to_fp8_bits_hw,
-    fp8_kind,
-    is_fp8_dtype,
-    storage_dtype,
-    torch_e4m3fn_saturates,
-)
 
 __all__ = [
-    "move_kv_cache_native",
-    "move_kv_cache_triton",
     "store_kv_native",
     "store_kv_triton",
 ]
@@ -58,14 +45,12 @@ STORE_COPY_TILE_ELEMS = 2048  # same-dtype stores (bf16 32k tokens: 0.92, agains
 
 _STORE_NUM_WARPS = 4
 
-# Output codes of the store kernel's conversion.
-_OUT_COPY = 0  # input dtype == cache dtype, no scale: move the bits
-_OUT_F32 = 1
-_OUT_F16 = 2
-_OUT_BF16 = 3  # integer RNE (the interpreter truncates .to(tl.bfloat16)), bitcast to bf16
-_OUT_FP8 = 4  # encoded with integer bit operations, stored as uint8
-
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+# The conversion codes of kvcore.dtypes, as the kernel compares them.
+_SAME = tl.constexpr(dtypes.SAME)
+_F32 = tl.constexpr(dtypes.F32)
+_F16 = tl.constexpr(dtypes.F16)
+_BF16 = tl.constexpr(dtypes.BF16)
 
 # Scale modes.
 _SCALE_NONE = 0
@@ -158,7 +143,6 @@ def _store_tile(
     DST_ROW_STRIDE: tl.constexpr,
     SRC_PACKED: tl.constexpr,
     OUT: tl.constexpr,
-    FP8_KIND: tl.constexpr,
     SATURATE: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -180,7 +164,7 @@ def _store_tile(
     x = tl.load(src_ptr + src_off, mask=mask, other=0)
     dst = dst_ptr + rows[:, None] * DST_ROW_STRIDE + cols[None, :]
 
-    if OUT == 0:
+    if OUT == _SAME:
         tl.store(dst, x, mask=mask)
     else:
         xf = x.to(tl.float32)
@@ -189,20 +173,20 @@ def _store_tile(
         elif SCALE_MODE == 2:
             s = tl.load(scale_ptr).to(tl.float32)
             xf = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
-        if OUT == 1:
+        if OUT == _F32:
             tl.store(dst, xf, mask=mask)
-        elif OUT == 2:
+        elif OUT == _F16:
             tl.store(dst, xf.to(tl.float16), mask=mask)
-        elif OUT == 3:
+        elif OUT == _BF16:
             if HW_CVT:
                 tl.store(dst, xf.to(tl.bfloat16), mask=mask)
             else:
                 tl.store(dst, f32_to_bf16_bits(xf).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
         else:
             if HW_CVT:
-                tl.store(dst, f32_to_fp8_bits_hw(xf, FP8_KIND, SATURATE).to(tl.uint8), mask=mask)
+                tl.store(dst, f32_to_fp8_bits_hw(xf, OUT, SATURATE).to(tl.uint8), mask=mask)
             else:
-                tl.store(dst, f32_to_fp8_bits(xf, FP8_KIND, SATURATE).to(tl.uint8), mask=mask)
+                tl.store(dst, f32_to_fp8_bits(xf, OUT, SATURATE).to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -235,7 +219,6 @@ def _store_kv_kernel(
     K_PACKED: tl.constexpr,
     V_PACKED: tl.constexpr,
     OUT: tl.constexpr,
-    FP8_KIND: tl.constexpr,
     SATURATE: tl.constexpr,
     K_SCALE_MODE: tl.constexpr,
     V_SCALE_MODE: tl.constexpr,
@@ -251,13 +234,13 @@ def _store_kv_kernel(
         _store_tile(
             k_cache_ptr + k_layer_offset, k_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c,
             k_src_sn, k_src_sh, k_src_sd, k_scale_ptr, k_scale_value,
-            DK, HDK, K_ROW_STRIDE, K_PACKED, OUT, FP8_KIND, SATURATE, K_SCALE_MODE, BLOCK_N, BLOCK_CK, HW_CVT,
+            DK, HDK, K_ROW_STRIDE, K_PACKED, OUT, SATURATE, K_SCALE_MODE, BLOCK_N, BLOCK_CK, HW_CVT,
         )  # fmt: skip
     else:
         _store_tile(
             v_cache_ptr + v_layer_offset, v_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c - NUM_CB_K,
             v_src_sn, v_src_sh, v_src_sd, v_scale_ptr, v_scale_value,
-            DV, HDV, V_ROW_STRIDE, V_PACKED, OUT, FP8_KIND, SATURATE, V_SCALE_MODE, BLOCK_N, BLOCK_CV, HW_CVT,
+            DV, HDV, V_ROW_STRIDE, V_PACKED, OUT, SATURATE, V_SCALE_MODE, BLOCK_N, BLOCK_CV, HW_CVT,
         )  # fmt: skip
 
 
@@ -314,28 +297,17 @@ def store_kv_triton(
     kcs, vcs = k_cache.stride(), v_cache.stride()
     if kcs[3] != 1 or kcs[2] != dk or vcs[3] != 1 or vcs[2] != dv:
         raise ValueError("cache rows must be contiguous ([H, D] packed)")
-    fp8 = cache_dtype in FP8_DTYPES
     k_src, v_src = cache_k, cache_v
-    if cache_k.dtype == cache_dtype:
-        out = _OUT_COPY
+    out = dtypes.conversion_code(cache_k.dtype, cache_dtype, "cache_k")
+    if out == dtypes.SAME:
         k_scale = v_scale = None  # SGLang's rule: scales apply only to inputs that are converted
-        if fp8:
+        if is_fp8_dtype(cache_dtype):
             k_src, v_src = cache_k.view(torch.uint8), cache_v.view(torch.uint8)
-    elif fp8:
-        out = _OUT_FP8
-    elif cache_dtype == torch.float32:
-        out = _OUT_F32
-    elif cache_dtype == torch.float16:
-        out = _OUT_F16
-    elif cache_dtype == torch.bfloat16:
-        out = _OUT_BF16
-    else:
-        raise ValueError(f"unsupported cache dtype {cache_dtype}")
 
     k_mode, k_scale_ptr, k_scale_value = _scale_args(k_scale, k_cache)
     v_mode, v_scale_ptr, v_scale_value = _scale_args(v_scale, v_cache)
     kss, vss = k_src.stride(), v_src.stride()
-    block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(h * dk, h * dv, _next_pow2(n), out == _OUT_COPY)
+    block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(h * dk, h * dv, _next_pow2(n), out == dtypes.SAME)
     _store_kv_kernel[(triton.cdiv(n, block_n), num_cb)](
         k_cache, v_cache, layer_index * kcs[0], layer_index * vcs[0],
         k_src, v_src, loc, loc.stride(0), n,
@@ -343,7 +315,7 @@ def store_kv_triton(
         k_scale_ptr, v_scale_ptr, k_scale_value, v_scale_value,
         DK=dk, DV=dv, HDK=h * dk, HDV=h * dv, K_ROW_STRIDE=kcs[1], V_ROW_STRIDE=vcs[1],
         K_PACKED=kss[2] == 1 and kss[1] == dk, V_PACKED=vss[2] == 1 and vss[1] == dv,
-        OUT=out, FP8_KIND=fp8_kind(cache_dtype), SATURATE=torch_e4m3fn_saturates(), HW_CVT=not triton_interpreting(),
+        OUT=out, SATURATE=torch_e4m3fn_saturates(), HW_CVT=not triton_interpreting(),
         K_SCALE_MODE=k_mode, V_SCALE_MODE=v_mode,
         BLOCK_N=block_n, BLOCK_CK=block_ck, BLOCK_CV=block_cv, NUM_CB_K=num_cb_k,
         num_warps=_STORE_NUM_WARPS,

@@ -35,7 +35,7 @@ def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
     )
 
 
-@hookimpl(trylast=True)
+@hookimpl
 def kvcore_register_backends():
     return [
         BackendSpec(

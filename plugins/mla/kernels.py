@@ -39,9 +39,7 @@ formats (bf16/fp16/fp32, or an fp8 NaN decoded to a 16-bit float) stays a NaN, b
 may differ from torch's (torch's own CPU and CUDA paths differ there); only NaN-ness is meaningful.
 Same-dtype copies, fp8 encodes and fp8 -> float32 decodes are exact for every bit pattern.
 
-``move_kv_cache_triton`` / ``move_kv_cache_native``
-    The family-independent row move of :mod:`kvcore.row_move`, over the single latent buffer
-    (``move_rows_*(kv_cache, None, tgt, src)``).
+Moves between slots are the family-independent row move of :mod:`kvcore.row_move` (``KVCache.move_kv_cache``).
 """
 
 from __future__ import annotations
@@ -52,42 +50,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.fp8 import (
-    f32_to_bf16_bits,
-    f32_to_fp8_bits,
-    f32_to_fp8_bits_hw,
-    fp8_bits_to_f32,
-    fp8_kind,
-    is_fp8_dtype,
-    storage_dtype,
-    torch_e4m3fn_saturates,
-)
+from kvcore import dtypes
+from kvcore.dtypes import is_fp8_dtype, storage_dtype
+from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.row_move import move_rows_native, move_rows_triton
 from kvcore.row_move import next_pow2 as _next_pow2
 from kvcore.row_move import prev_pow2 as _prev_pow2
 
 __all__ = [
     "gather_nope_rope_native",
     "gather_nope_rope_triton",
-    "move_kv_cache_native",
-    "move_kv_cache_triton",
     "store_nope_rope_native",
     "store_nope_rope_triton",
     "store_rows_native",
     "store_rows_triton",
 ]
-
-
-def move_kv_cache_native(kv_cache: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-    """Torch reference of :func:`move_kv_cache_triton`."""
-    move_rows_native(kv_cache, None, tgt_loc, src_loc)
-
-
-def move_kv_cache_triton(kv_cache: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-    """Rows ``tgt_loc[i]`` <- rows ``src_loc[i]`` in every layer of ``kv_cache``, as if all sources were read
-    first (see :func:`kvcore.row_move.move_rows_triton`: one launch up to 512 slots, CUDA-graph safe)."""
-    move_rows_triton(kv_cache, None, tgt_loc, src_loc)
 
 
 # Tiling (elements), from a sweep on an H200 at 32k DeepSeek-V3 rows (benchmarks/tune_mla_dsa.py): column
@@ -98,22 +75,14 @@ TILE_ELEMS = 2048
 COPY_TILE_ELEMS = 2048
 _NUM_WARPS = 2
 
-# Source codes (what the loaded values are).
-_IN_FLOAT = 0  # float32 / float16 (or raw uint8, only ever copied), loaded as such
-_IN_E4M3 = 1  # float8_e4m3fn bytes
-_IN_E5M2 = 2  # float8_e5m2 bytes
-_IN_BF16 = 3  # bfloat16, widened to float32 by a bit shift (the interpreter's cast mangles bf16 subnormals)
-# Destination codes (what is stored).
-_OUT_COPY = 0  # same dtype: move the bits
-_OUT_F32 = 1
-_OUT_F16 = 2
-_OUT_BF16 = 3
-_OUT_E4M3 = 4  # float8_e4m3fn bytes
-_OUT_E5M2 = 5  # float8_e5m2 bytes
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_OUT_CODES = {torch.float32: _OUT_F32, torch.float16: _OUT_F16, torch.bfloat16: _OUT_BF16,
-              torch.float8_e4m3fn: _OUT_E4M3, torch.float8_e5m2: _OUT_E5M2}  # fmt: skip
+# The dtype codes of kvcore.dtypes, as the kernel compares them: ``IN`` says what a loaded tensor holds,
+# ``OUT`` what a conversion writes (SAME: the bits unchanged).
+_SAME = tl.constexpr(dtypes.SAME)
+_F32 = tl.constexpr(dtypes.F32)
+_F16 = tl.constexpr(dtypes.F16)
+_BF16 = tl.constexpr(dtypes.BF16)
+_E4M3FN = tl.constexpr(dtypes.E4M3FN)
+_E5M2 = tl.constexpr(dtypes.E5M2)
 
 
 # ==========================================================================================================
@@ -124,41 +93,36 @@ _OUT_CODES = {torch.float32: _OUT_F32, torch.float16: _OUT_F16, torch.bfloat16: 
 @triton.jit
 def _convert(x, IN: tl.constexpr, OUT: tl.constexpr, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
     """Loaded values (``IN`` code) -> the values to store (``OUT`` code); see the module docstring."""
-    if OUT == 0:
+    if OUT == _SAME:
         y = x
     else:
-        if IN == 0:
-            xf = x.to(tl.float32)
-        elif IN == 1:
-            if HW_CVT and (OUT == 2 or OUT == 3):
+        if IN == _BF16:
+            # widened by a bit shift (the interpreter's cast mangles bf16 subnormals)
+            xf = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        elif IN == _E4M3FN:
+            if HW_CVT and (OUT == _F16 or OUT == _BF16):
                 # exact, through the hardware conversion; only a NaN's bits differ from the integer decoder,
                 # and a NaN's bits are not kept into 16-bit floats anyway (see the module docstring)
                 xf = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
-                xf = fp8_bits_to_f32(x, 1)
-        elif IN == 2:
-            xf = fp8_bits_to_f32(x, 2)
-        else:
-            xf = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        if OUT == 1:
+                xf = fp8_bits_to_f32(x, IN)
+        elif IN == _E5M2:
+            xf = fp8_bits_to_f32(x, IN)
+        else:  # float32 / float16
+            xf = x.to(tl.float32)
+        if OUT == _F32:
             y = xf
-        elif OUT == 2:
+        elif OUT == _F16:
             y = xf.to(tl.float16)
-        elif OUT == 3:
+        elif OUT == _BF16:
             if HW_CVT:
                 y = xf.to(tl.bfloat16)
             else:
                 y = f32_to_bf16_bits(xf).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        elif OUT == 4:
-            if HW_CVT:
-                y = f32_to_fp8_bits_hw(xf, 1, SATURATE).to(tl.uint8)
-            else:
-                y = f32_to_fp8_bits(xf, 1, SATURATE).to(tl.uint8)
+        elif HW_CVT:
+            y = f32_to_fp8_bits_hw(xf, OUT, SATURATE).to(tl.uint8)
         else:
-            if HW_CVT:
-                y = f32_to_fp8_bits_hw(xf, 2, SATURATE).to(tl.uint8)
-            else:
-                y = f32_to_fp8_bits(xf, 2, SATURATE).to(tl.uint8)
+            y = f32_to_fp8_bits(xf, OUT, SATURATE).to(tl.uint8)
     return y
 
 
@@ -263,7 +227,7 @@ def _launch(kv_cache, layer_index, loc, a, b, a_in, a_out, b_in, b_out, gather: 
     b_width = 0 if b is None else b.shape[1]
     if b is None:
         b = a
-    copy = a_out == _OUT_COPY and (b_width == 0 or b_out == _OUT_COPY)
+    copy = a_out == dtypes.SAME and (b_width == 0 or b_out == dtypes.SAME)
     block_n, block_a, block_b = _plan(a_width, b_width, _next_pow2(n), copy)
     layer = kv_cache[layer_index]
     _mla_rows_kernel[(triton.cdiv(n, block_n),)](
@@ -316,29 +280,6 @@ def _as_rows(x: torch.Tensor, n: int, what: str) -> torch.Tensor:
     return x
 
 
-def _in_code(dtype: torch.dtype, what: str) -> int:
-    """The load code of a tensor of ``dtype`` (fp8 tensors are passed to the kernel as uint8 views)."""
-    if dtype == torch.bfloat16:
-        return _IN_BF16
-    if dtype in _FLOATS:
-        return _IN_FLOAT
-    if is_fp8_dtype(dtype):
-        return fp8_kind(dtype)  # FP8_E4M3FN = 1 = _IN_E4M3, FP8_E5M2 = 2 = _IN_E5M2
-    if dtype == torch.uint8:
-        return _IN_FLOAT  # raw bytes: only ever copied
-    raise ValueError(f"{what}: unsupported dtype {dtype}; use float32, float16, bfloat16 or an fp8 dtype")
-
-
-def _out_code(src: torch.dtype, dst: torch.dtype, what: str) -> int:
-    if src == dst:
-        return _OUT_COPY
-    if src == torch.uint8 or dst == torch.uint8:
-        raise ValueError(f"{what}: raw uint8 rows are only copied to/from uint8, got {src} -> {dst}")
-    if dst not in _OUT_CODES:
-        raise ValueError(f"{what}: unsupported destination dtype {dst}")
-    return _OUT_CODES[dst]
-
-
 def _kernel_view(x: torch.Tensor) -> torch.Tensor:
     """fp8 tensors as their uint8 bytes (same shape and strides)."""
     return x.view(torch.uint8) if is_fp8_dtype(x.dtype) else x
@@ -350,8 +291,8 @@ def _check_store(kv_cache, layer_index, loc, parts, cache_dtype) -> list[torch.T
     n = _check_layer_and_loc(kv_cache, layer_index, loc)
     views = []
     for name, x in parts.items():
-        _in_code(x.dtype, name)
-        _out_code(x.dtype, cache_dtype, name)
+        dtypes.dtype_code(x.dtype, name)
+        dtypes.conversion_code(x.dtype, cache_dtype, name)
         if x.device != kv_cache.device:
             raise ValueError(f"{name} is on {x.device}, kv_cache on {kv_cache.device}")
         views.append(_as_rows(x, n, name))
@@ -421,8 +362,8 @@ def store_nope_rope_triton(
     nope, rope = _check_store(kv_cache, layer_index, loc, parts, cache_dtype)
     _launch(
         kv_cache, layer_index, loc, _kernel_view(nope), _kernel_view(rope),
-        _in_code(nope.dtype, "cache_k_nope"), _out_code(nope.dtype, cache_dtype, "cache_k_nope"),
-        _in_code(rope.dtype, "cache_k_rope"), _out_code(rope.dtype, cache_dtype, "cache_k_rope"),
+        dtypes.dtype_code(nope.dtype, "cache_k_nope"), dtypes.conversion_code(nope.dtype, cache_dtype, "cache_k_nope"),
+        dtypes.dtype_code(rope.dtype, "cache_k_rope"), dtypes.conversion_code(rope.dtype, cache_dtype, "cache_k_rope"),
         gather=False,
     )  # fmt: skip
 
@@ -456,7 +397,7 @@ def store_rows_triton(
     width = rows_in.shape[1]
     split = _prev_pow2(width)
     view = _kernel_view(rows_in)
-    in_code, out_code = _in_code(rows_in.dtype, "cache_k"), _out_code(rows_in.dtype, cache_dtype, "cache_k")
+    in_code, out_code = dtypes.dtype_code(rows_in.dtype, "cache_k"), dtypes.conversion_code(rows_in.dtype, cache_dtype, "cache_k")
     tail = view[:, split:] if split < width else None
     _launch(kv_cache, layer_index, loc, view[:, :split], tail, in_code, out_code, in_code, out_code, gather=False)
 
@@ -471,7 +412,7 @@ def _check_gather(kv_cache, layer_index, loc, out_nope, out_rope, cache_dtype):
     n = _check_layer_and_loc(kv_cache, layer_index, loc)
     views = []
     for name, x in (("out_nope", out_nope), ("out_rope", out_rope)):
-        _out_code(cache_dtype, x.dtype, name)
+        dtypes.conversion_code(cache_dtype, x.dtype, name)
         if x.device != kv_cache.device:
             raise ValueError(f"{name} is on {x.device}, kv_cache on {kv_cache.device}")
         views.append(_as_rows(x, n, name))
@@ -526,10 +467,10 @@ def gather_nope_rope_triton(
     Other arguments as :func:`store_nope_rope_triton`.  The cache is not modified.
     """
     nope, rope = _check_gather(kv_cache, layer_index, loc, out_nope, out_rope, cache_dtype)
-    in_code = _in_code(cache_dtype, "cache_dtype")
+    in_code = dtypes.dtype_code(cache_dtype, "cache_dtype")
     _launch(
         kv_cache, layer_index, loc, _kernel_view(nope), _kernel_view(rope),
-        in_code, _out_code(cache_dtype, nope.dtype, "out_nope"),
-        in_code, _out_code(cache_dtype, rope.dtype, "out_rope"),
+        in_code, dtypes.conversion_code(cache_dtype, nope.dtype, "out_nope"),
+        in_code, dtypes.conversion_code(cache_dtype, rope.dtype, "out_rope"),
         gather=True,
     )  # fmt: skip

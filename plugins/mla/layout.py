@@ -7,10 +7,21 @@ rope key (``qk_rope_head_dim`` values), e.g. 512 + 64 = 576 values for DeepSeek-
 
 from __future__ import annotations
 
+import attrs
 import torch
 
+from kvcore.config import key, positive
+from kvcore.dtypes import storage_dtype
 from kvcore.layout import BufferLayout, PoolLayout
-from kvcore.pools import storage_dtype
+
+
+@attrs.define
+class MLADims:
+    """Multi-head latent attention dimensions (model.mla), from the model's config.json."""
+
+    kv_lora_rank: int = key(validator=positive, doc="width of the compressed KV (config.json kv_lora_rank), the 'nope' part of a latent row")
+    qk_rope_head_dim: int = key(validator=positive, doc="width of the decoupled rope key (config.json qk_rope_head_dim), the rest of the row")
+    qk_nope_head_dim: int | None = key(None, validator=positive, doc="per-head query/key width without rope (config.json qk_nope_head_dim); not cached, for reports")
 
 
 def mla_row_dim(kv_lora_rank: int, qk_rope_head_dim: int, kv_cache_dim: int | None = None) -> int:

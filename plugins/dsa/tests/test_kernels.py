@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.testing.tensors import bits_equal, compiled, poison, randn_nonzero, skip_module_without_device, test_device
+from kvcore_dsa.layout import scaled_row_bytes
 from kvcore_dsa import kernels
 from kvcore_dsa.layout import INDEX_PAGE_SIZE, SCALE_MIN
 
@@ -22,7 +23,7 @@ skip_module_without_device()
 COMPILED, DEVICE = compiled(), test_device()
 
 RANK, ROPE = 512, 64
-ROW = kernels.row_bytes(RANK, ROPE)
+ROW = scaled_row_bytes(RANK, ROPE)
 L, ROWS = 3, 200  # rows: size 136 + page 64; row 0..63 padding
 
 
@@ -161,7 +162,7 @@ def test_other_widths_store_and_gather_like_the_reference(rank, rope_dim):
     n, rows = 19, 40
     nope = randn_nonzero((n, rank), torch.float32, gen, 20.0).to(torch.bfloat16).to(DEVICE)
     rope = randn_nonzero((n, rope_dim), torch.float32, gen).to(DEVICE)
-    width = kernels.row_bytes(rank, rope_dim)
+    width = scaled_row_bytes(rank, rope_dim)
     a = poison((2, rows, 1, width), torch.uint8, gen)
     b = a.clone()
     loc = (torch.randperm(rows - 1, generator=gen)[:n] + 1).to(DEVICE)

@@ -48,9 +48,9 @@ def yaml_config(*overrides):
 
 def expected_bytes_per_token(index_key_bytes=128 + 4):
     m = raw("model", MODEL)["model"]
-    rank, rope = m["kv_lora_rank"], m["qk_rope_head_dim"]
+    rank, rope = m["mla"]["kv_lora_rank"], m["mla"]["qk_rope_head_dim"]
     row = rank + rank // 128 * 4 + rope * 2
-    assert row == 656 and m["index_head_dim"] + 4 == 132
+    assert row == 656 and m["dsa"]["index_head_dim"] + 4 == 132
     return (row + index_key_bytes) * m["num_hidden_layers"], row
 
 
@@ -91,9 +91,9 @@ def test_bf16_indexer_option(registry):
     bpt, _ = expected_bytes_per_token(index_key_bytes=256)
     assert plan.bytes_per_token == bpt == (656 + 256) * 61
     assert plan.max_total_num_tokens == expected_tokens(index_page_bytes=16384)[0]
-    with pytest.raises(ConfigError, match=r"kv_cache\.options\.index_dtype='int4' is not one of"):
+    with pytest.raises(ConfigError, match=r"kv_cache\.options\.index_dtype='int4' is not one of.*backend 'dsa'"):
         kvcore.plan_memory(yaml_config("kv_cache.options.index_dtype=int4"), registry=registry)
-    with pytest.raises(ConfigError, match=r"kv_cache\.options\.foo is not an option of backend 'dsa'"):
+    with pytest.raises(ConfigError, match=r"kv_cache\.options\.foo is not an option of backend 'dsa'; its options: index_dtype"):
         kvcore.plan_memory(yaml_config("kv_cache.options.foo=1"), registry=registry)
 
 
@@ -109,13 +109,18 @@ def test_selection_picks_dsa_for_attention_dsa(registry):
     assert "mla" not in (c.backend.name for c in selection.candidates if c.matches)
 
 
-def test_yaml_dims_reach_the_request():
-    m = yaml_config().model
-    doc = raw("model", MODEL)["model"]
-    for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "index_head_dim", "num_hidden_layers",
-                "num_parameters", "context_length", "weight_dtype"):
+def test_yaml_dims_reach_the_request(registry):
+    cfg = yaml_config()
+    m, doc = cfg.model, raw("model", MODEL)["model"]
+    for key in ("num_hidden_layers", "num_parameters", "context_length", "weight_dtype"):
         assert getattr(m, key) == doc[key]
-    assert m.attention == "dsa" and m.head_dim == m.qk_nope_head_dim + m.qk_rope_head_dim
+    for section, keys in (("mla", ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")), ("dsa", ("index_head_dim",))):
+        for key in keys:
+            assert getattr(getattr(m, section), key) == doc[section][key]
+    assert m.attention == "dsa" and m.head_dim == m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
+    request = kvcore.make_request(cfg, registry=registry)
+    assert request.section("mla") == m.mla and request.section("dsa") == m.dsa
+    assert request.options.index_dtype == "fp8"
 
 
 def test_yaml_kv_cache_section_takes_effect():

@@ -11,7 +11,7 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.testing.tensors import bits_equal, randn_nonzero
 from kvcore_dsa import kernels
-from kvcore_dsa.layout import calculate_mla_kv_cache_dim, dsa_layout, index_page_bytes
+from kvcore_dsa.layout import calculate_mla_kv_cache_dim, dsa_layout, index_page_bytes, scaled_row_bytes
 from kvcore_dsa.pool import DSATokenToKVPool, NSATokenToKVPool
 from kvcore_mla.pool import MLATokenToKVPool
 
@@ -86,7 +86,7 @@ def test_calculate_mla_kv_cache_dim():
     assert calculate_mla_kv_cache_dim(512, 64, torch.float8_e4m3fn, is_dsa=False) == 576
     assert calculate_mla_kv_cache_dim(512, 64, torch.bfloat16, is_dsa=True) == 576
     assert calculate_mla_kv_cache_dim(256, 32, torch.float8_e4m3fn, is_dsa=True) == 256 + 8 + 64
-    assert kernels.row_bytes(512, 64) == 656
+    assert scaled_row_bytes(512, 64) == 656
     assert index_page_bytes(torch.float8_e4m3fn) == 64 * 128 + 64 * 4 == 8448
     assert index_page_bytes(torch.bfloat16) == 64 * 128 * 2 == 16384
     with pytest.raises(ConfigError, match="multiple of 128"):

@@ -11,7 +11,8 @@ import pytest
 import torch
 import triton
 
-from kvcore import fp8
+from kvcore import row_move
+from kvcore import dtypes
 from kvcore_mha import kernels
 
 from kvcore.testing.tensors import bits_equal as _bits_equal
@@ -91,7 +92,7 @@ def _case_id(case):
 def _run_store(case, layer_index, seed=0):
     src_dtype, cache_dtype, k_scale_kind, v_scale_kind, n, loc_dtype, layout, magnitude = case
     gen = torch.Generator().manual_seed(seed)
-    store = fp8.storage_dtype(cache_dtype)
+    store = dtypes.storage_dtype(cache_dtype)
     k_cache = _poison((L, ROWS, H, DK), store, gen)
     v_cache = _poison((L, ROWS, H, DV), store, gen)
     loc = (torch.randperm(ROWS - 1, generator=gen)[:n] + 1).to(loc_dtype).to(DEVICE)
@@ -132,12 +133,12 @@ def test_store_kv_matches_reference(case):
             want = (x.float() / torch.as_tensor(scale, dtype=torch.float32).to(DEVICE).reshape(1)).to(cache_dtype)
         else:
             want = x.to(cache_dtype)
-        if fp8.is_fp8_dtype(cache_dtype):
+        if dtypes.is_fp8_dtype(cache_dtype):
             want = want.view(torch.uint8)
         assert _bits_equal(out[1, idx], want)
 
 
-@pytest.mark.parametrize("cache_dtype", fp8.FP8_DTYPES, ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("cache_dtype", dtypes.FP8_DTYPES, ids=["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("scale_kind", ["float", "tensor0d"])
 def test_store_kv_scale_division_near_ties(cache_dtype, scale_kind):
     # Inputs whose quotient lands on or next to an fp8 rounding tie: multiplying by the reciprocal of the
@@ -270,12 +271,12 @@ def test_kernels_capture_in_cuda_graph():
     def step(kc, vc):
         kernels.store_kv_triton(kc, vc, 1, loc, cache_k, cache_v, k_scale=scale, v_scale=scale,
                                 cache_dtype=torch.float8_e4m3fn)  # fmt: skip
-        kernels.move_kv_cache_triton(kc, vc, tgt, src)
+        row_move.move_rows_triton(kc, vc, tgt, src)
 
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     kernels.store_kv_native(ref_k, ref_v, 1, loc, cache_k, cache_v, k_scale=scale, v_scale=scale,
                             cache_dtype=torch.float8_e4m3fn)  # fmt: skip
-    kernels.move_kv_cache_native(ref_k, ref_v, tgt, src)
+    row_move.move_rows_native(ref_k, ref_v, tgt, src)
 
     warm_k, warm_v = k_cache.clone(), v_cache.clone()
     step(warm_k, warm_v)  # compile outside the capture

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore import fp8
+from kvcore import dtypes, row_move
 from kvcore.testing.tensors import bits_equal, compiled, poison, randn_nonzero, skip_module_without_device, test_device
 from kvcore_mla import kernels
 
@@ -24,8 +24,8 @@ L = 3
 ROWS = 70  # size 64 + page_size 6; row 0 is padding
 DIMS = {"small": (64, 16), "dsv3": (512, 64)}  # (kv_lora_rank, qk_rope_head_dim)
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-CACHE_DTYPES = FLOATS + fp8.FP8_DTYPES
-DST_DTYPES = FLOATS + fp8.FP8_DTYPES
+CACHE_DTYPES = FLOATS + dtypes.FP8_DTYPES
+DST_DTYPES = FLOATS + dtypes.FP8_DTYPES
 
 
 def _name(dtype) -> str:
@@ -34,7 +34,7 @@ def _name(dtype) -> str:
 
 def _cache(dims: str, cache_dtype, gen) -> torch.Tensor:
     r, p = DIMS[dims]
-    return poison((L, ROWS, 1, r + p), fp8.storage_dtype(cache_dtype), gen)
+    return poison((L, ROWS, 1, r + p), dtypes.storage_dtype(cache_dtype), gen)
 
 
 def _loc(n, loc_dtype, gen) -> torch.Tensor:
@@ -43,7 +43,7 @@ def _loc(n, loc_dtype, gen) -> torch.Tensor:
 
 def _values(shape, dtype, gen, magnitude) -> torch.Tensor:
     """Random non-zero values of ``dtype`` (fp8 via float32, so they are finite)."""
-    if fp8.is_fp8_dtype(dtype):
+    if dtypes.is_fp8_dtype(dtype):
         return randn_nonzero(shape, torch.float32, gen, magnitude).to(dtype)
     return randn_nonzero(shape, dtype, gen, magnitude)
 
@@ -71,7 +71,7 @@ def _changed_rows_only(before, after, layer, loc) -> None:
 def _torch_cast(x: torch.Tensor, dtype) -> torch.Tensor:
     """x.to(dtype), as storage-dtype bytes for fp8."""
     y = x.to(dtype)
-    return y.view(torch.uint8) if fp8.is_fp8_dtype(dtype) else y
+    return y.view(torch.uint8) if dtypes.is_fp8_dtype(dtype) else y
 
 
 # ==========================================================================================================
@@ -137,7 +137,7 @@ def test_store_nope_rope_last_layer_and_fp8_specials():
     n = 9
     x = randn_nonzero((n, r + p), torch.float32, gen, 50.0)
     x.view(-1)[: special.numel() * 4 : 4] = special.to(DEVICE)
-    for cache_dtype in fp8.FP8_DTYPES:
+    for cache_dtype in dtypes.FP8_DTYPES:
         cache = _cache("small", cache_dtype, gen)
         loc = _loc(n, torch.int64, gen)
         ref, out = cache.clone(), cache.clone()
@@ -306,7 +306,7 @@ def test_gather_every_destination_dtype(cache_dtype, dst_dtype):
         assert bits_equal(o, rf)
     # independent: the stored row viewed as the cache dtype, then torch's .to(dst_dtype)
     rows = cache[1, loc.long(), 0]
-    rows = rows.view(cache_dtype) if fp8.is_fp8_dtype(cache_dtype) else rows
+    rows = rows.view(cache_dtype) if dtypes.is_fp8_dtype(cache_dtype) else rows
     assert bits_equal(out[0][:, 0], rows[:, : DIMS[dims][0]].to(dst_dtype))
 
 
@@ -320,7 +320,7 @@ def test_gather_every_bit_pattern(cache_dtype, dst_dtype):
     n = 7
     cache = _cache(dims, cache_dtype, gen)
     loc = _loc(n, torch.int64, gen)
-    if fp8.is_fp8_dtype(cache_dtype):
+    if dtypes.is_fp8_dtype(cache_dtype):
         every = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(n * 576 // 256 + 1)[: n * 576]
         cache[2, loc] = every.reshape(n, 1, 576).to(DEVICE)
     ref, out = _gather_both(cache, 2, loc, dims, dst_dtype, cache_dtype, out_layout="views")
@@ -328,8 +328,8 @@ def test_gather_every_bit_pattern(cache_dtype, dst_dtype):
     # 0x7fffffff, while its CPU path (and kvcore, on both) keeps the payload: measured 2026-11-29
     # (benchmarks/RESULTS.md). Off the CPU, that decode is compared as values, NaN staying NaN.
     cpu_nan_decode = DEVICE == "cpu" or cache_dtype != torch.float8_e5m2
-    exact = cache_dtype == dst_dtype or fp8.is_fp8_dtype(dst_dtype) or (
-        fp8.is_fp8_dtype(cache_dtype) and dst_dtype == torch.float32 and cpu_nan_decode
+    exact = cache_dtype == dst_dtype or dtypes.is_fp8_dtype(dst_dtype) or (
+        dtypes.is_fp8_dtype(cache_dtype) and dst_dtype == torch.float32 and cpu_nan_decode
     )
     for o, rf in zip(out, ref):
         assert bits_equal(o, rf) if exact else _same_values(o, rf)
@@ -413,14 +413,14 @@ def test_kernels_capture_in_cuda_graph():
     def step(c, o):
         kernels.store_nope_rope_triton(c, 1, loc, nope, rope, cache_dtype=torch.float8_e4m3fn)
         kernels.store_rows_triton(c, 2, loc2, cat, cache_dtype=torch.float8_e4m3fn)
-        kernels.move_kv_cache_triton(c, tgt, src)
+        row_move.move_rows_triton(c, None, tgt, src)
         kernels.gather_nope_rope_triton(c, 1, loc, *o, cache_dtype=torch.float8_e4m3fn)
 
     ref = cache.clone()
     ref_out = (torch.empty_like(out[0]), torch.empty_like(out[1]))
     kernels.store_nope_rope_native(ref, 1, loc, nope, rope, cache_dtype=torch.float8_e4m3fn)
     kernels.store_rows_native(ref, 2, loc2, cat, cache_dtype=torch.float8_e4m3fn)
-    kernels.move_kv_cache_native(ref, tgt, src)
+    row_move.move_rows_native(ref, None, tgt, src)
     kernels.gather_nope_rope_native(ref, 1, loc, *ref_out, cache_dtype=torch.float8_e4m3fn)
 
     step(cache.clone(), (torch.empty_like(out[0]), torch.empty_like(out[1])))  # compile outside the capture

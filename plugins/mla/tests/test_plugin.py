@@ -59,7 +59,7 @@ def expected(model, hardware, *, tp, pp=1, page=1, kv_bytes=2, mfs=0.88, budget_
     """(bytes per token of the limiting rank, page-aligned tokens)."""
     m, hw = raw("model", model), raw("hardware", hardware)
     layers = math.ceil(m["num_hidden_layers"] / pp)  # the largest stage limits everyone
-    bpt = (m["kv_lora_rank"] + m["qk_rope_head_dim"]) * kv_bytes * layers
+    bpt = (m["mla"]["kv_lora_rank"] + m["mla"]["qk_rope_head_dim"]) * kv_bytes * layers
     if budget_gib is not None:
         budget = int(budget_gib * GIB)
     else:
@@ -82,7 +82,7 @@ def test_deepseek_v3_on_h200(registry):
     assert cfg.parallel.tp_size == 8  # from the model file (global package)
     plan = kvcore.plan_memory(cfg, registry=registry)
     m = raw("model", "deepseek-v3")
-    assert plan.bytes_per_token == (m["kv_lora_rank"] + m["qk_rope_head_dim"]) * m["num_hidden_layers"] * 2
+    assert plan.bytes_per_token == (m["mla"]["kv_lora_rank"] + m["mla"]["qk_rope_head_dim"]) * m["num_hidden_layers"] * 2
     assert plan.bytes_per_token == 576 * 61 * 2 == 70272
     bpt, tokens = expected("deepseek-v3", "h200", tp=8)
     assert bpt == 70272
@@ -138,13 +138,22 @@ def test_explain_picks_mla_and_says_why_not_mha(capsys):
     assert any("skipped 'mla'" in line and "serves attention mla, model needs mha" in line for line in explained)
 
 
-def test_missing_kv_lora_rank_names_the_key(registry, capsys):
-    cfg = load_config("model=tiny-mla", "model.kv_lora_rank=null")
-    with pytest.raises(ConfigError, match=r"model\.kv_lora_rank"):
+def test_mla_section_errors_name_the_key(registry, capsys):
+    with pytest.raises(ConfigError, match=r"model\.mla\.kv_lora_rank"):
+        load_config("model=tiny-mla", "model.mla.kv_lora_rank=null")
+    with pytest.raises(ConfigError, match=r"model\.mla\.kv_lora_rnak.*kv_lora_rank"):  # a typo: omegaconf suggests
+        load_config("model=tiny-mla", "model.mla.kv_lora_rnak=3")
+    cfg = load_config("model=tiny-mla", "model.mla=null")
+    with pytest.raises(ConfigError, match=r"model\.mla is not set for model 'tiny-mla' \(attention=mla\)"):
         kvcore.plan_memory(cfg, registry=registry)
-    rc = main(["plan", "model=tiny-mla", "model.kv_lora_rank=null"])
+    rc = main(["plan", "model=tiny-mla", "model.mla.qk_rope_head_dim=0"])
     _, err = capsys.readouterr()
-    assert rc == 2 and "model.kv_lora_rank" in err
+    assert rc == 2 and "model.mla.qk_rope_head_dim must be positive" in err
+
+
+def test_mla_takes_no_options(registry):
+    with pytest.raises(ConfigError, match=r"kv_cache\.options\.foo is not an option of backend 'mla', which takes none"):
+        kvcore.plan_memory(load_config("model=tiny-mla", "kv_cache.options.foo=1"), registry=registry)
 
 
 @pytest.mark.parametrize("kernels, page", [("native", 16), ("triton", 1)])
