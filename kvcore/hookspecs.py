@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 
 PROJECT = "kvcore"
 
+#: The plugin API's version: these hook specs, the records (``BackendSpec``, ``PoolRequest``, ``PoolLayout``),
+#: the ``KVCache`` contract and the conformance kit that checks it (``kvcore.testing.KIT_VERSION`` is this
+#: value).  Raised when any of them changes incompatibly; 2 added model sections and backend options, the
+#: kernels mode as a ``KVCache`` argument, ``layer_id_override`` and SGLang's allocator argument order.
+API_VERSION = "2"
+
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 

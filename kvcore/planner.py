@@ -1,4 +1,4 @@
-"""Memory budget -> pool sizes: the seed configurator's arithmetic, on declared layouts only.
+"""Memory budget -> pool sizes: the arithmetic of SGLang's KV-cache configurator, on declared layouts only.
 
 Nothing here allocates or touches a device: the inputs are the config, the :class:`~kvcore.layout.PoolLayout`
 of every pipeline rank and, when an engine has profiled its device, the free memory it measured.
@@ -14,7 +14,7 @@ of every pipeline rank and, when an engine has profiled its device, the free mem
    ranks wins (each rank may hold a different number of layers).
 3. **Cap and page alignment.**  ``memory.max_total_tokens`` caps the count (a warning when the cap is
    larger than what fits); the result is rounded down to whole pages.
-4. **Requests** (:func:`resolve_max_running_requests`): the seed's estimate ``tokens / context x 512``
+4. **Requests** (:func:`resolve_max_running_requests`): SGLang's estimate ``tokens / context x 512``
    clamped to [2048, 4096], or the user's value divided over data-parallel workers; never more than half
    the tokens.
 """
@@ -142,7 +142,7 @@ def tokens_that_fit(layout: PoolLayout, budget_bytes: int, swa_full_tokens_ratio
 def resolve_max_running_requests(
     cfg: EngineConfig, max_total_num_tokens: int
 ) -> tuple[int, list[str]]:
-    """The seed's ``resolve_max_num_reqs``: requests one data-parallel worker serves at once."""
+    """SGLang's ``resolve_max_num_reqs``: requests one data-parallel worker serves at once."""
     warnings: list[str] = []
     estimated = int(max_total_num_tokens / cfg.model.context_length * 512)
     estimated = max(min(estimated, 4096), 2048)

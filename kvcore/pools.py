@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvcore.dtypes import storage_dtype
+from kvcore.kernel_mode import use_triton
 from kvcore.row_move import move_token_rows_native, move_token_rows_triton
 from kvcore.token_rows import TokenRows
 
@@ -100,18 +101,38 @@ class ReqToTokenPool:
 
 
 class KVCache(abc.ABC):
-    """Base of every token-to-KV pool: bookkeeping shared by all families.
+    """Base of every token-to-KV pool: the bookkeeping and the paths shared by all families.
 
-    Subclasses allocate their stacked buffers, report them from :meth:`buffers`, and implement the
-    accessors.  CPU offload (:meth:`get_cpu_copy` / :meth:`load_cpu_copy`) works on :meth:`token_rows`
-    and so serves every family whose per-token state sits in rows of stacked buffers.
+    **What a family provides, in this order** (the MHA, MLA and DSA pools are worked examples):
+
+    1. ``super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer,
+       end_layer, kernels)``: validates the sizes and layer range, sets ``store_dtype`` and resolves the
+       kernels mode (``self.kernels``, and ``self._use_triton`` for every path that has a Triton kernel and a
+       torch reference, the shared row move included).
+    2. Allocate every buffer as one stacked tensor ``[layer_num, rows, ...]``, rows indexed by token
+       (``size + page_size`` rows: page 0 is padding) or by page for per-page state.
+    3. ``self._finalize_allocation()``, once, after the last buffer exists (it records ``mem_usage``).
+
+    **Methods a family implements:** :meth:`buffers` (every stacked buffer by its layout name, matching the
+    backend's :class:`~kvcore.layout.PoolLayout`), :meth:`get_key_buffer`, :meth:`set_kv_buffer` and
+    :meth:`self_test_write`.  **Optional:** :meth:`get_value_buffer` (families that keep values; without it
+    the pool keeps keys only, and ``set_kv_buffer``'s ``cache_v`` is None), :meth:`token_buffers` (when some
+    buffers are not token-indexed) and :meth:`token_rows` (to add per-token rows that live inside pages).
+
+    **What the base then provides for every family:** :meth:`move_kv_cache` and CPU offload
+    (:meth:`get_cpu_copy` / :meth:`load_cpu_copy`) over :meth:`token_rows`, :meth:`get_contiguous_buf_infos`
+    over :meth:`token_buffers`, :meth:`get_kv_size_bytes`, layer ids (:meth:`local_layer`, with
+    ``layer_id_override``) and layer-wise loading (:meth:`register_layer_transfer_counter`).
+
+    :param kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``native`` (see
+        :mod:`kvcore.kernel_mode`).
+    :raises ValueError: for non-positive sizes, a size that is not whole pages, or a layer range that does not
+        span ``layer_num`` layers.
+    :raises ConfigError: for a kernels mode the device cannot run.
     """
 
     #: tokens per device->host transfer chunk in CPU offload.
     cpu_offloading_chunk_size = 8192
-    #: Triton kernels (True) or the torch reference (False) for the shared paths; families set it from their
-    #: kernels mode.
-    _use_triton = False
 
     def __init__(
         self,
@@ -123,6 +144,7 @@ class KVCache(abc.ABC):
         enable_memory_saver: bool,
         start_layer: int | None = None,
         end_layer: int | None = None,
+        kernels: str = "auto",
     ):
         check_memory_saver(enable_memory_saver)
         if size <= 0 or page_size <= 0 or layer_num <= 0:
@@ -142,6 +164,9 @@ class KVCache(abc.ABC):
                 f"start_layer={self.start_layer}, end_layer={self.end_layer} span "
                 f"{self.end_layer - self.start_layer + 1} layers, but layer_num={layer_num}"
             )
+        self.kernels = kernels
+        self._use_triton = use_triton(kernels, device)
+        self._move_groups: list[tuple[TokenRows, TokenRows | None]] | None = None
         self.mem_usage = 0.0
         self.layer_transfer_counter = None
 
@@ -186,7 +211,7 @@ class KVCache(abc.ABC):
         return {name: TokenRows(buf) for name, buf in self.token_buffers().items()}
 
     def get_kv_size_bytes(self):
-        """Bytes of all buffers."""
+        """Bytes of all buffers, all layers, padding included (MHA returns SGLang's ``(K bytes, V bytes)``)."""
         return sum(t.nbytes for t in self.buffers().values())
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
@@ -207,47 +232,55 @@ class KVCache(abc.ABC):
     @abc.abstractmethod
     def get_key_buffer(self, layer_id: int) -> torch.Tensor: ...
 
-    @abc.abstractmethod
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor: ...
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """A layer's values; a pool that keeps keys only does not override this."""
+        raise NotImplementedError(f"{type(self).__name__} keeps keys only; it has no value buffer")
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     @abc.abstractmethod
-    def set_kv_buffer(
-        self,
-        layer,
-        loc: torch.Tensor,
-        cache_k: torch.Tensor,
-        cache_v: torch.Tensor | None,
-        k_scale=None,
-        v_scale=None,
-        layer_id_override: int | None = None,
-    ) -> None:
-        """Store the rows of ``loc.numel()`` tokens into ``layer`` (an int, anything with ``layer_id``, or None
-        with ``layer_id_override``), converting to the cache dtype; the caller's tensors are never modified.
+    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, *args, **kwargs) -> None:
+        """Store the rows of ``loc.numel()`` tokens into ``layer`` (an int, or anything with ``layer_id``),
+        converting to the cache dtype; the caller's tensors are never modified.
 
-        ``k_scale`` / ``v_scale`` follow SGLang: they divide an input whose dtype differs from the cache's, and
-        are ignored for an input already in the cache dtype (a family whose rows take no scale refuses them).
+        Families with values take SGLang's ``(layer, loc, cache_k, cache_v, k_scale=None, v_scale=None,
+        layer_id_override=None)``: the scales divide an input whose dtype differs from the cache's and are
+        ignored for an input already in it (a family whose rows take no scale refuses them), and
+        ``layer=None, layer_id_override=i`` addresses layer ``i``.  A keys-only family may take
+        ``(layer, loc, cache_k)``.
         """
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """Move tokens ``src_loc`` to ``tgt_loc`` in every layer of every :meth:`token_rows` buffer, as if all
         sources were read first (overlapping sets are safe; targets must be distinct).
 
-        The overlap-safe row move of :mod:`kvcore.row_move`, two buffers per launch (K and V together; a
-        DSA pool's latent rows with its indexer keys, then their scales): one launch per pair up to 512
-        tokens, no host sync.  ``_use_triton`` (set by each family from its kernels mode) picks the Triton
-        kernels or the torch reference."""
+        The overlap-safe row move of :mod:`kvcore.row_move`, two buffers per launch where they stack the same
+        number of layers (:meth:`move_groups`): one launch per pair up to 512 tokens, no host sync.
+        ``_use_triton`` (the kernels mode) picks the Triton kernels or the torch reference."""
         if tgt_loc.numel() != src_loc.numel():
             raise ValueError(f"move_kv_cache: {tgt_loc.numel()} targets but {src_loc.numel()} sources")
         if tgt_loc.numel() == 0:
             return
         move = move_token_rows_triton if self._use_triton else move_token_rows_native
         tgt, src = tgt_loc.reshape(-1), src_loc.reshape(-1)
-        rows = list(self.token_rows().values())
-        for i in range(0, len(rows), 2):
-            move(rows[i], rows[i + 1] if i + 1 < len(rows) else None, tgt, src)
+        for first, second in self.move_groups():
+            move(first, second, tgt, src)
+
+    def move_groups(self) -> list[tuple[TokenRows, TokenRows | None]]:
+        """:meth:`token_rows` in the pairs :meth:`move_kv_cache` moves together: buffers stacking the same
+        number of layers, two at a time, whatever order ``token_rows()`` names them in.  Built once (the
+        buffers never change after allocation)."""
+        if self._move_groups is None:
+            by_layers: dict[int, list[TokenRows]] = {}
+            for rows in self.token_rows().values():
+                by_layers.setdefault(rows.rows.shape[0], []).append(rows)
+            self._move_groups = [
+                (group[i], group[i + 1] if i + 1 < len(group) else None)
+                for group in by_layers.values()
+                for i in range(0, len(group), 2)
+            ]
+        return self._move_groups
 
     @abc.abstractmethod
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The memory planner against an independent re-computation of the seed configurator's arithmetic.
+"""The memory planner against an independent re-computation of the arithmetic of SGLang's KV-cache configurator.
 
 Expected numbers come from the raw YAML files (read with PyYAML, not through kvcore) and the formulas of
 ``_profile_available_bytes`` / ``_apply_token_constraints`` / ``resolve_max_num_reqs`` written out here:
@@ -65,7 +65,7 @@ def expected_tokens(model, hardware, *, tp=1, pp=1, page=1, kv_bytes=2, mfs=0.88
 
 
 def expected_requests(tokens, context, user=None, dp=1):
-    """The seed's resolve_max_num_reqs."""
+    """SGLang's resolve_max_num_reqs."""
     estimated = int(tokens / context * 512)
     estimated = max(min(estimated, 4096), 2048)
     if user is not None:

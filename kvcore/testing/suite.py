@@ -29,7 +29,7 @@ import pytest
 import torch
 
 #: capability names a pool may declare through the ``kv_capabilities`` fixture.
-CAPABILITIES = frozenset({"move", "cpu_offload", "buffer_infos", "set_kv_buffer"})
+CAPABILITIES = frozenset({"move", "cpu_offload", "buffer_infos"})
 
 
 class KVWriter(Protocol):

@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from kvcore.sample import random_nonzero
+
 
 def compiled() -> bool:
     """True when tests should run compiled kernels on CUDA (``KVCORE_TEST_COMPILED=1``)."""
@@ -51,7 +53,5 @@ def poison(shape, dtype: torch.dtype, generator: torch.Generator, device: str | 
 
 def randn_nonzero(shape, dtype: torch.dtype, generator: torch.Generator, scale: float = 1.0,
                   device: str | None = None) -> torch.Tensor:
-    """Normal random values times ``scale``, with exact zeros replaced by one (tests never run on zeros)."""
-    x = torch.randn(shape, generator=generator, dtype=torch.float32) * scale
-    x = torch.where(x == 0, torch.ones_like(x), x)
-    return x.to(dtype).to(device or test_device())
+    """:func:`kvcore.sample.random_nonzero` on the test device by default."""
+    return random_nonzero(shape, dtype, generator, scale, device or test_device())

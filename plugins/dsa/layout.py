@@ -87,7 +87,7 @@ class DSAOptions:
 
 
 def uses_scaled_fp8(dtype: torch.dtype) -> bool:
-    """True when a DSA cache of ``dtype`` stores the scaled fp8 row (float8_e4m3fn only, as the seed)."""
+    """True when a DSA cache of ``dtype`` stores the scaled fp8 row (float8_e4m3fn only, as in SGLang)."""
     return dtype == torch.float8_e4m3fn
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_dsa import kernels
 from kvcore_dsa.layout import (
@@ -82,25 +83,24 @@ class DSATokenToKVPool(MLATokenToKVPool):
             kv_cache_dim=calculate_mla_kv_cache_dim(kv_lora_rank, qk_rope_head_dim, dtype, is_dsa=True),
             kernels=kernels,
         )  # fmt: skip
+
+    def _create_buffers(self) -> None:
+        """The MLA latent rows, then the indexer's pages (the MLA constructor finalizes the allocation)."""
+        super()._create_buffers()
         self._index_has_scale = self.index_k_dtype == torch.float8_e4m3fn
-        self._index_key_bytes = index_head_dim * (1 if self._index_has_scale else self.index_k_dtype.itemsize)
+        self._index_key_bytes = self.index_head_dim * (1 if self._index_has_scale else self.index_k_dtype.itemsize)
         self.index_k_with_scale_cache = torch.zeros(
-            (layer_num, index_pages(size, page_size), index_page_bytes(self.index_k_dtype, index_head_dim)),
+            (self.layer_num, index_pages(self.size, self.page_size), index_page_bytes(self.index_k_dtype, self.index_head_dim)),
             dtype=self.index_k_with_scale_buffer_dtype,
-            device=device,
+            device=self.device,
         )
         self.index_k_with_scale_buffer = list(self.index_k_with_scale_cache.unbind(0))
-        self._finalize_allocation()
 
     # -- layout and sizes --------------------------------------------------------------------------------
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        """``{"kv": latent rows, "index_k": indexer pages}`` (the indexer once allocated)."""
-        buffers = dict(super().buffers())
-        index = getattr(self, "index_k_with_scale_cache", None)
-        if index is not None:
-            buffers["index_k"] = index
-        return buffers
+        """``{"kv": latent rows, "index_k": indexer pages}``."""
+        return {**super().buffers(), "index_k": self.index_k_with_scale_cache}
 
     def token_buffers(self) -> dict[str, torch.Tensor]:
         """Only the token-indexed latent rows; the indexer is page-indexed (see the class docstring)."""
@@ -120,10 +120,6 @@ class DSATokenToKVPool(MLATokenToKVPool):
                 INDEX_PAGE_SIZE, page_bytes // INDEX_SCALE_BYTES, INDEX_PAGE_SIZE * key_bytes // INDEX_SCALE_BYTES,
             )  # fmt: skip
         return rows
-
-    def get_kv_size_bytes(self) -> int:
-        """Bytes of both buffers, all layers, padding included (the seed adds the indexer too)."""
-        return sum(t.nbytes for t in self.buffers().values())
 
     def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """Per layer of the indexer: (data pointer, bytes, bytes of one page), for transfer engines."""
@@ -298,23 +294,19 @@ class DSATokenToKVPool(MLATokenToKVPool):
         """
         if self.dsa_kv_cache_store_fp8:
             r, p = self.kv_lora_rank, self.qk_rope_head_dim
-            values = torch.randn((loc.numel(), 1, r + p + 3), generator=generator) * 2
-            values = torch.where(values == 0, torch.ones_like(values), values).to(torch.bfloat16).to(self.device)
+            values = random_nonzero((loc.numel(), 1, r + p + 3), torch.bfloat16, generator, 2.0, self.device)
             nope, rope = values[..., :r], values[..., r : r + p]  # strided views of one projection
             self.set_mla_kv_buffer(layer, loc, nope, rope)
             expected = {"kv": kernels.quantize_concatenated(values[..., : r + p], r)}
         else:
             expected = super().self_test_write(layer, loc, generator)
         n = loc.numel()
-        keys = torch.randn((n, self.index_head_dim), generator=generator) * 2
-        keys = torch.where(keys == 0, torch.ones_like(keys), keys)
+        keys = random_nonzero((n, self.index_head_dim), self.index_k_dtype, generator, 2.0, self.device)
         if self._index_has_scale:
-            keys = keys.to(torch.float8_e4m3fn).to(self.device)
             scales = (torch.rand(n, generator=generator) + 0.01).to(self.device)
             self.set_index_k_scale_buffer(layer, loc, keys, scales)
             expected["index_k_scale"] = scales.view(torch.uint8).reshape(n, INDEX_SCALE_BYTES)
         else:
-            keys = keys.to(torch.bfloat16).to(self.device)
             self.set_index_k_scale_buffer(layer, loc, keys)
         expected["index_k"] = keys.view(torch.uint8)
         return expected

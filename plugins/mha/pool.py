@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.kernel_mode import use_triton
 from kvcore.pools import KVCache
+from kvcore.sample import random_nonzero
 from kvcore_mha import kernels
 
 
@@ -38,7 +38,7 @@ class MHATokenToKVPool(KVCache):
         enable_kv_cache_copy: bool = False,
         kernels: str = "auto",
     ):
-        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer)
+        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
         # The swa_* dimensions let a sliding-window sub-pool differ from the full-attention one.
         self.head_num = swa_head_num if swa_head_num is not None else head_num
         self.head_dim = swa_head_dim if swa_head_dim is not None else head_dim
@@ -46,8 +46,6 @@ class MHATokenToKVPool(KVCache):
             self.v_head_dim = swa_v_head_dim
         else:
             self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
-        self.kernels = kernels
-        self._use_triton = use_triton(kernels, device)
         rows = size + page_size
         self.k_cache = torch.zeros((layer_num, rows, self.head_num, self.head_dim), dtype=self.store_dtype, device=device)
         self.v_cache = torch.zeros((layer_num, rows, self.head_num, self.v_head_dim), dtype=self.store_dtype, device=device)
@@ -118,9 +116,9 @@ class MHATokenToKVPool(KVCache):
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Random K/V rows through :meth:`set_kv_buffer` (from bf16 for fp8 caches, so the cast is exercised)."""
         source_dtype = torch.bfloat16 if self.dtype.itemsize == 1 else self.dtype
-        rows = {}
-        for name, width in (("k", self.head_dim), ("v", self.v_head_dim)):
-            values = torch.randn((loc.numel(), self.head_num, width), generator=generator) * 2
-            rows[name] = torch.where(values == 0, torch.ones_like(values), values).to(source_dtype).to(self.device)
+        rows = {
+            name: random_nonzero((loc.numel(), self.head_num, width), source_dtype, generator, 2.0, self.device)
+            for name, width in (("k", self.head_dim), ("v", self.v_head_dim))
+        }
         self.set_kv_buffer(layer, loc, rows["k"], rows["v"])
         return {name: x.to(self.dtype).view(self.store_dtype) for name, x in rows.items()}

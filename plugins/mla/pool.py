@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.kernel_mode import use_triton
 from kvcore.pools import KVCache
+from kvcore.sample import random_nonzero
 from kvcore_mla import kernels
 from kvcore_mla.layout import mla_row_dim
 
@@ -18,7 +18,7 @@ class MLATokenToKVPool(KVCache):
     KV values ("nope"), then ``qk_rope_head_dim`` rope key values: the key is the whole row, the value its
     first ``kv_lora_rank`` columns.  Row 0 (the first page) is padding.
 
-    Subclassing (DSA/NSA pools): the constructor, :meth:`set_mla_kv_buffer`, :meth:`get_mla_kv_buffer`,
+    Subclassing (DSA pools): the constructor, :meth:`set_mla_kv_buffer`, :meth:`get_mla_kv_buffer`,
     :meth:`set_kv_buffer`, :meth:`buffers` and :meth:`token_buffers` are stable.  ``kv_cache_dim`` widens the
     row for a family's own row format (e.g. fp8 values + scales + bf16 rope); :meth:`buffers` of a subclass
     adds its own buffers to ``super().buffers()``.  The kernels (:mod:`kvcore_mla.kernels`) also copy raw
@@ -53,16 +53,15 @@ class MLATokenToKVPool(KVCache):
         kv_cache_dim: int | None = None,
         kernels: str = "auto",
     ):
-        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer)
+        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.kv_cache_dim = mla_row_dim(kv_lora_rank, qk_rope_head_dim, kv_cache_dim)
-        self.kernels = kernels
-        self._use_triton = use_triton(kernels, device)
         self._create_buffers()
         self._finalize_allocation()
 
     def _create_buffers(self) -> None:
+        """Allocate the latent rows; a subclass adds its own buffers after ``super()._create_buffers()``."""
         rows = self.size + self.page_size
         self.kv_cache = torch.zeros(
             (self.layer_num, rows, 1, self.kv_cache_dim), dtype=self.store_dtype, device=self.device
@@ -73,10 +72,6 @@ class MLATokenToKVPool(KVCache):
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {"kv": self.kv_cache}
-
-    def get_kv_size_bytes(self) -> int:
-        """Bytes of all buffers (all layers, padding included)."""
-        return sum(t.nbytes for t in self.buffers().values())
 
     # -- reads -------------------------------------------------------------------------------------------
 
@@ -182,8 +177,7 @@ class MLATokenToKVPool(KVCache):
         source_dtype = torch.bfloat16 if self.dtype.itemsize == 1 else self.dtype
         r, p = self.kv_lora_rank, self.qk_rope_head_dim
         n = loc.numel()
-        values = torch.randn((n, 1, r + p + 3), generator=generator) * 2
-        values = torch.where(values == 0, torch.ones_like(values), values).to(source_dtype).to(self.device)
+        values = random_nonzero((n, 1, r + p + 3), source_dtype, generator, 2.0, self.device)
         nope, rope = values[..., :r], values[..., r : r + p]  # strided views, as a model's split produces
         local = self.local_layer(layer)
         expected = self.kv_cache[local, loc.long()].clone()

@@ -1,27 +1,21 @@
-"""The DSA pool against kvcore's conformance kit, used exactly as a vendor would use it.
+"""The DSA backend against kvcore's conformance kit, used exactly as a vendor would use it: the kit builds the
+pools and the layout from the backend's name and a small model config.
 
 The kit checks the indexer like the latent rows: both are :meth:`DSATokenToKVPool.token_rows` buffers, and
 the pool's ``self_test_write`` returns the key and scale rows it wrote.
 """
 
 import pytest
-import torch
-from kvcore_dsa.layout import dsa_layout
-from kvcore_dsa.pool import DSATokenToKVPool
 
 from kvcore.testing import KVCacheConformance
-from kvcore.testing.tensors import test_device
 
-RANK, ROPE, INDEX_DIM, LAYERS = 256, 64, 128, 2
+# DeepSeek-V3.2 shrunk to 2 layers with a 256-wide latent (two fp8 tiles) and the real 128-wide indexer.
+SMALL_MODEL = ["model=deepseek-v3.2", "model.num_hidden_layers=2", "model.mla.kv_lora_rank=256", "parallel.tp_size=1"]
 
 
 @pytest.fixture(
-    params=[
-        (torch.float8_e4m3fn, "triton", None),
-        (torch.bfloat16, "triton", "bfloat16"),
-        (torch.float8_e4m3fn, "native", "fp8"),
-    ],
-    ids=lambda p: f"{str(p[0]).removeprefix('torch.')}-{p[1]}-index_{p[2] or 'default'}",
+    params=[("float8_e4m3fn", "triton", None), ("bfloat16", "triton", "bfloat16"), ("float8_e4m3fn", "native", "fp8")],
+    ids=lambda p: f"{p[0]}-{p[1]}-index_{p[2] or 'default'}",
 )
 def variant(request):
     return request.param
@@ -29,29 +23,23 @@ def variant(request):
 
 class TestDSAConformance(KVCacheConformance):
     @pytest.fixture
+    def kv_backend(self):
+        return "dsa"
+
+    @pytest.fixture
+    def kv_config(self, variant):
+        dtype, _, index_dtype = variant
+        options = [] if index_dtype is None else [f"kv_cache.options.index_dtype={index_dtype}"]
+        return [*SMALL_MODEL, f"kv_cache.dtype={dtype}", *options]
+
+    @pytest.fixture
+    def kv_kernels(self, variant):
+        return variant[1]
+
+    @pytest.fixture
     def kv_page_size(self):
         return 64
 
     @pytest.fixture
     def kv_pool_size(self):
         return 3 * 64
-
-    @pytest.fixture
-    def kv_pool_factory(self, variant):
-        dtype, kernels, index_dtype = variant
-
-        def make(size, page_size, start_layer):
-            return DSATokenToKVPool(
-                size=size, page_size=page_size, kv_lora_rank=RANK, dtype=dtype, qk_rope_head_dim=ROPE,
-                layer_num=LAYERS, device=test_device(), index_head_dim=INDEX_DIM, enable_memory_saver=False,
-                start_layer=start_layer, kernels=kernels, index_dtype=index_dtype,
-            )  # fmt: skip
-
-        return make
-
-    @pytest.fixture
-    def kv_layout(self, kv_pool, variant):
-        return dsa_layout(
-            backend="dsa", page_size=kv_pool.page_size, dtype=kv_pool.dtype, kv_lora_rank=RANK,
-            qk_rope_head_dim=ROPE, index_head_dim=INDEX_DIM, layer_num=LAYERS, index_dtype=variant[2],
-        )  # fmt: skip

@@ -1,6 +1,6 @@
 """DSA through kvcore's planner, selection and command line, against numbers derived from the model YAML.
 
-Expected values come from the raw YAML (read with PyYAML, not through kvcore) and the seed's arithmetic:
+Expected values come from the raw YAML (read with PyYAML, not through kvcore) and the arithmetic of SGLang's KV-cache configurator:
 
     kv row      = kv_lora_rank + kv_lora_rank / 128 * 4 + qk_rope_head_dim * 2      (656 bytes, fp8 cache)
     indexer     = index_head_dim + 4 bytes per token (fp8 key + float32 scale)       (132 bytes)

@@ -50,7 +50,7 @@ def _randomize(pool, seed):
         (torch.float8_e4m3fn, None, 656, torch.uint8, 8448),
         (torch.bfloat16, None, 576, torch.bfloat16, 8448),
         (torch.float8_e4m3fn, "bfloat16", 656, torch.uint8, 16384),
-        (torch.float8_e5m2, "fp8", 576, torch.uint8, 8448),  # only e4m3fn gets the scaled row, as in the seed
+        (torch.float8_e5m2, "fp8", 576, torch.uint8, 8448),  # only e4m3fn gets the scaled row, as in SGLang
     ],
 )
 def test_buffers_and_layout(dtype, index_dtype, row_dim, row_dtype, page_bytes):

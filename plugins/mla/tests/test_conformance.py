@@ -19,40 +19,38 @@ def make_pool(dtype, kernels, size=61, page_size=1, start_layer=0, **kw):
     )  # fmt: skip
 
 
+# tiny-mla shrunk to 3 layers of 64 + 16 latent values, so the kernels see odd sizes.
+SMALL_MODEL = ["model=tiny-mla", "model.num_hidden_layers=3", f"model.mla.kv_lora_rank={KV_LORA_RANK}",
+               f"model.mla.qk_rope_head_dim={ROPE_DIM}"]  # fmt: skip
+
+
 @pytest.fixture(
-    params=[
-        (torch.bfloat16, "triton", 1),
-        (torch.float8_e4m3fn, "triton", 4),
-        (torch.float32, "native", 1),
-        (torch.float8_e5m2, "native", 16),
-        (torch.float16, "triton", 16),
-    ],
-    ids=lambda p: f"{str(p[0]).removeprefix('torch.')}-{p[1]}-page{p[2]}",
-)
+    params=[("bfloat16", "triton", 1), ("float8_e4m3fn", "triton", 4), ("float32", "native", 1),
+            ("float8_e5m2", "native", 16), ("float16", "triton", 16)],
+    ids=lambda p: f"{p[0]}-{p[1]}-page{p[2]}",
+)  # fmt: skip
 def variant(request):
     return request.param
 
 
 class TestMLAConformance(KVCacheConformance):
+    """The kit builds the pools and the layout from the backend's name and the small model."""
+
+    @pytest.fixture
+    def kv_backend(self):
+        return "mla"
+
+    @pytest.fixture
+    def kv_config(self, variant):
+        return [*SMALL_MODEL, f"kv_cache.dtype={variant[0]}"]
+
+    @pytest.fixture
+    def kv_kernels(self, variant):
+        return variant[1]
+
     @pytest.fixture
     def kv_page_size(self, variant):
         return variant[2]
-
-    @pytest.fixture
-    def kv_pool_factory(self, variant):
-        dtype, kernels, _ = variant
-
-        def make(size, page_size, start_layer):
-            return make_pool(dtype, kernels, size, page_size, start_layer)
-
-        return make
-
-    @pytest.fixture
-    def kv_layout(self, kv_pool):
-        return mla_layout(
-            backend="mla", page_size=kv_pool.page_size, dtype=kv_pool.dtype, kv_lora_rank=KV_LORA_RANK,
-            qk_rope_head_dim=ROPE_DIM, layer_num=LAYERS,
-        )  # fmt: skip
 
 
 def concat_writer(pool, layer, loc, generator):
@@ -67,11 +65,16 @@ class TestMLAConcatenatedWrites(BaseStoreTests):
     """The kit's store tests again, writing with set_kv_buffer (fp8 from float32, on the Triton path)."""
 
     @pytest.fixture
-    def kv_pool_factory(self):
-        def make(size, page_size, start_layer):
-            return make_pool(torch.float8_e4m3fn, "triton", size, page_size, start_layer)
+    def kv_backend(self):
+        return "mla"
 
-        return make
+    @pytest.fixture
+    def kv_config(self):
+        return [*SMALL_MODEL, "kv_cache.dtype=float8_e4m3fn"]
+
+    @pytest.fixture
+    def kv_kernels(self):
+        return "triton"
 
     @pytest.fixture
     def kv_writer(self):

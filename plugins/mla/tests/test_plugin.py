@@ -1,7 +1,7 @@
 """The MLA plugin through kvcore's public entry points: registration, selection, planning and ``kvcore up``.
 
 Expected numbers are derived here from the raw YAML files (PyYAML, not kvcore's loader) and the budget
-formula of the seed configurator, written out independently of kvcore.planner:
+formula of SGLang's KV-cache configurator, written out independently of kvcore.planner:
 
     pre     = int(memory_gib x 2^30)
     weights = ceil(num_parameters x weight_bytes / (tp x pp))
