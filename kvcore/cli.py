@@ -1,4 +1,4 @@
-"""``kvcore`` command line: ``up``, ``plan``, ``plugins``.
+"""``kvcore`` command line: ``up``, ``plan``, ``plugins``, ``config``.
 
 Every command takes an optional engine YAML first, then overrides::
 
@@ -43,12 +43,11 @@ def _describe_config(cfg: EngineConfig) -> list[str]:
     start, end = cfg.layer_range
     m = cfg.model
     return [
-        f"model      {m.name} ({m.architecture}): {m.num_hidden_layers} layers, {m.num_key_value_heads} KV heads "
-        f"x {m.head_dim}, {m.num_parameters / 1e9:.2f}B params, {m.dtype}",
+        f"model      {m.name} ({m.architecture}): {m.attention} attention, {m.num_hidden_layers} layers, "
+        f"{m.num_parameters / 1e9:.2f}B params, {m.dtype}",
         f"hardware   {cfg.hardware.name}: {cfg.hardware.device} ({cfg.hardware.vendor}), "
         f"{cfg.hardware.memory_gib:g} GiB, kernels={cfg.hardware.kernels}",
-        f"parallel   tp={cfg.parallel.tp_size} pp={cfg.parallel.pp_size} (this rank: layers {start}..{end - 1}, "
-        f"{cfg.kv_heads_per_rank} KV head(s))",
+        f"parallel   tp={cfg.parallel.tp_size} pp={cfg.parallel.pp_size} (this rank: layers {start}..{end - 1})",
         f"kv cache   dtype={str(cfg.kv_dtype).removeprefix('torch.')} page_size={cfg.kv_cache.page_size} "
         f"backend={cfg.kv_cache.backend}",
     ]
@@ -60,10 +59,8 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
         f"budget     {b.source}",
         f"           - weights per rank {_gib(b.weight_bytes)} - runtime slack {_gib(b.slack_bytes)} "
         f"= KV budget {_gib(b.kv_budget_bytes)}",
-        f"backend    {plan.backend}: " + ", ".join(
-            f"{buf.name} {list(buf.row_shape)} {str(buf.dtype).removeprefix('torch.')} x {buf.layers} layers"
-            for buf in plan.layout.buffers
-        ),
+        f"backend    {plan.backend}",
+        *(f"  buffer   {buf.describe()}" for buf in plan.layout.buffers),
         f"per token  {plan.bytes_per_token} bytes per token per rank",
         f"tokens     max_total_num_tokens = {plan.max_total_num_tokens} (page-aligned to {plan.page_size}"
         + (f"; pipeline rank {plan.limiting_pp_rank} limits" if plan.pp_size > 1 else "")
@@ -147,6 +144,19 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    from kvcore.config import all_keys, keys_markdown
+
+    keys = all_keys(get_registry())
+    if args.markdown:
+        print(keys_markdown(keys), end="")
+        return 0
+    width = max(len(k.path) for k in keys)
+    for k in keys:
+        print(f"{k.path:<{width}}  {k.type:<12} {('[' + k.default + ']'):<12} {k.doc}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcore", description="KV-cache memory pools: plan, build and check.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -162,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--explain", nargs="*", metavar="OVERRIDE",
                          help="for this config, say which backend is chosen and why the others are not")
     plugins.set_defaults(func=cmd_plugins)
+    config = sub.add_parser("config", help="every config key: type, default and meaning (plugins' sections and options too)")
+    config.add_argument("--markdown", action="store_true", help="as the markdown table of README.md")
+    config.set_defaults(func=cmd_config)
     return parser
 
 

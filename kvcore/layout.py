@@ -81,6 +81,17 @@ class BufferLayout:
         """Marginal bytes per token (or per request) across all layers; fractional for page rows."""
         return self.layers * self.row_bytes / self.tokens_per_row
 
+    def describe(self) -> str:
+        """One line for reports, from the declaration alone: ``kv [1, 656] uint8 per token x 61 layers
+        = 40016 B/token``."""
+        unit = "request" if self.sized_by == "requests" else "token"
+        per = f"per {self.tokens_per_row} {unit}s" if self.tokens_per_row > 1 else f"per {unit}"
+        group = "" if self.sized_by in ("tokens", "requests") else f" ({self.sized_by})"
+        return (
+            f"{self.name} {list(self.row_shape)} {str(self.dtype).removeprefix('torch.')} {per} x {self.layers} layers"
+            f" = {self.bytes_per_unit:g} B/{unit}{group}"
+        )
+
 
 @attrs.frozen
 class PoolLayout:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvcore.plugins import load_registry
-from kvcore.testing import KVCacheConformance
+from kvcore.testing import KVCacheConformance, Variant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_plugins import keys_only  # noqa: E402
@@ -21,31 +21,14 @@ def registry():
     return load_registry(env={}, extra_plugins=[("keys_only", keys_only)])
 
 
-@pytest.fixture(params=[("bfloat16", "triton", 1), ("float8_e4m3fn", "native", 16)], ids=lambda p: f"{p[0]}-{p[1]}-page{p[2]}")
-def variant(request):
-    return request.param
-
-
 class TestKeysOnlyConformance(KVCacheConformance):
+    backend = "keys_only"
+    config = ["model=qwen2.5-0.5b", "model.num_hidden_layers=3"]
+    variants = [Variant("bfloat16", "triton", 1), Variant("float8_e4m3fn", "native", 16)]
+
     @pytest.fixture
     def kv_registry(self, registry):
         return registry
-
-    @pytest.fixture
-    def kv_backend(self):
-        return "keys_only"
-
-    @pytest.fixture
-    def kv_config(self, variant):
-        return ["model=qwen2.5-0.5b", "model.num_hidden_layers=3", f"kv_cache.dtype={variant[0]}"]
-
-    @pytest.fixture
-    def kv_kernels(self, variant):
-        return variant[1]
-
-    @pytest.fixture
-    def kv_page_size(self, variant):
-        return variant[2]
 
 
 def test_keys_only_pool_has_no_values(registry):

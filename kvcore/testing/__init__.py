@@ -8,12 +8,21 @@ Loading the plugin sets ``TRITON_INTERPRET=1`` (unless ``KVCORE_TEST_COMPILED=1`
 on a GPU), so Triton kernels run on the CPU in the interpreter with no conftest of yours; it must load before
 your kernels are imported, which ``-p kvcore.testing`` does.
 
-The pools under test come from your backend itself: give ``kv_backend`` (its registered name) and
-``kv_config`` (config overrides of a small model it serves), and the kit builds the request with
-:func:`kvcore.make_request`, the layout through the ``kvcore_buffer_layout`` hook and the pools through
-``kvcore_create_pool``, exactly as ``kvcore up`` does, so a layout that disagrees with its pool fails here.
-A backend outside the installed plugins (a test plugin) overrides ``kv_registry``.  Without ``kv_backend``,
-provide ``kv_pool_factory`` and ``kv_layout`` yourself.
+The pools under test come from your backend itself.  A whole test file is::
+
+    from kvcore.testing import KVCacheConformance, Variant
+
+    class TestAcme(KVCacheConformance):
+        backend = "acme"                                   # its registered name
+        config = ["model=qwen2.5-0.5b", "model.num_hidden_layers=3"]   # a small model it serves
+        variants = [Variant("bfloat16", "triton", 1), Variant("float8_e4m3fn", "native", 16)]
+
+and the kit builds the request with :func:`kvcore.make_request`, the layout through the
+``kvcore_buffer_layout`` hook and the pools through ``kvcore_create_pool``, exactly as ``kvcore up`` does,
+so a layout that disagrees with its pool fails here.  Each test runs once per variant.  The class attributes
+feed the fixtures ``kv_backend``, ``kv_config`` and ``kv_variant``, which a test may override instead; a
+backend outside the installed plugins (a test plugin) overrides ``kv_registry``.  Without a backend, provide
+``kv_pool_factory`` and ``kv_layout`` yourself.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ __all__ = [
     "BaseStoreTests",
     "KVCacheConformance",
     "KVWriter",
+    "Variant",
     "assert_same_bytes",
     "pool_writer",
     "randomize",
@@ -67,22 +77,59 @@ def _provide(name: str, what: str):
 # -- what the implementer names --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def kv_backend():
-    _provide("kv_backend", "the name of your registered backend (or provide kv_pool_factory and kv_layout yourself)")
+@attrs.frozen
+class Variant:
+    """One configuration the kit runs every test under.
+
+    :param dtype: ``kv_cache.dtype`` (``auto``: the model's).
+    :param kernels: ``hardware.kernels`` (``auto``: Triton on CUDA, torch on the CPU; ``triton`` runs the kernels
+        in Triton's interpreter on the CPU).
+    :param page_size: ``kv_cache.page_size``.
+    :param overrides: more config overrides for this variant (``kv_cache.options.x=...``).
+    """
+
+    dtype: str = "auto"
+    kernels: str = "auto"
+    page_size: int = 1
+    overrides: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def id(self) -> str:
+        return "-".join([self.dtype, self.kernels, f"page{self.page_size}", *self.overrides])
+
+
+def pytest_generate_tests(metafunc):
+    """Run each test of a class with ``variants`` once per variant (the ``kv_variant`` fixture)."""
+    variants = getattr(metafunc.cls, "variants", None)
+    if variants and "kv_variant" in metafunc.fixturenames:
+        metafunc.parametrize("kv_variant", variants, ids=[v.id for v in variants])
 
 
 @pytest.fixture
-def kv_config():
-    """Config overrides of a small model your backend serves (``model=...`` and dotted keys); the kit adds the
-    backend, page size, device and kernels mode."""
-    return []
+def kv_backend(request):
+    """The backend under test: the test class's ``backend``."""
+    name = getattr(request.cls, "backend", None)
+    if name is None:
+        _provide("kv_backend", "a class attribute backend = 'your backend name' (or provide kv_pool_factory and kv_layout)")
+    return name
 
 
 @pytest.fixture
-def kv_kernels():
-    """``hardware.kernels`` of the pools under test (``auto``: Triton on CUDA, torch on the CPU)."""
-    return "auto"
+def kv_config(request):
+    """Config overrides of a small model the backend serves (the test class's ``config``); the kit adds the
+    backend, the variant, the device and the kernels mode."""
+    return list(getattr(request.cls, "config", ()))
+
+
+@pytest.fixture
+def kv_variant():
+    """The variant a test runs under (parametrized from the class's ``variants``; one default otherwise)."""
+    return Variant()
+
+
+@pytest.fixture
+def kv_kernels(kv_variant):
+    return kv_variant.kernels
 
 
 @pytest.fixture
@@ -97,14 +144,15 @@ def kv_registry():
 
 
 @pytest.fixture
-def kv_request(kv_backend, kv_config, kv_kernels, kv_page_size, kv_registry):
+def kv_request(kv_backend, kv_config, kv_variant, kv_kernels, kv_page_size, kv_registry):
     """The request kvcore makes for the backend on the test device, resolved (model sections and options
     validated by the backend)."""
     from kvcore import load_config, make_request
 
     cfg = load_config(
-        *kv_config, f"kv_cache.backend={kv_backend}", f"kv_cache.page_size={kv_page_size}",
-        f"hardware.device={test_device()}", f"hardware.kernels={kv_kernels}", registry=kv_registry,
+        *kv_config, f"kv_cache.backend={kv_backend}", f"kv_cache.dtype={kv_variant.dtype}", *kv_variant.overrides,
+        f"kv_cache.page_size={kv_page_size}", f"hardware.device={test_device()}", f"hardware.kernels={kv_kernels}",
+        registry=kv_registry,
     )  # fmt: skip
     return make_request(cfg, registry=kv_registry)
 
@@ -165,5 +213,5 @@ def kv_pool_size(kv_page_size):
 
 
 @pytest.fixture
-def kv_page_size():
-    return 1
+def kv_page_size(kv_variant):
+    return kv_variant.page_size

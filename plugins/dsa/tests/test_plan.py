@@ -149,4 +149,4 @@ def test_cli_plan_prints_dsa_plan(fresh_cli_registry, capsys):
     assert rc == 0, err
     assert "48068 bytes per token" in out
     assert f"max_total_num_tokens = {expected_tokens()[0]}" in out
-    assert "index_k [8448] uint8" in out
+    assert "buffer   index_k [8448] uint8 per 64 tokens x 61 layers = 8052 B/token" in out

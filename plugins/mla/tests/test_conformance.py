@@ -6,7 +6,7 @@ import torch
 from kvcore_mla.layout import mla_layout
 from kvcore_mla.pool import MLATokenToKVPool
 
-from kvcore.testing import BaseStoreTests, KVCacheConformance, assert_same_bytes, randomize
+from kvcore.testing import BaseStoreTests, KVCacheConformance, Variant, assert_same_bytes, randomize
 from kvcore.testing.tensors import bits_equal, randn_nonzero, test_device
 
 KV_LORA_RANK, ROPE_DIM, LAYERS = 64, 16, 3
@@ -24,33 +24,13 @@ SMALL_MODEL = ["model=tiny-mla", "model.num_hidden_layers=3", f"model.mla.kv_lor
                f"model.mla.qk_rope_head_dim={ROPE_DIM}"]  # fmt: skip
 
 
-@pytest.fixture(
-    params=[("bfloat16", "triton", 1), ("float8_e4m3fn", "triton", 4), ("float32", "native", 1),
-            ("float8_e5m2", "native", 16), ("float16", "triton", 16)],
-    ids=lambda p: f"{p[0]}-{p[1]}-page{p[2]}",
-)  # fmt: skip
-def variant(request):
-    return request.param
-
-
 class TestMLAConformance(KVCacheConformance):
     """The kit builds the pools and the layout from the backend's name and the small model."""
 
-    @pytest.fixture
-    def kv_backend(self):
-        return "mla"
-
-    @pytest.fixture
-    def kv_config(self, variant):
-        return [*SMALL_MODEL, f"kv_cache.dtype={variant[0]}"]
-
-    @pytest.fixture
-    def kv_kernels(self, variant):
-        return variant[1]
-
-    @pytest.fixture
-    def kv_page_size(self, variant):
-        return variant[2]
+    backend = "mla"
+    config = SMALL_MODEL
+    variants = [Variant("bfloat16", "triton", 1), Variant("float8_e4m3fn", "triton", 4), Variant("float32", "native", 1),
+                Variant("float8_e5m2", "native", 16), Variant("float16", "triton", 16)]  # fmt: skip
 
 
 def concat_writer(pool, layer, loc, generator):
@@ -64,17 +44,9 @@ def concat_writer(pool, layer, loc, generator):
 class TestMLAConcatenatedWrites(BaseStoreTests):
     """The kit's store tests again, writing with set_kv_buffer (fp8 from float32, on the Triton path)."""
 
-    @pytest.fixture
-    def kv_backend(self):
-        return "mla"
-
-    @pytest.fixture
-    def kv_config(self):
-        return [*SMALL_MODEL, "kv_cache.dtype=float8_e4m3fn"]
-
-    @pytest.fixture
-    def kv_kernels(self):
-        return "triton"
+    backend = "mla"
+    config = SMALL_MODEL
+    variants = [Variant("float8_e4m3fn", "triton", 1)]
 
     @pytest.fixture
     def kv_writer(self):

@@ -121,7 +121,7 @@ def test_plan_cli_prints_the_mla_numbers(capsys):
     _, tokens = expected("deepseek-v3", "h200", tp=8)
     assert "70272 bytes per token" in out
     assert f"max_total_num_tokens = {tokens}" in out
-    assert "kv [1, 576] bfloat16 x 61 layers" in out
+    assert "buffer   kv [1, 576] bfloat16 per token x 61 layers = 70272 B/token" in out
 
 
 def test_explain_picks_mla_and_says_why_not_mha(capsys):
