@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import kvcore
 from kvcore.plugins import load_registry
 from kvcore.testing import KVCacheConformance, Variant
 
@@ -31,12 +32,33 @@ class TestKeysOnlyConformance(KVCacheConformance):
         return registry
 
 
-def test_keys_only_pool_has_no_values(registry):
-    import kvcore
+def small_config(registry):
+    return kvcore.load_config("model=qwen2.5-0.5b", "model.num_hidden_layers=2", "kv_cache.backend=keys_only",
+                              "memory.max_total_tokens=64", registry=registry)  # fmt: skip
 
-    cfg = kvcore.load_config("model=qwen2.5-0.5b", "kv_cache.backend=keys_only", "memory.max_total_tokens=64",
-                             registry=registry)  # fmt: skip
-    pools = kvcore.build_pools(cfg, registry=registry)
+
+def test_keys_only_pool_has_no_values(registry):
+    pools = kvcore.build_pools(small_config(registry), registry=registry)
     assert set(pools.token_to_kv_pool.buffers()) == {"k"}
     with pytest.raises(NotImplementedError, match="keeps keys only"):
         pools.token_to_kv_pool.get_value_buffer(0)
+
+
+def test_the_kit_catches_a_layout_that_disagrees_with_its_pool(registry):
+    """The kit builds the pool and the layout through the backend itself: a layout declaring other rows than
+    the pool allocates fails the layout test (before, a hand-built kv_layout hid this until `kvcore up`)."""
+    import attrs
+    import torch
+
+    from kvcore import make_request
+    from kvcore.testing import BaseLayoutTests
+
+    request = make_request(small_config(registry), registry=registry)
+    pool = keys_only.create_pool(request, None, {"tokens": 64})
+    honest = keys_only.layout(request)
+    BaseLayoutTests().test_layout_bytes_equal_allocated_bytes(pool, honest)
+    (k,) = honest.buffers
+    lying = attrs.evolve(honest, buffers=(attrs.evolve(k, dtype=torch.float32),))
+    with pytest.raises(AssertionError, match="buffer k: dtype torch.bfloat16 != layout torch.float32"):
+        BaseLayoutTests().test_layout_bytes_equal_allocated_bytes(pool, lying)
+
