@@ -5,7 +5,7 @@
 Times each kernel at 32k tokens of DeepSeek-V3 rows (512 + 64) inside CUDA-graph replay, for every setting
 of its tuning constants, and prints the share of the measured copy ceiling, then the best setting per
 kernel.  The chosen defaults live in ``kvcore_mla.kernels`` (TILE_ELEMS, COPY_TILE_ELEMS, MAX_BLOCK_C,
-_NUM_WARPS) and ``kvcore_dsa.kernels`` (_STORE_BLOCK_N, _STORE_NUM_WARPS, _GATHER_BLOCK_N,
+ELEMS_PER_WARP; the MLA kernels are swept at 1, 64 and 32k tokens) and ``kvcore_dsa.kernels`` (_STORE_BLOCK_N, _STORE_NUM_WARPS, _GATHER_BLOCK_N,
 _GATHER_NUM_WARPS); this script shows the neighbourhood they were picked from.
 """
 
@@ -54,21 +54,22 @@ def main() -> None:
 
     def mla_apply(setting):
         mla.COPY_TILE_ELEMS = mla.TILE_ELEMS = setting[0]
-        mla.MAX_BLOCK_C, mla._NUM_WARPS = setting[1], setting[2]
+        mla.MAX_BLOCK_C, mla.ELEMS_PER_WARP, mla.MAX_WARPS = setting[1], setting[2], 8
         mla._plan.cache_clear()
 
-    mla_settings = list(itertools.product((1024, 2048, 4096), (256, 1024), (2, 4)))
-    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        cache = torch.zeros(1, ROWS, 1, RANK + ROPE, dtype=storage_dtype(cache_dtype), device="cuda")
-        out_bytes = (RANK + ROPE) * cache_dtype.itemsize
-        moved = N * ((RANK + ROPE) * 2 + out_bytes + 8)
-        tag = str(cache_dtype).removeprefix("torch.")
-        sweep(f"mla store {tag}", mla_settings, mla_apply,
-              lambda: mla.store_nope_rope_triton(cache, 0, loc, nope, rope, cache_dtype=cache_dtype), moved, ceiling)
-        sweep(f"mla gather {tag}->bf16", mla_settings, mla_apply,
-              lambda: mla.gather_nope_rope_triton(cache, 0, loc, nope_out, rope_out, cache_dtype=cache_dtype),
+    # (elements per program, widest column tile, elements per warp); bf16, the dtype of the decode targets,
+    # at decode sizes and at 32k tokens
+    mla_settings = list(itertools.product((2048, 4096, 8192), (128, 256, 512), (512, 1024, 2048)))
+    cache = torch.zeros(1, ROWS, 1, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
+    for n in (1, 64, N):
+        moved = n * ((RANK + ROPE) * 4 + 8)
+        sweep(f"mla store bf16 N={n}", mla_settings, mla_apply,
+              lambda: mla.store_nope_rope_triton(cache, 0, loc[:n], nope[:n], rope[:n], cache_dtype=torch.bfloat16),
+              moved, ceiling)
+        sweep(f"mla gather bf16 N={n}", mla_settings, mla_apply,
+              lambda: mla.gather_nope_rope_triton(cache, 0, loc[:n], nope_out[:n], rope_out[:n], cache_dtype=torch.bfloat16),
               moved, ceiling)  # fmt: skip
-        del cache
+    del cache
 
     width = scaled_row_bytes(RANK, ROPE)
     cache = torch.zeros(1, ROWS, 1, width, dtype=torch.uint8, device="cuda")
@@ -87,18 +88,6 @@ def main() -> None:
     sweep("dsa dequant gather->bf16", dsa_settings, gather_apply,
           lambda: dsa.gather_dsa_fp8_triton(cache, 0, loc, nope_out, rope_out, **kw), moved, ceiling)
     del cache
-
-    # the MLA bf16 store on 4x the tokens, at the last MLA setting swept's best (bf16 and fp8 share constants)
-    n4, rows4 = 4 * N, 4 * (ROWS - 1) + 1
-    loc4 = torch.randperm(rows4 - 1, device="cuda", generator=g)[:n4] + 1
-    full4 = torch.randn(n4, 1, RANK + ROPE + 32, device="cuda", generator=g).to(torch.bfloat16)
-    cache = torch.zeros(1, rows4, 1, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
-    moved = n4 * ((RANK + ROPE) * 4 + 8)
-    for order, where in (("random", loc4), ("sorted", loc4.sort().values)):
-        us = graph_time_us(lambda: mla.store_nope_rope_triton(cache, 0, where, full4[..., :RANK], full4[..., RANK : RANK + ROPE],
-                                                              cache_dtype=torch.bfloat16), 4)  # fmt: skip
-        print(f"mla store bf16 {n4} tokens, {order} rows: {us:.2f} us {moved / us / 1e6 / ceiling:.3f} of ceiling; "
-              f"a copy of the same bytes {same_size_copy_us(moved):.2f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``kvcore`` command line: ``up``, ``plan``, ``plugins``, ``config``.
+"""``kvcore`` command line: ``up``, ``plan``, ``plugins``, ``config``, ``bench``.
 
 Every command takes an optional engine YAML first, then overrides::
 
@@ -157,6 +157,25 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("kvcore bench: needs a CUDA GPU, and this machine has none: it times the pools' kernels on the device "
+              "(`kvcore plan` sizes pools and the test suite checks every kernel on a CPU without one)", file=sys.stderr)
+        return 2
+    from kvcore.bench import run
+
+    sizes = dict(host_sizes=(8,), graph_sizes=(1, 64), reps=500) if args.quick else {}
+    rows = run(**sizes)
+    if args.json:
+        import json
+
+        import attrs
+
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([attrs.asdict(r) for r in rows], f, indent=1)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcore", description="KV-cache memory pools: plan, build and check.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -172,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--explain", nargs="*", metavar="OVERRIDE",
                          help="for this config, say which backend is chosen and why the others are not")
     plugins.set_defaults(func=cmd_plugins)
+    bench = sub.add_parser("bench", help="time the built-in pools' hot paths on this GPU beside the torch path")
+    bench.add_argument("--quick", action="store_true", help="a few sizes only")
+    bench.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    bench.set_defaults(func=cmd_bench)
     config = sub.add_parser("config", help="every config key: type, default and meaning (plugins' sections and options too)")
     config.add_argument("--markdown", action="store_true", help="as the markdown table of README.md")
     config.set_defaults(func=cmd_config)

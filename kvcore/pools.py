@@ -25,7 +25,7 @@ import torch
 
 from kvcore.dtypes import storage_dtype
 from kvcore.kernel_mode import use_triton
-from kvcore.row_move import move_token_rows_native, move_token_rows_triton
+from kvcore.row_move import RowMover, move_token_rows_native
 from kvcore.token_rows import TokenRows
 
 GB = 1 << 30
@@ -167,6 +167,7 @@ class KVCache(abc.ABC):
         self.kernels = kernels
         self._use_triton = use_triton(kernels, device)
         self._move_groups: list[tuple[TokenRows, TokenRows | None]] | None = None
+        self._movers: list[RowMover] | None = None
         self.mem_usage = 0.0
         self.layer_transfer_counter = None
 
@@ -262,10 +263,16 @@ class KVCache(abc.ABC):
             raise ValueError(f"move_kv_cache: {tgt_loc.numel()} targets but {src_loc.numel()} sources")
         if tgt_loc.numel() == 0:
             return
-        move = move_token_rows_triton if self._use_triton else move_token_rows_native
-        tgt, src = tgt_loc.reshape(-1), src_loc.reshape(-1)
-        for first, second in self.move_groups():
-            move(first, second, tgt, src)
+        tgt = tgt_loc if tgt_loc.dim() == 1 else tgt_loc.reshape(-1)
+        src = src_loc if src_loc.dim() == 1 else src_loc.reshape(-1)
+        if not self._use_triton:
+            for first, second in self.move_groups():
+                move_token_rows_native(first, second, tgt, src)
+            return
+        if self._movers is None:
+            self._movers = [RowMover(first, second) for first, second in self.move_groups()]
+        for mover in self._movers:
+            mover(tgt, src)
 
     def move_groups(self) -> list[tuple[TokenRows, TokenRows | None]]:
         """:meth:`token_rows` in the pairs :meth:`move_kv_cache` moves together: buffers stacking the same

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.launch import Launcher, alignment
 from kvcore.token_rows import TokenRows
 
 # Tiling (bytes).
@@ -150,7 +151,7 @@ def _token_row(t, TOKENS_PER_PAGE: tl.constexpr, ROWS_PER_PAGE: tl.constexpr, FI
     return r
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tgt_stride", "src_stride", "n_tokens"])
 def _move_kv_kernel(
     k_ptr,
     v_ptr,
@@ -334,6 +335,83 @@ def _flag_overlaps(rows: int, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> t
     return flag
 
 
+class RowMover:
+    """:func:`move_token_rows_triton` bound to one or two buffers: everything fixed by the buffers (word
+    views, row widths, paging constexprs, the launcher) is computed once, so a move of up to
+    ``MOVE_MAX_TOKENS`` slots costs one check of its index tensors and one direct launch (:mod:`kvcore.launch`).
+
+    :param first: a contiguous ``[L, R, ...]`` buffer and where each token's row lies in it.
+    :param second: a second buffer with the same L (its rows and paging may differ), or None.
+    """
+
+    def __init__(self, first: TokenRows, second: TokenRows | None = None):
+        if second is not None and first.rows.shape[0] != second.rows.shape[0]:
+            raise ValueError(
+                f"both buffers must stack the same layers, got {tuple(first.rows.shape)} and {tuple(second.rows.shape)}"
+            )
+        self.buffers = (first,) if second is None else (first, second)
+        if not all(b.rows.is_contiguous() for b in self.buffers):
+            raise ValueError("cache buffers must be contiguous")
+        k_cache = first.rows
+        v_rows = second if second is not None else first  # the V half of the grid is not launched
+        v_cache = v_rows.rows
+        self._kwb, self._vwb = _word_bytes(k_cache), _word_bytes(v_cache)
+        self._k_row_bytes = k_cache.stride(1) * k_cache.element_size()
+        self._v_row_bytes = v_cache.stride(1) * v_cache.element_size()
+        k_row, v_row = self._k_row_bytes // self._kwb, self._v_row_bytes // self._vwb
+        self._caches, self._layers = (k_cache, v_cache), k_cache.shape[0]
+        self._fixed = (self._layers, k_cache.shape[1] * k_row, v_cache.shape[1] * v_row, k_row, v_row)
+        self._paging = (first.tokens_per_page, first.rows_per_page, first.first_row,
+                        v_rows.tokens_per_page, v_rows.rows_per_page, v_rows.first_row)  # fmt: skip
+        self._plans: dict[int, tuple] = {}
+        self.launch = Launcher(_move_kv_kernel, k_cache.device)
+
+    def _plan(self, n: int) -> tuple[int, int, int, int, int]:
+        """(N_PAD, K_TILE, V_TILE, column programs, warps) of the single-launch path for ``n`` slots."""
+        n_pad, tile_bytes = _move_plan(n, self._k_row_bytes, self._v_row_bytes)
+        plan = self._plans.get(n_pad)
+        if plan is None:
+            k_tile, v_tile = max(1, tile_bytes // self._kwb), max(1, tile_bytes // self._vwb)
+            n_col = max(triton.cdiv(self._fixed[3], k_tile), triton.cdiv(self._fixed[4], v_tile))
+            num_warps = max(1, min(8, prev_pow2(n_pad * tile_bytes // 4096)))
+            plan = self._plans[n_pad] = (n_pad, k_tile, v_tile, n_col, num_warps)
+        return plan
+
+    def __call__(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Rows of tokens ``tgt_loc[i]`` <- rows of tokens ``src_loc[i]``, in every layer of the buffers (see
+        :func:`move_token_rows_triton`)."""
+        for name, t in (("tgt_loc", tgt_loc), ("src_loc", src_loc)):
+            if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
+        n = tgt_loc.shape[0]
+        if src_loc.shape[0] != n:
+            raise ValueError(f"tgt_loc {tuple(tgt_loc.shape)} and src_loc {tuple(src_loc.shape)} differ")
+        if n == 0:
+            return
+        if n > MOVE_MAX_TOKENS:
+            self._move_large(tgt_loc, src_loc, n)
+            return
+        plan = self._plan(n)
+        n_pad, k_tile, v_tile, n_col, num_warps = plan
+        key = (tgt_loc.dtype, src_loc.dtype, alignment(tgt_loc), alignment(src_loc), plan)
+        self.launch(key, (len(self.buffers) * self._layers, n_col), (
+            *self._caches, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), n, *self._fixed,
+            k_tile, v_tile, self._kwb, self._vwb, *self._paging, n_pad,
+        ), num_warps=num_warps)  # fmt: skip
+
+    def _move_large(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor, n: int) -> None:
+        # The device decides: without overlap a straight parallel row copy (one pass over the bytes);
+        # with overlap the gather/scatter through scratch.  The path not taken exits at once.  Overlap is a
+        # property of the tokens (a token's row is the same function of it in each buffer), and no token
+        # exceeds its buffer's row count.
+        flag = _flag_overlaps(max(b.rows.shape[1] for b in self.buffers), tgt_loc, src_loc)
+        for token_rows in self.buffers:
+            words = _row_words(token_rows.rows)
+            tgt, src = token_rows.row_of(tgt_loc), token_rows.row_of(src_loc)
+            _copy_rows(words, words, src, tgt, n, flag, 1)
+            _move_via_scratch(words, tgt, src, flag, 2)
+
+
 def move_token_rows_triton(
     first: TokenRows, second: TokenRows | None, tgt_loc: torch.Tensor, src_loc: torch.Tensor
 ) -> None:
@@ -351,48 +429,9 @@ def move_token_rows_triton(
     ``N <= MOVE_MAX_TOKENS`` (512): one kernel launch (token rows are found on the device), no allocation, no
     host sync (CUDA-graph safe; N is read from the tensor shape).  Larger N: a device-side overlap flag
     picks, without a host sync, a one-pass parallel row copy (no overlap) or a gather/scatter through a
-    scratch buffer (overlap).
+    scratch buffer (overlap).  A pool keeps one :class:`RowMover` per buffer pair instead of calling this.
     """
-    _check_move_args(first, second, tgt_loc, src_loc)
-    n = tgt_loc.shape[0]
-    if n == 0:
-        return
-    buffers = (first,) if second is None else (first, second)
-    if not all(b.rows.is_contiguous() for b in buffers):
-        raise ValueError("cache buffers must be contiguous")
-    if n > MOVE_MAX_TOKENS:
-        # The device decides: without overlap a straight parallel row copy (one pass over the bytes);
-        # with overlap the gather/scatter through scratch.  The path not taken exits at once.  Overlap is a
-        # property of the tokens (a token's row is the same function of it in each buffer), and no token
-        # exceeds its buffer's row count.
-        flag = _flag_overlaps(max(b.rows.shape[1] for b in buffers), tgt_loc, src_loc)
-        for token_rows in buffers:
-            words = _row_words(token_rows.rows)
-            tgt, src = token_rows.row_of(tgt_loc), token_rows.row_of(src_loc)
-            _copy_rows(words, words, src, tgt, n, flag, 1)
-            _move_via_scratch(words, tgt, src, flag, 2)
-        return
-    k_cache = first.rows
-    v_rows = second if second is not None else first  # the V half of the grid is not launched
-    v_cache = v_rows.rows
-    kwb, vwb = _word_bytes(k_cache), _word_bytes(v_cache)
-    k_row_bytes = k_cache.stride(1) * k_cache.element_size()
-    v_row_bytes = v_cache.stride(1) * v_cache.element_size()
-    n_pad, tile_bytes = _move_plan(n, k_row_bytes, v_row_bytes)
-    k_tile = max(1, tile_bytes // kwb)
-    v_tile = max(1, tile_bytes // vwb)
-    k_row, v_row = k_row_bytes // kwb, v_row_bytes // vwb
-    n_col = max(triton.cdiv(k_row, k_tile), triton.cdiv(v_row, v_tile))
-    num_warps = max(1, min(8, prev_pow2(n_pad * tile_bytes // 4096)))
-    L = k_cache.shape[0]
-    _move_kv_kernel[(len(buffers) * L, n_col)](
-        k_cache, v_cache, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), n, L,
-        k_cache.shape[1] * k_row, v_cache.shape[1] * v_row,
-        K_ROW=k_row, V_ROW=v_row, K_TILE=k_tile, V_TILE=v_tile, K_WORD=kwb, V_WORD=vwb,
-        K_TPP=first.tokens_per_page, K_RPP=first.rows_per_page, K_FIRST=first.first_row,
-        V_TPP=v_rows.tokens_per_page, V_RPP=v_rows.rows_per_page, V_FIRST=v_rows.first_row,
-        N_PAD=n_pad, num_warps=num_warps,
-    )  # fmt: skip
+    RowMover(first, second)(tgt_loc, src_loc)
 
 
 def move_rows_triton(

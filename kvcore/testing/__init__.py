@@ -5,7 +5,8 @@ Load it as a pytest plugin (``pytest -p kvcore.testing``) and subclass the mixin
 :data:`kvcore.hookspecs.API_VERSION`).
 
 Loading the plugin sets ``TRITON_INTERPRET=1`` (unless ``KVCORE_TEST_COMPILED=1`` asks for compiled kernels
-on a GPU), so Triton kernels run on the CPU in the interpreter with no conftest of yours; it must load before
+on a GPU, where it sets ``KVCORE_LAUNCH_CHECK=1`` instead: every direct launch is checked against Triton's own
+dispatch), so Triton kernels run on the CPU in the interpreter with no conftest of yours; it must load before
 your kernels are imported, which ``-p kvcore.testing`` does.
 
 The pools under test come from your backend itself.  A whole test file is::
@@ -31,6 +32,8 @@ import os
 
 if os.environ.get("KVCORE_TEST_COMPILED") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:  # compiled kernels: check every direct launch against Triton's own dispatch (kvcore.launch)
+    os.environ.setdefault("KVCORE_LAUNCH_CHECK", "1")
 
 import attrs  # noqa: E402
 import pytest  # noqa: E402

@@ -42,7 +42,9 @@ from kvcore.fp8 import (
     f32_to_e4m3fn_bits,
     torch_e4m3fn_saturates,
 )
+from kvcore import dtypes
 from kvcore.dtypes import E4M3FN_MAX
+from kvcore.launch import Launcher, alignment
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.row_move import next_pow2
 from kvcore_dsa.layout import (
@@ -56,6 +58,8 @@ from kvcore_dsa.layout import (
 )
 
 __all__ = [
+    "IndexerPages",
+    "ScaledRows",
     "dequantize_rows",
     "gather_dsa_fp8_native",
     "gather_dsa_fp8_triton",
@@ -71,7 +75,9 @@ __all__ = [
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 _E4M3FN_MAX = tl.constexpr(E4M3FN_MAX)
-_DST_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_F32 = tl.constexpr(dtypes.F32)
+_F16 = tl.constexpr(dtypes.F16)
+_BF16 = tl.constexpr(dtypes.BF16)
 
 # Tokens per program (powers of two) and warps, per kernel; a store/gather program handles whole rows.
 # Measured on an H200 (benchmarks/tune_mla_dsa.py): the store is fastest at about 32 values per thread.
@@ -199,76 +205,18 @@ def _e4m3_to_f32(b, HW_CVT: tl.constexpr):
     return xf
 
 
-def _as_2d(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
-    """[N, w] or [N, 1, w] -> [N, w] (a view)."""
-    if x.dim() == 3 and x.shape[1] == 1:
-        x = x[:, 0]
-    if x.dim() != 2 or x.shape[1] != width:
-        raise ValueError(f"{what} must be [N, {width}] or [N, 1, {width}], got {tuple(x.shape)}")
-    return x
-
-
-def _check_cache(kv_cache: torch.Tensor, layer_index: int, width: int) -> None:
-    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or kv_cache.shape[3] != width:
-        raise ValueError(f"kv_cache must be uint8 [L, R, 1, {width}], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous")
-    if not 0 <= layer_index < kv_cache.shape[0]:
-        raise ValueError(f"layer_index {layer_index} out of range for {kv_cache.shape[0]} layers")
-
-
-def _check_loc(loc: torch.Tensor) -> None:
-    if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
-
-
-def _check_store_args(kv_cache, layer_index, loc, nope, rope, kv_lora_rank, qk_rope_head_dim):
-    _check_loc(loc)
-    nope = _as_2d(nope, kv_lora_rank, "cache_k_nope")
-    rope = _as_2d(rope, qk_rope_head_dim, "cache_k_rope")
-    _check_cache(kv_cache, layer_index, scaled_row_bytes(kv_lora_rank, qk_rope_head_dim))
-    n = loc.shape[0]
-    if nope.shape[0] != n or rope.shape[0] != n:
-        raise ValueError(f"{n} locations but {nope.shape[0]} nope / {rope.shape[0]} rope rows")
-    for name, t in (("cache_k_nope", nope), ("cache_k_rope", rope)):
-        if t.dtype not in _FLOAT_INPUTS:
-            raise ValueError(f"{name} must be float32/float16/bfloat16 to be quantized, got {t.dtype}")
-    if kv_lora_rank % QUANT_BLOCK_SIZE or qk_rope_head_dim % 2:
-        raise ValueError(
-            f"kv_lora_rank={kv_lora_rank} must be a multiple of {QUANT_BLOCK_SIZE} and qk_rope_head_dim="
-            f"{qk_rope_head_dim} even (float32 scales and bf16 rope stay aligned)"
-        )
-    return nope, rope
-
-
-def store_dsa_fp8_native(
-    kv_cache: torch.Tensor,
-    layer_index: int,
-    loc: torch.Tensor,
-    cache_k_nope: torch.Tensor,
-    cache_k_rope: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    qk_rope_head_dim: int,
-) -> None:
-    """Torch reference of :func:`store_dsa_fp8_triton` (same signature and bytes)."""
-    nope, rope = _check_store_args(kv_cache, layer_index, loc, cache_k_nope, cache_k_rope, kv_lora_rank, qk_rope_head_dim)
-    if loc.shape[0] == 0:
-        return
-    kv_cache[layer_index, loc.long(), 0] = quantize_parts(nope, rope)
-
-
 @triton.jit
 def _row_block(
-    loc_ptr, loc_stride, n_tokens, layer_offset, ROW_BYTES: tl.constexpr, KV_LORA: tl.constexpr,
-    NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+    loc_ptr, loc_stride, n_tokens, layer, LAYER_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
+    KV_LORA: tl.constexpr, NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """This program's ``BLOCK_N`` tokens: (token index, token mask, byte offset of each row, nope columns
     ``[0, TILES_PAD * TILE)``, and the mask of real tokens x nope columns)."""
     offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_n = offs_n < n_tokens
     rows = tl.load(loc_ptr + offs_n * loc_stride, mask=mask_n, other=0).to(tl.int64)
-    base = layer_offset + rows * ROW_BYTES
+    base = layer.to(tl.int64) * LAYER_BYTES + rows * ROW_BYTES
     cols = tl.arange(0, TILES_PAD * TILE)
     if NUM_TILES == TILES_PAD:
         mask = mask_n[:, None]
@@ -277,12 +225,12 @@ def _row_block(
     return offs_n, mask_n, base, cols, mask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "loc_stride", "n_tokens"])
 def _store_dsa_fp8_kernel(
     cache_u8,
     cache_i16,
     cache_f32,
-    layer_offset,
+    layer,
     nope_ptr,
     rope_ptr,
     loc_ptr,
@@ -295,6 +243,7 @@ def _store_dsa_fp8_kernel(
     KV_LORA: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     ROPE_PAD: tl.constexpr,
+    LAYER_BYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     NUM_TILES: tl.constexpr,
     TILES_PAD: tl.constexpr,
@@ -306,11 +255,11 @@ def _store_dsa_fp8_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """One program writes whole rows of ``BLOCK_N`` tokens: every tile's fp8 bytes and scale, and the rope.
-    ``layer_offset`` and ROW_BYTES are in bytes; the int16/float32 views of the same cache are addressed in
+    LAYER_BYTES and ROW_BYTES are in bytes; the int16/float32 views of the same cache are addressed in
     their own elements (offsets divided by 2 / 4: rows, the scales and the rope start stay aligned).  Tiles
     are padded to a power of two (TILES_PAD) and the padding masked."""
     offs_n, mask_n, base, cols, mask = _row_block(
-        loc_ptr, loc_stride, n_tokens, layer_offset, ROW_BYTES, KV_LORA, NUM_TILES, TILES_PAD, TILE, BLOCK_N
+        loc_ptr, loc_stride, n_tokens, layer, LAYER_BYTES, ROW_BYTES, KV_LORA, NUM_TILES, TILES_PAD, TILE, BLOCK_N
     )
     x = tl.load(nope_ptr + offs_n[:, None] * nope_sn + cols[None, :].to(tl.int64) * nope_sd,
                 mask=mask, other=0.0).to(tl.float32)  # fmt: skip
@@ -336,89 +285,16 @@ def _store_dsa_fp8_kernel(
     tl.store(cache_i16 + r_dst[:, None] + r_d[None, :], r_bits, mask=r_mask)
 
 
-def store_dsa_fp8_triton(
-    kv_cache: torch.Tensor,
-    layer_index: int,
-    loc: torch.Tensor,
-    cache_k_nope: torch.Tensor,
-    cache_k_rope: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    qk_rope_head_dim: int,
-) -> None:
-    """Quantize and store latent rows: ``kv_cache[layer_index, loc[i], 0] = quantize(nope[i] ++ rope[i])``.
-
-    :param kv_cache: contiguous uint8 ``[L, R, 1, scaled_row_bytes(kv_lora_rank, qk_rope_head_dim)]``.
-    :param layer_index: 0-based layer in the stack.
-    :param loc: ``[N]`` int32/int64 distinct rows.
-    :param cache_k_nope: ``[N, kv_lora_rank]`` or ``[N, 1, kv_lora_rank]`` float32/float16/bfloat16, any
-        strides.  Not modified.
-    :param cache_k_rope: ``[N, qk_rope_head_dim]`` or ``[N, 1, qk_rope_head_dim]``, likewise.
-    :returns: nothing; the rows are byte-identical to :func:`quantize_concatenated` of the concatenation.
-        One launch, no allocation, no host sync (CUDA-graph safe).
-    """
-    nope, rope = _check_store_args(kv_cache, layer_index, loc, cache_k_nope, cache_k_rope, kv_lora_rank, qk_rope_head_dim)
-    n = loc.shape[0]
-    if n == 0:
-        return
-    width = kv_cache.shape[3]
-    tiles = kv_lora_rank // QUANT_BLOCK_SIZE
-    block_n = min(_STORE_BLOCK_N, next_pow2(n))
-    _store_dsa_fp8_kernel[(triton.cdiv(n, block_n),)](
-        kv_cache, kv_cache.view(torch.int16), kv_cache.view(torch.float32),
-        layer_index * kv_cache.stride(0), nope, rope, loc, loc.stride(0), n,
-        nope.stride(0), nope.stride(1), rope.stride(0), rope.stride(1),
-        KV_LORA=kv_lora_rank, ROPE_DIM=qk_rope_head_dim, ROPE_PAD=next_pow2(qk_rope_head_dim), ROW_BYTES=width,
-        NUM_TILES=tiles, TILES_PAD=next_pow2(tiles), TILE=QUANT_BLOCK_SIZE, ROPE_BF16=rope.dtype == torch.bfloat16,
-        SCALE_MIN=SCALE_MIN, SATURATE=torch_e4m3fn_saturates(), HW_CVT=not triton_interpreting(), BLOCK_N=block_n,
-        num_warps=_STORE_NUM_WARPS,
-    )  # fmt: skip
-
-
 # ==========================================================================================================
 # dequantizing gather
 # ==========================================================================================================
 
 
-def _check_gather_args(kv_cache, layer_index, loc, nope_out, rope_out, kv_lora_rank, qk_rope_head_dim):
-    _check_loc(loc)
-    _check_cache(kv_cache, layer_index, scaled_row_bytes(kv_lora_rank, qk_rope_head_dim))
-    n = loc.shape[0]
-    for name, t, w in (("nope_out", nope_out, kv_lora_rank), ("rope_out", rope_out, qk_rope_head_dim)):
-        if t.numel() != n * w or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous with {n} x {w} elements, got {tuple(t.shape)}")
-        if t.dtype not in _DST_CODES:
-            raise ValueError(f"{name} must be float32/float16/bfloat16, got {t.dtype}")
-    if nope_out.dtype != rope_out.dtype:
-        raise ValueError(f"nope_out and rope_out must share a dtype, got {nope_out.dtype} and {rope_out.dtype}")
-
-
-def gather_dsa_fp8_native(
-    kv_cache: torch.Tensor,
-    layer_index: int,
-    loc: torch.Tensor,
-    nope_out: torch.Tensor,
-    rope_out: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    qk_rope_head_dim: int,
-) -> None:
-    """Torch reference of :func:`gather_dsa_fp8_triton`: gathers the rows first, then dequantizes only them."""
-    _check_gather_args(kv_cache, layer_index, loc, nope_out, rope_out, kv_lora_rank, qk_rope_head_dim)
-    n = loc.shape[0]
-    if n == 0:
-        return
-    rows = kv_cache[layer_index].index_select(0, loc.long())[:, 0]
-    nope, rope = dequantize_rows(rows, kv_lora_rank, qk_rope_head_dim, nope_out.dtype)
-    nope_out.view(n, kv_lora_rank).copy_(nope)
-    rope_out.view(n, qk_rope_head_dim).copy_(rope)
-
-
 @triton.jit
 def _store_converted(ptr, xf, mask, OUT: tl.constexpr, HW_CVT: tl.constexpr):
-    if OUT == 1:
+    if OUT == _F32:
         tl.store(ptr, xf, mask=mask)
-    elif OUT == 2:
+    elif OUT == _F16:
         tl.store(ptr, xf.to(tl.float16), mask=mask)
     else:
         if HW_CVT:
@@ -427,12 +303,12 @@ def _store_converted(ptr, xf, mask, OUT: tl.constexpr, HW_CVT: tl.constexpr):
             tl.store(ptr, f32_to_bf16_bits(xf).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "loc_stride", "n_tokens"])
 def _gather_dsa_fp8_kernel(
     cache_u8,
     cache_i16,
     cache_f32,
-    layer_offset,
+    layer,
     loc_ptr,
     loc_stride,
     n_tokens,
@@ -441,6 +317,7 @@ def _gather_dsa_fp8_kernel(
     KV_LORA: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     ROPE_PAD: tl.constexpr,
+    LAYER_BYTES: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     NUM_TILES: tl.constexpr,
     TILES_PAD: tl.constexpr,
@@ -451,7 +328,7 @@ def _gather_dsa_fp8_kernel(
 ):
     """One program reads whole rows of ``BLOCK_N`` tokens."""
     offs_n, mask_n, base, cols, mask = _row_block(
-        loc_ptr, loc_stride, n_tokens, layer_offset, ROW_BYTES, KV_LORA, NUM_TILES, TILES_PAD, TILE, BLOCK_N
+        loc_ptr, loc_stride, n_tokens, layer, LAYER_BYTES, ROW_BYTES, KV_LORA, NUM_TILES, TILES_PAD, TILE, BLOCK_N
     )
     b = tl.load(cache_u8 + base[:, None] + cols[None, :], mask=mask, other=0)
     t = tl.arange(0, TILES_PAD)
@@ -464,45 +341,11 @@ def _gather_dsa_fp8_kernel(
     r_mask = mask_n[:, None] & (r_d < ROPE_DIM)[None, :]
     r_bits = tl.load(cache_i16 + ((base + KV_LORA + NUM_TILES * 4) // 2)[:, None] + r_d[None, :], mask=r_mask, other=0)
     r_dst = rope_out + offs_n[:, None] * ROPE_DIM + r_d[None, :]
-    if OUT == 3:
+    if OUT == _BF16:
         tl.store(r_dst, r_bits.to(tl.bfloat16, bitcast=True), mask=r_mask)
     else:
         r_xf = ((r_bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
         _store_converted(r_dst, r_xf, r_mask, OUT, HW_CVT)
-
-
-def gather_dsa_fp8_triton(
-    kv_cache: torch.Tensor,
-    layer_index: int,
-    loc: torch.Tensor,
-    nope_out: torch.Tensor,
-    rope_out: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    qk_rope_head_dim: int,
-) -> None:
-    """Dequantize rows ``loc`` of layer ``layer_index`` into ``nope_out`` / ``rope_out``.
-
-    :param kv_cache: contiguous uint8 ``[L, R, 1, row_bytes]`` (see :func:`store_dsa_fp8_triton`).
-    :param loc: ``[N]`` int32/int64 rows; only these rows are read.
-    :param nope_out: contiguous ``N x kv_lora_rank`` elements (e.g. ``[N, 1, R]``), float32/float16/bfloat16:
-        ``float32(fp8) * scale`` converted with round-to-nearest-even.
-    :param rope_out: contiguous ``N x qk_rope_head_dim`` elements of the same dtype: the stored bf16 rope.
-    """
-    _check_gather_args(kv_cache, layer_index, loc, nope_out, rope_out, kv_lora_rank, qk_rope_head_dim)
-    n = loc.shape[0]
-    if n == 0:
-        return
-    tiles = kv_lora_rank // QUANT_BLOCK_SIZE
-    block_n = min(_GATHER_BLOCK_N, next_pow2(n))
-    _gather_dsa_fp8_kernel[(triton.cdiv(n, block_n),)](
-        kv_cache, kv_cache.view(torch.int16), kv_cache.view(torch.float32),
-        layer_index * kv_cache.stride(0), loc, loc.stride(0), n, nope_out, rope_out,
-        KV_LORA=kv_lora_rank, ROPE_DIM=qk_rope_head_dim, ROPE_PAD=next_pow2(qk_rope_head_dim),
-        ROW_BYTES=kv_cache.shape[3], NUM_TILES=tiles, TILES_PAD=next_pow2(tiles), TILE=QUANT_BLOCK_SIZE,
-        OUT=_DST_CODES[nope_out.dtype], HW_CVT=not triton_interpreting(), BLOCK_N=block_n,
-        num_warps=_GATHER_NUM_WARPS,
-    )  # fmt: skip
 
 
 # ==========================================================================================================
@@ -510,14 +353,179 @@ def gather_dsa_fp8_triton(
 # ==========================================================================================================
 
 
-def _index_geometry(index_buf: torch.Tensor, key_bytes: int, has_scale: bool) -> int:
-    """Checks ``index_buf`` [L, pages, page_bytes] uint8 against the key width; returns the page bytes."""
-    if index_buf.dtype != torch.uint8 or index_buf.dim() != 3 or not index_buf.is_contiguous():
-        raise ValueError(f"index buffer must be contiguous uint8 [L, pages, page_bytes], got {index_buf.dtype} {tuple(index_buf.shape)}")
-    page_bytes = index_page_bytes_of(key_bytes, has_scale)
-    if index_buf.shape[2] != page_bytes:
-        raise ValueError(f"index pages hold {index_buf.shape[2]} bytes, keys of {key_bytes} bytes need {page_bytes}")
-    return page_bytes
+@triton.jit(do_not_specialize=["layer", "loc_stride", "n_tokens"])
+def _set_index_k_kernel(
+    buf_ptr,
+    layer,
+    loc_ptr,
+    loc_stride,
+    n_tokens,
+    k_ptr,
+    k_sn,
+    k_sd,
+    s_ptr,
+    s_sn,
+    s_sd,
+    PAGE: tl.constexpr,
+    LAYER_BYTES: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_n = offs_n < n_tokens
+    loc = tl.load(loc_ptr + offs_n * loc_stride, mask=mask_n, other=0).to(tl.int64)
+    page_base = layer.to(tl.int64) * LAYER_BYTES + (loc // PAGE) * PAGE_BYTES
+    slot = loc % PAGE
+    cols = tl.arange(0, KEY_BYTES)
+    k = tl.load(k_ptr + offs_n[:, None] * k_sn + cols[None, :].to(tl.int64) * k_sd, mask=mask_n[:, None])
+    tl.store(buf_ptr + (page_base + slot * KEY_BYTES)[:, None] + cols[None, :], k, mask=mask_n[:, None])
+    if HAS_SCALE:
+        j = tl.arange(0, 4)
+        s = tl.load(s_ptr + offs_n[:, None] * s_sn + j[None, :].to(tl.int64) * s_sd, mask=mask_n[:, None])
+        dst = page_base + PAGE * KEY_BYTES + slot * 4
+        tl.store(buf_ptr + dst[:, None] + j[None, :], s, mask=mask_n[:, None])
+
+
+@triton.jit(do_not_specialize=["layer", "page_stride", "seq_len"])
+def _get_index_k_kernel(
+    buf_ptr,
+    layer,
+    page_ptr,
+    page_stride,
+    seq_len,
+    k_out,
+    s_out,
+    PAGE: tl.constexpr,
+    LAYER_BYTES: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    WANT_K: tl.constexpr,
+    WANT_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    i = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_n = i < seq_len
+    page = tl.load(page_ptr + (i // PAGE) * page_stride, mask=mask_n, other=0).to(tl.int64)
+    page_base = layer.to(tl.int64) * LAYER_BYTES + page * PAGE_BYTES
+    slot = i % PAGE
+    if WANT_K:
+        cols = tl.arange(0, KEY_BYTES)
+        k = tl.load(buf_ptr + (page_base + slot * KEY_BYTES)[:, None] + cols[None, :], mask=mask_n[:, None])
+        tl.store(k_out + i[:, None] * KEY_BYTES + cols[None, :], k, mask=mask_n[:, None])
+    if WANT_S:
+        j = tl.arange(0, 4)
+        src = page_base + PAGE * KEY_BYTES + slot * 4
+        s = tl.load(buf_ptr + src[:, None] + j[None, :], mask=mask_n[:, None])
+        tl.store(s_out + i[:, None] * 4 + j[None, :], s, mask=mask_n[:, None])
+
+
+# ==========================================================================================================
+# The pool's view: both caches bound once, the Triton kernels or their torch references
+# ==========================================================================================================
+
+
+def _geometry(x: torch.Tensor, width: int, n: int, what: str) -> tuple[int, int]:
+    """(token stride, column stride) of an ``[N, width]`` or ``[N, 1, width]`` tensor, from its shape and strides
+    (no view: a view costs a microsecond of host time)."""
+    shape, stride = x.shape, x.stride()
+    if len(shape) == 3 and shape[1] == 1 and shape[0] == n and shape[2] == width:
+        return stride[0], stride[2]
+    if len(shape) == 2 and shape[0] == n and shape[1] == width:
+        return stride[0], stride[1]
+    raise ValueError(f"{what} must be [{n}, {width}] or [{n}, 1, {width}], got {tuple(shape)}")
+
+
+def _check_loc(loc: torch.Tensor) -> int:
+    if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
+    return loc.shape[0]
+
+
+class ScaledRows:
+    """The quantize-store and dequantize-gather of one pool's scaled fp8 rows (see the module docstring):
+    the Triton kernels (``use_triton``) or their torch references, sharing the checks; what is fixed at pool
+    creation (views of the cache, constexprs, launchers) is computed once.
+
+    :param kv_cache: contiguous uint8 ``[L, R, 1, scaled_row_bytes(kv_lora_rank, qk_rope_head_dim)]``.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, qk_rope_head_dim: int, use_triton: bool = True):
+        width = scaled_row_bytes(kv_lora_rank, qk_rope_head_dim)
+        if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or kv_cache.shape[3] != width:
+            raise ValueError(f"kv_cache must be uint8 [L, R, 1, {width}], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous")
+        if kv_lora_rank % QUANT_BLOCK_SIZE or qk_rope_head_dim % 2:
+            raise ValueError(
+                f"kv_lora_rank={kv_lora_rank} must be a multiple of {QUANT_BLOCK_SIZE} and qk_rope_head_dim="
+                f"{qk_rope_head_dim} even (float32 scales and bf16 rope stay aligned)"
+            )
+        self.kv_cache, self.kv_lora_rank, self.qk_rope_head_dim = kv_cache, kv_lora_rank, qk_rope_head_dim
+        self.use_triton, self.layers = use_triton, kv_cache.shape[0]
+        self._views = (kv_cache, kv_cache.view(torch.int16), kv_cache.view(torch.float32))
+        tiles = kv_lora_rank // QUANT_BLOCK_SIZE
+        # KV_LORA, ROPE_DIM, ROPE_PAD, LAYER_BYTES, ROW_BYTES, NUM_TILES, TILES_PAD, TILE
+        self._dims = (kv_lora_rank, qk_rope_head_dim, next_pow2(qk_rope_head_dim), kv_cache.stride(0), width, tiles,
+                      next_pow2(tiles), QUANT_BLOCK_SIZE)  # fmt: skip
+        self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
+        self._store = Launcher(_store_dsa_fp8_kernel, kv_cache.device)
+        self._gather = Launcher(_gather_dsa_fp8_kernel, kv_cache.device)
+
+    def _check_layer(self, layer_index: int) -> None:
+        if not 0 <= layer_index < self.layers:
+            raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
+
+    def store(self, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:
+        """See :func:`store_dsa_fp8_triton`."""
+        self._check_layer(layer_index)
+        n = _check_loc(loc)
+        nope_s = _geometry(cache_k_nope, self.kv_lora_rank, n, "cache_k_nope")
+        rope_s = _geometry(cache_k_rope, self.qk_rope_head_dim, n, "cache_k_rope")
+        for name, t in (("cache_k_nope", cache_k_nope), ("cache_k_rope", cache_k_rope)):
+            if t.dtype not in _FLOAT_INPUTS:
+                raise ValueError(f"{name} must be float32/float16/bfloat16 to be quantized, got {t.dtype}")
+        if n == 0:
+            return
+        if not self.use_triton:
+            nope = cache_k_nope.reshape(n, self.kv_lora_rank)
+            self.kv_cache[layer_index, loc.long(), 0] = quantize_parts(nope, cache_k_rope.reshape(n, -1))
+            return
+        block_n = min(_STORE_BLOCK_N, next_pow2(n))
+        key = (cache_k_nope.dtype, cache_k_rope.dtype, nope_s, rope_s, alignment(cache_k_nope),
+               alignment(cache_k_rope), loc.dtype, alignment(loc), block_n)  # fmt: skip
+        self._store(key, (triton.cdiv(n, block_n),), (
+            *self._views, layer_index, cache_k_nope, cache_k_rope, loc, loc.stride(0), n, *nope_s, *rope_s,
+            *self._dims, cache_k_rope.dtype == torch.bfloat16, SCALE_MIN, self._saturate, self._hw_cvt, block_n,
+        ), num_warps=_STORE_NUM_WARPS)  # fmt: skip
+
+    def gather(self, layer_index: int, loc: torch.Tensor, nope_out: torch.Tensor, rope_out: torch.Tensor) -> None:
+        """See :func:`gather_dsa_fp8_triton`."""
+        self._check_layer(layer_index)
+        n = _check_loc(loc)
+        for name, t, w in (("nope_out", nope_out, self.kv_lora_rank), ("rope_out", rope_out, self.qk_rope_head_dim)):
+            if t.numel() != n * w or not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous with {n} x {w} elements, got {tuple(t.shape)}")
+            if t.dtype not in _FLOAT_INPUTS:
+                raise ValueError(f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+        if nope_out.dtype != rope_out.dtype:
+            raise ValueError(f"nope_out and rope_out must share a dtype, got {nope_out.dtype} and {rope_out.dtype}")
+        if n == 0:
+            return
+        if not self.use_triton:
+            rows = self.kv_cache[layer_index].index_select(0, loc.long())[:, 0]
+            nope, rope = dequantize_rows(rows, self.kv_lora_rank, self.qk_rope_head_dim, nope_out.dtype)
+            nope_out.view(n, self.kv_lora_rank).copy_(nope)
+            rope_out.view(n, self.qk_rope_head_dim).copy_(rope)
+            return
+        block_n = min(_GATHER_BLOCK_N, next_pow2(n))
+        out = dtypes.dtype_code(nope_out.dtype)
+        key = (out, alignment(nope_out), alignment(rope_out), loc.dtype, alignment(loc), block_n)
+        self._gather(key, (triton.cdiv(n, block_n),), (
+            *self._views, layer_index, loc, loc.stride(0), n, nope_out, rope_out, *self._dims, out, self._hw_cvt,
+            block_n,
+        ), num_warps=_GATHER_NUM_WARPS)  # fmt: skip
 
 
 def _key_bytes(index_k: torch.Tensor) -> torch.Tensor:
@@ -528,7 +536,7 @@ def _key_bytes(index_k: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"index_k must be [N, D], got {tuple(index_k.shape)}")
     if index_k.stride(1) != 1:
         index_k = index_k.contiguous()
-    return index_k.view(torch.uint8)
+    return index_k if index_k.dtype == torch.uint8 else index_k.view(torch.uint8)
 
 
 def _scale_bytes(index_k_scale: torch.Tensor, n: int) -> torch.Tensor:
@@ -548,68 +556,168 @@ def _scale_bytes(index_k_scale: torch.Tensor, n: int) -> torch.Tensor:
     return s
 
 
-def _check_set_index(index_buf, layer_index, loc, index_k, index_k_scale):
-    _check_loc(loc)
-    if not 0 <= layer_index < index_buf.shape[0]:
-        raise ValueError(f"layer_index {layer_index} out of range for {index_buf.shape[0]} layers")
-    n = loc.shape[0]
-    keys = _key_bytes(index_k)
-    if keys.shape[0] != n:
-        raise ValueError(f"{n} locations but {keys.shape[0]} index keys")
-    scales = None if index_k_scale is None else _scale_bytes(index_k_scale, n)
-    page_bytes = _index_geometry(index_buf, keys.shape[1], scales is not None)
-    return keys, scales, page_bytes
+class IndexerPages:
+    """Writes and reads of one pool's indexer pages (see the module docstring): the Triton kernels
+    (``use_triton``) or their torch references, sharing the checks; fixed geometry computed once.
+
+    :param index_buf: contiguous uint8 ``[L, pages, page_bytes]``; a page is 64 keys of ``key_bytes`` then,
+        when ``has_scale``, 64 float32 scales.
+    """
+
+    def __init__(self, index_buf: torch.Tensor, key_bytes: int, has_scale: bool, use_triton: bool = True):
+        if index_buf.dtype != torch.uint8 or index_buf.dim() != 3 or not index_buf.is_contiguous():
+            raise ValueError(
+                f"index buffer must be contiguous uint8 [L, pages, page_bytes], got {index_buf.dtype} {tuple(index_buf.shape)}"
+            )
+        page_bytes = index_page_bytes_of(key_bytes, has_scale)
+        if index_buf.shape[2] != page_bytes:
+            raise ValueError(f"index pages hold {index_buf.shape[2]} bytes, keys of {key_bytes} bytes need {page_bytes}")
+        self.index_buf, self.key_bytes, self.has_scale, self.use_triton = index_buf, key_bytes, has_scale, use_triton
+        self.layers, self.page_bytes = index_buf.shape[0], page_bytes
+        self._set = Launcher(_set_index_k_kernel, index_buf.device)
+        self._get = Launcher(_get_index_k_kernel, index_buf.device)
+
+    def _check_layer(self, layer_index: int) -> None:
+        if not 0 <= layer_index < self.layers:
+            raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
+
+    def _pages(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(keys ``[pages, 64, key_bytes]``, scales ``[pages, 64, 4]`` or None) of one layer, as views."""
+        layer = self.index_buf[layer_index]
+        keys = layer[:, : INDEX_PAGE_SIZE * self.key_bytes].view(-1, INDEX_PAGE_SIZE, self.key_bytes)
+        scales = layer[:, INDEX_PAGE_SIZE * self.key_bytes :].view(-1, INDEX_PAGE_SIZE, INDEX_SCALE_BYTES)
+        return keys, scales if self.has_scale else None
+
+    def set(self, layer_index: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale=None) -> None:
+        """See :func:`set_index_k_triton`."""
+        self._check_layer(layer_index)
+        n = _check_loc(loc)
+        keys = _key_bytes(index_k)
+        if keys.shape[0] != n:
+            raise ValueError(f"{n} locations but {keys.shape[0]} index keys")
+        if keys.shape[1] != self.key_bytes:
+            raise ValueError(f"index keys of {keys.shape[1]} bytes, the pages hold keys of {self.key_bytes} bytes")
+        if (index_k_scale is not None) != self.has_scale:
+            raise ValueError("scales are given for an indexer without scales" if index_k_scale is not None
+                             else "this indexer keeps a scale per key; pass index_k_scale")  # fmt: skip
+        scales = None if index_k_scale is None else _scale_bytes(index_k_scale, n)
+        if n == 0:
+            return
+        if not self.use_triton:
+            page_keys, page_scales = self._pages(layer_index)
+            loc = loc.long()
+            page, slot = loc // INDEX_PAGE_SIZE, loc % INDEX_PAGE_SIZE
+            page_keys[page, slot] = keys
+            if scales is not None:
+                page_scales[page, slot] = scales
+            return
+        block_n = min(_INDEX_BLOCK_N, next_pow2(n))
+        s = scales if scales is not None else keys
+        key = (keys.stride(), s.stride(), alignment(keys), alignment(s), loc.dtype, alignment(loc), block_n)
+        self._set(key, (triton.cdiv(n, block_n),), (
+            self.index_buf, layer_index, loc, loc.stride(0), n, keys, keys.stride(0), keys.stride(1), s, s.stride(0),
+            s.stride(1), INDEX_PAGE_SIZE, self.index_buf.stride(0), self.page_bytes, self.key_bytes,
+            scales is not None, block_n,
+        ), num_warps=_INDEX_NUM_WARPS)  # fmt: skip
+
+    def get(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, k_out: torch.Tensor | None,
+            s_out: torch.Tensor | None) -> None:  # fmt: skip
+        """See :func:`get_index_k_triton`."""
+        self._check_layer(layer_index)
+        if page_indices.dim() != 1 or page_indices.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"page_indices must be a 1-D int32/int64 tensor, got {page_indices.dtype} {tuple(page_indices.shape)}"
+            )
+        needed = -(-seq_len // INDEX_PAGE_SIZE)
+        if seq_len < 0 or page_indices.shape[0] < needed:
+            raise ValueError(f"seq_len={seq_len} needs {needed} page indices, got {page_indices.shape[0]}")
+        if k_out is not None and (k_out.dtype != torch.uint8 or k_out.shape != (seq_len, self.key_bytes) or not k_out.is_contiguous()):
+            raise ValueError(f"k_out must be contiguous uint8 [{seq_len}, {self.key_bytes}], got {k_out.dtype} {tuple(k_out.shape)}")
+        if s_out is not None:
+            if not self.has_scale:
+                raise ValueError("this indexer buffer keeps no scales")
+            if s_out.dtype != torch.uint8 or s_out.shape != (seq_len, INDEX_SCALE_BYTES) or not s_out.is_contiguous():
+                raise ValueError(f"s_out must be contiguous uint8 [{seq_len}, 4], got {s_out.dtype} {tuple(s_out.shape)}")
+        if seq_len == 0 or (k_out is None and s_out is None):
+            return
+        if not self.use_triton:
+            page_keys, page_scales = self._pages(layer_index)
+            i = torch.arange(seq_len, device=self.index_buf.device)
+            page, slot = page_indices.long()[i // INDEX_PAGE_SIZE], i % INDEX_PAGE_SIZE
+            if k_out is not None:
+                k_out.copy_(page_keys[page, slot])
+            if s_out is not None:
+                s_out.copy_(page_scales[page, slot])
+            return
+        block_n = min(_INDEX_BLOCK_N, next_pow2(seq_len))
+        dummy = k_out if k_out is not None else s_out
+        k, s = (k_out if k_out is not None else dummy), (s_out if s_out is not None else dummy)
+        key = (alignment(k), alignment(s), page_indices.dtype, alignment(page_indices), k_out is not None,
+               s_out is not None, block_n)  # fmt: skip
+        self._get(key, (triton.cdiv(seq_len, block_n),), (
+            self.index_buf, layer_index, page_indices, page_indices.stride(0), seq_len, k, s, INDEX_PAGE_SIZE,
+            self.index_buf.stride(0), self.page_bytes, self.key_bytes, k_out is not None, s_out is not None, block_n,
+        ), num_warps=_INDEX_NUM_WARPS)  # fmt: skip
 
 
-def set_index_k_native(
-    index_buf: torch.Tensor, layer_index: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale=None
-) -> None:
-    """Torch reference of :func:`set_index_k_triton`."""
-    keys, scales, page_bytes = _check_set_index(index_buf, layer_index, loc, index_k, index_k_scale)
-    if loc.shape[0] == 0:
-        return
-    layer = index_buf[layer_index]
-    key_bytes = keys.shape[1]
-    loc = loc.long()
-    page, slot = loc // INDEX_PAGE_SIZE, loc % INDEX_PAGE_SIZE
-    layer[:, : INDEX_PAGE_SIZE * key_bytes].view(-1, INDEX_PAGE_SIZE, key_bytes)[page, slot] = keys
-    if scales is not None:
-        layer[:, INDEX_PAGE_SIZE * key_bytes :].view(-1, INDEX_PAGE_SIZE, INDEX_SCALE_BYTES)[page, slot] = scales
-    del page_bytes
+# ==========================================================================================================
+# One call each (tests, benchmarks); pools keep a ScaledRows and an IndexerPages
+# ==========================================================================================================
 
 
-@triton.jit
-def _set_index_k_kernel(
-    buf_ptr,
-    layer_offset,
-    loc_ptr,
-    loc_stride,
-    n_tokens,
-    k_ptr,
-    k_sn,
-    k_sd,
-    s_ptr,
-    s_sn,
-    s_sd,
-    PAGE: tl.constexpr,
-    PAGE_BYTES: tl.constexpr,
-    KEY_BYTES: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask_n = offs_n < n_tokens
-    loc = tl.load(loc_ptr + offs_n * loc_stride, mask=mask_n, other=0).to(tl.int64)
-    page_base = layer_offset + (loc // PAGE) * PAGE_BYTES
-    slot = loc % PAGE
-    cols = tl.arange(0, KEY_BYTES)
-    k = tl.load(k_ptr + offs_n[:, None] * k_sn + cols[None, :].to(tl.int64) * k_sd, mask=mask_n[:, None])
-    tl.store(buf_ptr + (page_base + slot * KEY_BYTES)[:, None] + cols[None, :], k, mask=mask_n[:, None])
-    if HAS_SCALE:
-        j = tl.arange(0, 4)
-        s = tl.load(s_ptr + offs_n[:, None] * s_sn + j[None, :].to(tl.int64) * s_sd, mask=mask_n[:, None])
-        dst = page_base + PAGE * KEY_BYTES + slot * 4
-        tl.store(buf_ptr + dst[:, None] + j[None, :], s, mask=mask_n[:, None])
+def store_dsa_fp8_triton(
+    kv_cache: torch.Tensor, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor,
+    cache_k_rope: torch.Tensor, *, kv_lora_rank: int, qk_rope_head_dim: int,
+) -> None:  # fmt: skip
+    """Quantize and store latent rows: ``kv_cache[layer_index, loc[i], 0] = quantize(nope[i] ++ rope[i])``.
+
+    :param kv_cache: contiguous uint8 ``[L, R, 1, scaled_row_bytes(kv_lora_rank, qk_rope_head_dim)]``.
+    :param layer_index: 0-based layer in the stack.
+    :param loc: ``[N]`` int32/int64 distinct rows.
+    :param cache_k_nope: ``[N, kv_lora_rank]`` or ``[N, 1, kv_lora_rank]`` float32/float16/bfloat16, any
+        strides.  Not modified.
+    :param cache_k_rope: ``[N, qk_rope_head_dim]`` or ``[N, 1, qk_rope_head_dim]``, likewise.
+    :returns: nothing; the rows are byte-identical to :func:`quantize_concatenated` of the concatenation.
+        One launch, no allocation, no host sync (CUDA-graph safe).
+    """
+    ScaledRows(kv_cache, kv_lora_rank, qk_rope_head_dim).store(layer_index, loc, cache_k_nope, cache_k_rope)
+
+
+def store_dsa_fp8_native(
+    kv_cache: torch.Tensor, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor,
+    cache_k_rope: torch.Tensor, *, kv_lora_rank: int, qk_rope_head_dim: int,
+) -> None:  # fmt: skip
+    """Torch reference of :func:`store_dsa_fp8_triton` (same signature and bytes)."""
+    ScaledRows(kv_cache, kv_lora_rank, qk_rope_head_dim, use_triton=False).store(layer_index, loc, cache_k_nope, cache_k_rope)
+
+
+def gather_dsa_fp8_triton(
+    kv_cache: torch.Tensor, layer_index: int, loc: torch.Tensor, nope_out: torch.Tensor, rope_out: torch.Tensor,
+    *, kv_lora_rank: int, qk_rope_head_dim: int,
+) -> None:  # fmt: skip
+    """Dequantize rows ``loc`` of layer ``layer_index`` into ``nope_out`` / ``rope_out``.
+
+    :param kv_cache: contiguous uint8 ``[L, R, 1, row_bytes]`` (see :func:`store_dsa_fp8_triton`).
+    :param loc: ``[N]`` int32/int64 rows; only these rows are read.
+    :param nope_out: contiguous ``N x kv_lora_rank`` elements (e.g. ``[N, 1, R]``), float32/float16/bfloat16:
+        ``float32(fp8) * scale`` converted with round-to-nearest-even.
+    :param rope_out: contiguous ``N x qk_rope_head_dim`` elements of the same dtype: the stored bf16 rope.
+    """
+    ScaledRows(kv_cache, kv_lora_rank, qk_rope_head_dim).gather(layer_index, loc, nope_out, rope_out)
+
+
+def gather_dsa_fp8_native(
+    kv_cache: torch.Tensor, layer_index: int, loc: torch.Tensor, nope_out: torch.Tensor, rope_out: torch.Tensor,
+    *, kv_lora_rank: int, qk_rope_head_dim: int,
+) -> None:  # fmt: skip
+    """Torch reference of :func:`gather_dsa_fp8_triton`: gathers the rows first, then dequantizes only them."""
+    ScaledRows(kv_cache, kv_lora_rank, qk_rope_head_dim, use_triton=False).gather(layer_index, loc, nope_out, rope_out)
+
+
+def _indexer(index_buf: torch.Tensor, key_bytes: int, use_triton: bool) -> IndexerPages:
+    """An :class:`IndexerPages` for a buffer whose pages hold keys of ``key_bytes`` (with scales when the page
+    size says so)."""
+    return IndexerPages(index_buf, key_bytes, index_buf.shape[-1] == index_page_bytes_of(key_bytes, True), use_triton)
 
 
 def set_index_k_triton(
@@ -624,107 +732,24 @@ def set_index_k_triton(
         one), any token stride.
     :param index_k_scale: fp8 indexer: ``[N]`` float32 (or ``[N, 4]`` uint8 holding them); None for bf16 keys.
     """
-    keys, scales, page_bytes = _check_set_index(index_buf, layer_index, loc, index_k, index_k_scale)
-    n = loc.shape[0]
-    if n == 0:
-        return
-    block_n = min(_INDEX_BLOCK_N, next_pow2(n))
-    s = scales if scales is not None else keys
-    _set_index_k_kernel[(triton.cdiv(n, block_n),)](
-        index_buf, layer_index * index_buf.stride(0), loc, loc.stride(0), n,
-        keys, keys.stride(0), keys.stride(1), s, s.stride(0), s.stride(1),
-        PAGE=INDEX_PAGE_SIZE, PAGE_BYTES=page_bytes, KEY_BYTES=keys.shape[1], HAS_SCALE=scales is not None,
-        BLOCK_N=block_n, num_warps=_INDEX_NUM_WARPS,
-    )  # fmt: skip
+    keys = _key_bytes(index_k)
+    IndexerPages(index_buf, keys.shape[1], index_k_scale is not None).set(layer_index, loc, index_k, index_k_scale)
 
 
-def _check_get_index(index_buf, layer_index, seq_len, page_indices, key_bytes, k_out, s_out):
-    if not 0 <= layer_index < index_buf.shape[0]:
-        raise ValueError(f"layer_index {layer_index} out of range for {index_buf.shape[0]} layers")
-    if page_indices.dim() != 1 or page_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"page_indices must be a 1-D int32/int64 tensor, got {page_indices.dtype} {tuple(page_indices.shape)}")
-    needed = triton.cdiv(seq_len, INDEX_PAGE_SIZE)
-    if seq_len < 0 or page_indices.shape[0] < needed:
-        raise ValueError(f"seq_len={seq_len} needs {needed} page indices, got {page_indices.shape[0]}")
-    has_scale = index_buf.shape[2] == index_page_bytes_of(key_bytes, True)
-    page_bytes = _index_geometry(index_buf, key_bytes, has_scale)
-    if k_out is not None and (k_out.dtype != torch.uint8 or k_out.shape != (seq_len, key_bytes) or not k_out.is_contiguous()):
-        raise ValueError(f"k_out must be contiguous uint8 [{seq_len}, {key_bytes}], got {k_out.dtype} {tuple(k_out.shape)}")
-    if s_out is not None:
-        if not has_scale:
-            raise ValueError("this indexer buffer keeps no scales")
-        if s_out.dtype != torch.uint8 or s_out.shape != (seq_len, INDEX_SCALE_BYTES) or not s_out.is_contiguous():
-            raise ValueError(f"s_out must be contiguous uint8 [{seq_len}, 4], got {s_out.dtype} {tuple(s_out.shape)}")
-    return page_bytes
-
-
-def get_index_k_native(
-    index_buf: torch.Tensor,
-    layer_index: int,
-    seq_len: int,
-    page_indices: torch.Tensor,
-    k_out: torch.Tensor | None,
-    s_out: torch.Tensor | None,
-    *,
-    key_bytes: int,
+def set_index_k_native(
+    index_buf: torch.Tensor, layer_index: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale=None
 ) -> None:
-    """Torch reference of :func:`get_index_k_triton`."""
-    _check_get_index(index_buf, layer_index, seq_len, page_indices, key_bytes, k_out, s_out)
-    if seq_len == 0:
-        return
-    layer = index_buf[layer_index]
-    i = torch.arange(seq_len, device=index_buf.device)
-    page = page_indices.long()[i // INDEX_PAGE_SIZE]
-    slot = i % INDEX_PAGE_SIZE
-    if k_out is not None:
-        k_out.copy_(layer[:, : INDEX_PAGE_SIZE * key_bytes].view(-1, INDEX_PAGE_SIZE, key_bytes)[page, slot])
-    if s_out is not None:
-        scales = layer[:, INDEX_PAGE_SIZE * key_bytes :].view(-1, INDEX_PAGE_SIZE, INDEX_SCALE_BYTES)
-        s_out.copy_(scales[page, slot])
-
-
-@triton.jit
-def _get_index_k_kernel(
-    buf_ptr,
-    layer_offset,
-    page_ptr,
-    page_stride,
-    seq_len,
-    k_out,
-    s_out,
-    PAGE: tl.constexpr,
-    PAGE_BYTES: tl.constexpr,
-    KEY_BYTES: tl.constexpr,
-    WANT_K: tl.constexpr,
-    WANT_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    i = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask_n = i < seq_len
-    page = tl.load(page_ptr + (i // PAGE) * page_stride, mask=mask_n, other=0).to(tl.int64)
-    page_base = layer_offset + page * PAGE_BYTES
-    slot = i % PAGE
-    if WANT_K:
-        cols = tl.arange(0, KEY_BYTES)
-        k = tl.load(buf_ptr + (page_base + slot * KEY_BYTES)[:, None] + cols[None, :], mask=mask_n[:, None])
-        tl.store(k_out + i[:, None] * KEY_BYTES + cols[None, :], k, mask=mask_n[:, None])
-    if WANT_S:
-        j = tl.arange(0, 4)
-        src = page_base + PAGE * KEY_BYTES + slot * 4
-        s = tl.load(buf_ptr + src[:, None] + j[None, :], mask=mask_n[:, None])
-        tl.store(s_out + i[:, None] * 4 + j[None, :], s, mask=mask_n[:, None])
+    """Torch reference of :func:`set_index_k_triton`."""
+    keys = _key_bytes(index_k)
+    IndexerPages(index_buf, keys.shape[1], index_k_scale is not None, use_triton=False).set(
+        layer_index, loc, index_k, index_k_scale
+    )
 
 
 def get_index_k_triton(
-    index_buf: torch.Tensor,
-    layer_index: int,
-    seq_len: int,
-    page_indices: torch.Tensor,
-    k_out: torch.Tensor | None,
-    s_out: torch.Tensor | None,
-    *,
-    key_bytes: int,
-) -> None:
+    index_buf: torch.Tensor, layer_index: int, seq_len: int, page_indices: torch.Tensor,
+    k_out: torch.Tensor | None, s_out: torch.Tensor | None, *, key_bytes: int,
+) -> None:  # fmt: skip
     """Read a sequence's indexer keys and/or scales in token order (one launch for both).
 
     Token ``i`` of the sequence lives in page ``page_indices[i // 64]`` at slot ``i % 64``.
@@ -736,14 +761,12 @@ def get_index_k_triton(
     :param s_out: contiguous uint8 ``[seq_len, 4]`` (float32 scale bytes) or None.
     :param key_bytes: bytes of one key (128 fp8, 256 bf16).
     """
-    page_bytes = _check_get_index(index_buf, layer_index, seq_len, page_indices, key_bytes, k_out, s_out)
-    if seq_len == 0 or (k_out is None and s_out is None):
-        return
-    block_n = min(_INDEX_BLOCK_N, next_pow2(seq_len))
-    dummy = k_out if k_out is not None else s_out
-    _get_index_k_kernel[(triton.cdiv(seq_len, block_n),)](
-        index_buf, layer_index * index_buf.stride(0), page_indices, page_indices.stride(0), seq_len,
-        k_out if k_out is not None else dummy, s_out if s_out is not None else dummy,
-        PAGE=INDEX_PAGE_SIZE, PAGE_BYTES=page_bytes, KEY_BYTES=key_bytes, WANT_K=k_out is not None,
-        WANT_S=s_out is not None, BLOCK_N=block_n, num_warps=_INDEX_NUM_WARPS,
-    )  # fmt: skip
+    _indexer(index_buf, key_bytes, True).get(layer_index, seq_len, page_indices, k_out, s_out)
+
+
+def get_index_k_native(
+    index_buf: torch.Tensor, layer_index: int, seq_len: int, page_indices: torch.Tensor,
+    k_out: torch.Tensor | None, s_out: torch.Tensor | None, *, key_bytes: int,
+) -> None:  # fmt: skip
+    """Torch reference of :func:`get_index_k_triton`."""
+    _indexer(index_buf, key_bytes, False).get(layer_index, seq_len, page_indices, k_out, s_out)

@@ -7,6 +7,7 @@ import torch
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_dsa import kernels
+from kvcore_dsa.kernels import IndexerPages, ScaledRows
 from kvcore_dsa.layout import (
     INDEX_PAGE_SIZE,
     INDEX_SCALE_BYTES,
@@ -95,6 +96,10 @@ class DSATokenToKVPool(MLATokenToKVPool):
             device=self.device,
         )
         self.index_k_with_scale_buffer = list(self.index_k_with_scale_cache.unbind(0))
+        if self.dsa_kv_cache_store_fp8:
+            self._scaled = ScaledRows(self.kv_cache, self.kv_lora_rank, self.qk_rope_head_dim, self._use_triton)
+        self._indexer = IndexerPages(self.index_k_with_scale_cache, self._index_key_bytes, self._index_has_scale,
+                                     self._use_triton)  # fmt: skip
 
     # -- layout and sizes --------------------------------------------------------------------------------
 
@@ -128,9 +133,6 @@ class DSATokenToKVPool(MLATokenToKVPool):
 
     # -- latent rows -------------------------------------------------------------------------------------
 
-    def _fp8_kwargs(self) -> dict:
-        return {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim}
-
     def set_mla_kv_buffer(
         self,
         layer,
@@ -151,8 +153,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         if not self.dsa_kv_cache_store_fp8:
             return super().set_mla_kv_buffer(layer, loc, cache_k_nope, cache_k_rope, layer_id_override)
         local = self.local_layer(layer, layer_id_override)
-        store = kernels.store_dsa_fp8_triton if self._use_triton else kernels.store_dsa_fp8_native
-        store(self.kv_cache, local, loc.reshape(-1), cache_k_nope, cache_k_rope, **self._fp8_kwargs())
+        self._scaled.store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k_nope, cache_k_rope)
 
     def set_kv_buffer(
         self,
@@ -190,9 +191,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
                 f"qk_rope_head_dim = {width} values (or of {self.kv_cache_dim} quantized bytes)"
             )
         rows = cache_k.reshape(n, width)
-        nope, rope = rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
-        store = kernels.store_dsa_fp8_triton if self._use_triton else kernels.store_dsa_fp8_native
-        store(self.kv_cache, local, loc, nope, rope, **self._fp8_kwargs())
+        self._scaled.store(local, loc, rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :])
 
     def get_mla_kv_buffer(
         self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None
@@ -209,11 +208,11 @@ class DSATokenToKVPool(MLATokenToKVPool):
         local = self.local_layer(layer)
         self._wait_for_layer(local)
         dst_dtype = dst_dtype or ROPE_STORAGE_DTYPE
-        n = loc.numel()
-        nope = torch.empty((n, 1, self.kv_lora_rank), dtype=dst_dtype, device=self.device)
-        rope = torch.empty((n, 1, self.qk_rope_head_dim), dtype=dst_dtype, device=self.device)
-        gather = kernels.gather_dsa_fp8_triton if self._use_triton else kernels.gather_dsa_fp8_native
-        gather(self.kv_cache, local, loc.reshape(-1), nope, rope, **self._fp8_kwargs())
+        loc = loc if loc.dim() == 1 else loc.reshape(-1)
+        n = loc.shape[0]
+        nope = torch.empty((n, 1, self.kv_lora_rank), dtype=dst_dtype, device=self.kv_cache.device)
+        rope = torch.empty((n, 1, self.qk_rope_head_dim), dtype=dst_dtype, device=self.kv_cache.device)
+        self._scaled.gather(local, loc, nope, rope)
         return nope, rope
 
     # -- indexer -----------------------------------------------------------------------------------------
@@ -234,7 +233,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         :param index_k_scale: fp8 indexer: ``[N]`` float32 (or ``[N, 4]`` uint8 holding them); bf16: None.
         """
         local = self.local_layer(layer_id)
-        loc = loc.reshape(-1)
+        loc = loc if loc.dim() == 1 else loc.reshape(-1)
         if index_k.shape[-1] != self.index_head_dim:
             raise ValueError(f"index_k {tuple(index_k.shape)} must end in index_head_dim = {self.index_head_dim}")
         if self._index_has_scale:
@@ -247,8 +246,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
                 raise ValueError("the bf16 indexer keeps no scales; pass index_k_scale=None")
             if index_k.dtype != torch.bfloat16:
                 index_k = index_k.to(torch.bfloat16)
-        index_set = kernels.set_index_k_triton if self._use_triton else kernels.set_index_k_native
-        index_set(self.index_k_with_scale_cache, local, loc, index_k, index_k_scale)
+        self._indexer.set(local, loc, index_k, index_k_scale)
 
     def _index_get(self, layer_id: int, seq_len: int, page_indices: torch.Tensor, want_k: bool, want_s: bool):
         local = self.local_layer(layer_id)
@@ -256,11 +254,11 @@ class DSATokenToKVPool(MLATokenToKVPool):
         if want_s and not self._index_has_scale:
             raise ValueError("the bf16 indexer (kv_cache.options.index_dtype=bfloat16) keeps no scales")
         seq_len = int(seq_len)
-        page_indices = page_indices.reshape(-1)
-        k_out = torch.empty((seq_len, self._index_key_bytes), dtype=torch.uint8, device=self.device) if want_k else None
-        s_out = torch.empty((seq_len, INDEX_SCALE_BYTES), dtype=torch.uint8, device=self.device) if want_s else None
-        index_get = kernels.get_index_k_triton if self._use_triton else kernels.get_index_k_native
-        index_get(self.index_k_with_scale_cache, local, seq_len, page_indices, k_out, s_out, key_bytes=self._index_key_bytes)
+        page_indices = page_indices if page_indices.dim() == 1 else page_indices.reshape(-1)
+        device = self.index_k_with_scale_cache.device
+        k_out = torch.empty((seq_len, self._index_key_bytes), dtype=torch.uint8, device=device) if want_k else None
+        s_out = torch.empty((seq_len, INDEX_SCALE_BYTES), dtype=torch.uint8, device=device) if want_s else None
+        self._indexer.get(local, seq_len, page_indices, k_out, s_out)
         if k_out is not None and not self._index_has_scale:
             k_out = k_out.view(self.index_k_dtype)
         return k_out, s_out

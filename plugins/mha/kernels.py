@@ -31,9 +31,11 @@ from kvcore import dtypes
 from kvcore.dtypes import is_fp8_dtype, storage_dtype
 from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
+from kvcore.launch import Launcher, alignment
 from kvcore.row_move import next_pow2 as _next_pow2
 
 __all__ = [
+    "KVStore",
     "store_kv_native",
     "store_kv_triton",
 ]
@@ -63,30 +65,6 @@ _SCALE_POINTER = 2
 # ==========================================================================================================
 
 
-def _check_store_args(k_cache, v_cache, layer_index, loc, cache_k, cache_v, cache_dtype, k_scale, v_scale):
-    ks, vs = k_cache.shape, v_cache.shape
-    if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3]:
-        raise ValueError(f"caches must be [L, R, H, D] alike, got {tuple(ks)} and {tuple(vs)}")
-    want = storage_dtype(cache_dtype)
-    if k_cache.dtype != want or v_cache.dtype != want:
-        raise ValueError(
-            f"cache_dtype {cache_dtype} is stored as {want}, got k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
-        )
-    if not 0 <= layer_index < ks[0]:
-        raise ValueError(f"layer_index {layer_index} out of range for {ks[0]} layers")
-    if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
-    n = loc.shape[0]
-    if cache_k.shape != (n, ks[2], ks[3]):
-        raise ValueError(f"cache_k must be [N, H, Dk] = {(n, ks[2], ks[3])}, got {tuple(cache_k.shape)}")
-    if cache_v.shape != (n, vs[2], vs[3]):
-        raise ValueError(f"cache_v must be [N, H, Dv] = {(n, vs[2], vs[3])}, got {tuple(cache_v.shape)}")
-    if cache_k.dtype != cache_v.dtype:
-        raise ValueError(f"cache_k and cache_v must share a dtype, got {cache_k.dtype} and {cache_v.dtype}")
-    if cache_k.dtype not in _FLOAT_INPUTS and cache_k.dtype != cache_dtype:
-        raise ValueError(f"unsupported input dtype {cache_k.dtype} for cache dtype {cache_dtype}")
-
-
 def _scale_tensor(scale, device) -> torch.Tensor:
     """The scale as a float32 tensor of shape [1] on ``device`` (a device tensor, so that torch divides
     element-wise instead of multiplying by a host-computed reciprocal)."""
@@ -103,25 +81,6 @@ def _convert_native(x: torch.Tensor, cache_dtype: torch.dtype, scale) -> torch.T
     else:
         y = x.to(cache_dtype)
     return y.view(torch.uint8) if is_fp8_dtype(cache_dtype) else y
-
-
-def store_kv_native(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    layer_index: int,
-    loc: torch.Tensor,
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
-    *,
-    k_scale=None,
-    v_scale=None,
-    cache_dtype: torch.dtype,
-) -> None:
-    """Torch reference of :func:`store_kv_triton` (same signature and semantics)."""
-    _check_store_args(k_cache, v_cache, layer_index, loc, cache_k, cache_v, cache_dtype, k_scale, v_scale)
-    idx = loc.long()
-    k_cache[layer_index, idx] = _convert_native(cache_k, cache_dtype, k_scale)
-    v_cache[layer_index, idx] = _convert_native(cache_v, cache_dtype, v_scale)
 
 
 @triton.jit
@@ -189,12 +148,11 @@ def _store_tile(
                 tl.store(dst, f32_to_fp8_bits(xf, OUT, SATURATE).to(tl.uint8), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "loc_stride", "n_tokens"])
 def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
-    k_layer_offset,
-    v_layer_offset,
+    layer,
     k_src_ptr,
     v_src_ptr,
     loc_ptr,
@@ -214,6 +172,8 @@ def _store_kv_kernel(
     DV: tl.constexpr,
     HDK: tl.constexpr,
     HDV: tl.constexpr,
+    K_LAYER_STRIDE: tl.constexpr,
+    V_LAYER_STRIDE: tl.constexpr,
     K_ROW_STRIDE: tl.constexpr,
     V_ROW_STRIDE: tl.constexpr,
     K_PACKED: tl.constexpr,
@@ -232,13 +192,13 @@ def _store_kv_kernel(
     pid_c = tl.program_id(1)
     if pid_c < NUM_CB_K:
         _store_tile(
-            k_cache_ptr + k_layer_offset, k_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c,
+            k_cache_ptr + layer.to(tl.int64) * K_LAYER_STRIDE, k_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c,
             k_src_sn, k_src_sh, k_src_sd, k_scale_ptr, k_scale_value,
             DK, HDK, K_ROW_STRIDE, K_PACKED, OUT, SATURATE, K_SCALE_MODE, BLOCK_N, BLOCK_CK, HW_CVT,
         )  # fmt: skip
     else:
         _store_tile(
-            v_cache_ptr + v_layer_offset, v_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c - NUM_CB_K,
+            v_cache_ptr + layer.to(tl.int64) * V_LAYER_STRIDE, v_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c - NUM_CB_K,
             v_src_sn, v_src_sh, v_src_sd, v_scale_ptr, v_scale_value,
             DV, HDV, V_ROW_STRIDE, V_PACKED, OUT, SATURATE, V_SCALE_MODE, BLOCK_N, BLOCK_CV, HW_CVT,
         )  # fmt: skip
@@ -258,6 +218,94 @@ def _scale_args(scale, dummy: torch.Tensor):
     return _SCALE_VALUE, dummy, float(scale)
 
 
+class KVStore:
+    """The K/V store bound to one pool's caches: the Triton kernel (``use_triton``) or its torch reference.
+
+    What is fixed at pool creation (shapes, strides, constexprs, the launcher) is computed once, so a call only
+    checks its inputs, names its launch key (:mod:`kvcore.launch`) and launches.  Both paths share the checks.
+
+    :param k_cache: ``[L, R, H, Dk]`` cache, rows contiguous (``stride(2) == Dk``, ``stride(3) == 1``),
+        dtype ``storage_dtype(cache_dtype)``.
+    :param v_cache: ``[L, R, H, Dv]`` cache, same conditions.
+    :param cache_dtype: the cache's logical dtype.
+    :param use_triton: the Triton kernel (True) or the torch reference (False).
+    """
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_dtype: torch.dtype, use_triton: bool = True):
+        ks, vs = k_cache.shape, v_cache.shape
+        if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3]:
+            raise ValueError(f"caches must be [L, R, H, D] alike, got {tuple(ks)} and {tuple(vs)}")
+        want = storage_dtype(cache_dtype)
+        if k_cache.dtype != want or v_cache.dtype != want:
+            raise ValueError(
+                f"cache_dtype {cache_dtype} is stored as {want}, got k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+            )
+        kcs, vcs = k_cache.stride(), v_cache.stride()
+        if kcs[3] != 1 or kcs[2] != ks[3] or vcs[3] != 1 or vcs[2] != vs[3]:
+            raise ValueError("cache rows must be contiguous ([H, D] packed)")
+        self.k_cache, self.v_cache, self.cache_dtype, self.use_triton = k_cache, v_cache, cache_dtype, use_triton
+        self.layers, self.heads, self.dk, self.dv = ks[0], ks[2], ks[3], vs[3]
+        self.k_shape, self.v_shape = (ks[2], ks[3]), (vs[2], vs[3])
+        self.launch = Launcher(_store_kv_kernel, k_cache.device)
+        self._fixed = dict(
+            DK=self.dk, DV=self.dv, HDK=self.heads * self.dk, HDV=self.heads * self.dv, K_LAYER_STRIDE=kcs[0],
+            V_LAYER_STRIDE=vcs[0], K_ROW_STRIDE=kcs[1], V_ROW_STRIDE=vcs[1], SATURATE=torch_e4m3fn_saturates(),
+            HW_CVT=not triton_interpreting(),
+        )  # fmt: skip
+        self._codes: dict[torch.dtype, int] = {}
+
+    def _code(self, dtype: torch.dtype) -> int:
+        code = self._codes.get(dtype)
+        if code is None:
+            if dtype not in _FLOAT_INPUTS and dtype != self.cache_dtype:
+                raise ValueError(f"unsupported input dtype {dtype} for cache dtype {self.cache_dtype}")
+            code = self._codes[dtype] = dtypes.conversion_code(dtype, self.cache_dtype, "cache_k")
+        return code
+
+    def __call__(self, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                 k_scale=None, v_scale=None) -> None:  # fmt: skip
+        """Store ``cache_k`` / ``cache_v`` at rows ``loc`` of layer ``layer_index``; see :func:`store_kv_triton`."""
+        if not 0 <= layer_index < self.layers:
+            raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
+        if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
+        n = loc.shape[0]
+        if cache_k.shape != (n, *self.k_shape):
+            raise ValueError(f"cache_k must be [N, H, Dk] = {(n, *self.k_shape)}, got {tuple(cache_k.shape)}")
+        if cache_v.shape != (n, *self.v_shape):
+            raise ValueError(f"cache_v must be [N, H, Dv] = {(n, *self.v_shape)}, got {tuple(cache_v.shape)}")
+        src_dtype = cache_k.dtype
+        if cache_v.dtype != src_dtype:
+            raise ValueError(f"cache_k and cache_v must share a dtype, got {src_dtype} and {cache_v.dtype}")
+        out = self._code(src_dtype)
+        if n == 0:
+            return
+        if not self.use_triton:
+            idx = loc.long()
+            self.k_cache[layer_index, idx] = _convert_native(cache_k, self.cache_dtype, k_scale)
+            self.v_cache[layer_index, idx] = _convert_native(cache_v, self.cache_dtype, v_scale)
+            return
+        if out == dtypes.SAME:
+            k_scale = v_scale = None  # SGLang's rule: scales apply only to inputs that are converted
+            if src_dtype != self.k_cache.dtype:  # fp8 inputs into an fp8 cache: move their bytes
+                cache_k, cache_v = cache_k.view(torch.uint8), cache_v.view(torch.uint8)
+        k_mode, k_scale_ptr, k_scale_value = _scale_args(k_scale, self.k_cache)
+        v_mode, v_scale_ptr, v_scale_value = _scale_args(v_scale, self.v_cache)
+        kss, vss = cache_k.stride(), cache_v.stride()
+        plan = _store_plan(self.heads * self.dk, self.heads * self.dv, _next_pow2(n), out == dtypes.SAME)
+        block_n, block_ck, block_cv, num_cb_k, num_cb = plan
+        key = (src_dtype, kss, vss, alignment(cache_k), alignment(cache_v), loc.dtype, alignment(loc), k_mode, v_mode,
+               alignment(k_scale_ptr), alignment(v_scale_ptr), plan)  # fmt: skip
+        f = self._fixed
+        self.launch(key, (triton.cdiv(n, block_n), num_cb), (
+            self.k_cache, self.v_cache, layer_index, cache_k, cache_v, loc, loc.stride(0), n,
+            kss[0], kss[1], kss[2], vss[0], vss[1], vss[2], k_scale_ptr, v_scale_ptr, k_scale_value, v_scale_value,
+            f["DK"], f["DV"], f["HDK"], f["HDV"], f["K_LAYER_STRIDE"], f["V_LAYER_STRIDE"], f["K_ROW_STRIDE"],
+            f["V_ROW_STRIDE"], kss[2] == 1 and kss[1] == self.dk, vss[2] == 1 and vss[1] == self.dv, out,
+            f["SATURATE"], k_mode, v_mode, block_n, block_ck, block_cv, num_cb_k, f["HW_CVT"],
+        ), num_warps=_STORE_NUM_WARPS)  # fmt: skip
+
+
 def store_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -270,7 +318,8 @@ def store_kv_triton(
     v_scale=None,
     cache_dtype: torch.dtype,
 ) -> None:
-    """Write ``cache_k`` [N, H, Dk] and ``cache_v`` [N, H, Dv] into rows ``loc`` of layer ``layer_index``.
+    """Write ``cache_k`` [N, H, Dk] and ``cache_v`` [N, H, Dv] into rows ``loc`` of layer ``layer_index``
+    (one launch; pools keep a :class:`KVStore` instead of calling this).
 
     :param k_cache: ``[L, R, H, Dk]`` cache, rows contiguous (``stride(2) == Dk``, ``stride(3) == 1``),
         dtype ``storage_dtype(cache_dtype)``.
@@ -288,38 +337,23 @@ def store_kv_triton(
         nearest even; fp8 bytes are bit-exact with ``(x.float() / scale).to(cache_dtype)`` of the torch
         running the process (see ``kvcore.fp8`` for e4m3fn overflow).
     """
-    _check_store_args(k_cache, v_cache, layer_index, loc, cache_k, cache_v, cache_dtype, k_scale, v_scale)
-    n = loc.shape[0]
-    if n == 0:
-        return
-    _, _, h, dk = k_cache.shape
-    dv = v_cache.shape[3]
-    kcs, vcs = k_cache.stride(), v_cache.stride()
-    if kcs[3] != 1 or kcs[2] != dk or vcs[3] != 1 or vcs[2] != dv:
-        raise ValueError("cache rows must be contiguous ([H, D] packed)")
-    k_src, v_src = cache_k, cache_v
-    out = dtypes.conversion_code(cache_k.dtype, cache_dtype, "cache_k")
-    if out == dtypes.SAME:
-        k_scale = v_scale = None  # SGLang's rule: scales apply only to inputs that are converted
-        if is_fp8_dtype(cache_dtype):
-            k_src, v_src = cache_k.view(torch.uint8), cache_v.view(torch.uint8)
+    KVStore(k_cache, v_cache, cache_dtype)(layer_index, loc, cache_k, cache_v, k_scale, v_scale)
 
-    k_mode, k_scale_ptr, k_scale_value = _scale_args(k_scale, k_cache)
-    v_mode, v_scale_ptr, v_scale_value = _scale_args(v_scale, v_cache)
-    kss, vss = k_src.stride(), v_src.stride()
-    block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(h * dk, h * dv, _next_pow2(n), out == dtypes.SAME)
-    _store_kv_kernel[(triton.cdiv(n, block_n), num_cb)](
-        k_cache, v_cache, layer_index * kcs[0], layer_index * vcs[0],
-        k_src, v_src, loc, loc.stride(0), n,
-        kss[0], kss[1], kss[2], vss[0], vss[1], vss[2],
-        k_scale_ptr, v_scale_ptr, k_scale_value, v_scale_value,
-        DK=dk, DV=dv, HDK=h * dk, HDV=h * dv, K_ROW_STRIDE=kcs[1], V_ROW_STRIDE=vcs[1],
-        K_PACKED=kss[2] == 1 and kss[1] == dk, V_PACKED=vss[2] == 1 and vss[1] == dv,
-        OUT=out, SATURATE=torch_e4m3fn_saturates(), HW_CVT=not triton_interpreting(),
-        K_SCALE_MODE=k_mode, V_SCALE_MODE=v_mode,
-        BLOCK_N=block_n, BLOCK_CK=block_ck, BLOCK_CV=block_cv, NUM_CB_K=num_cb_k,
-        num_warps=_STORE_NUM_WARPS,
-    )  # fmt: skip
+
+def store_kv_native(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer_index: int,
+    loc: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    *,
+    k_scale=None,
+    v_scale=None,
+    cache_dtype: torch.dtype,
+) -> None:
+    """Torch reference of :func:`store_kv_triton` (same signature and semantics)."""
+    KVStore(k_cache, v_cache, cache_dtype, use_triton=False)(layer_index, loc, cache_k, cache_v, k_scale, v_scale)
 
 
 @functools.lru_cache(maxsize=1024)

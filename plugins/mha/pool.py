@@ -6,7 +6,7 @@ import torch
 
 from kvcore.pools import KVCache
 from kvcore.sample import random_nonzero
-from kvcore_mha import kernels
+from kvcore_mha.kernels import KVStore
 
 
 class MHATokenToKVPool(KVCache):
@@ -51,6 +51,7 @@ class MHATokenToKVPool(KVCache):
         self.v_cache = torch.zeros((layer_num, rows, self.head_num, self.v_head_dim), dtype=self.store_dtype, device=device)
         self.k_buffer = list(self.k_cache.unbind(0))
         self.v_buffer = list(self.v_cache.unbind(0))
+        self._store = KVStore(self.k_cache, self.v_cache, dtype, self._use_triton)
         self._finalize_allocation()
 
     # -- layout and sizes --------------------------------------------------------------------------------
@@ -96,22 +97,13 @@ class MHATokenToKVPool(KVCache):
         and the scales ignored, as in SGLang.  Unlike SGLang, the inputs themselves are never modified.
         """
         local = self.local_layer(layer, layer_id_override)
-        layer_id = self.start_layer + local
-        expected_k = (self.head_num, self.head_dim)
-        expected_v = (self.head_num, self.v_head_dim)
-        cache_k = cache_k.view(-1, *expected_k) if cache_k.dim() == 2 else cache_k
-        cache_v = cache_v.view(-1, *expected_v) if cache_v.dim() == 2 else cache_v
-        if tuple(cache_k.shape[1:]) != expected_k or tuple(cache_v.shape[1:]) != expected_v:
-            raise ValueError(
-                f"layer {layer_id}: cache_k {tuple(cache_k.shape)} / cache_v {tuple(cache_v.shape)} do not match "
-                f"the pool's rows [N, {self.head_num}, {self.head_dim}] / [N, {self.head_num}, {self.v_head_dim}]"
-            )
-        if cache_k.shape[0] != loc.numel() or cache_v.shape[0] != loc.numel():
-            raise ValueError(
-                f"layer {layer_id}: {loc.numel()} locations but {cache_k.shape[0]} K / {cache_v.shape[0]} V rows"
-            )
-        store = kernels.store_kv_triton if self._use_triton else kernels.store_kv_native
-        store(self.k_cache, self.v_cache, local, loc, cache_k, cache_v, k_scale=k_scale, v_scale=v_scale, cache_dtype=self.dtype)
+        if cache_k.dim() == 2:  # [N, H * D], as some attention backends hand them over
+            cache_k = cache_k.view(-1, self.head_num, self.head_dim)
+            cache_v = cache_v.view(-1, self.head_num, self.v_head_dim)
+        try:
+            self._store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k, cache_v, k_scale, v_scale)
+        except ValueError as exc:
+            raise ValueError(f"layer {self.start_layer + local}: {exc}") from None
 
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Random K/V rows through :meth:`set_kv_buffer` (from bf16 for fp8 caches, so the cast is exercised)."""

@@ -8,8 +8,9 @@ is the cache dtype, except fp8 caches, stored as ``torch.uint8`` holding float8_
 ``cache_dtype=torch.uint8`` means raw bytes: inputs and outputs must then be uint8 too and are copied as is
 (a family that packs its own byte layout, like DSA's fp8 rows with scales, reuses the kernels that way).
 
-Every kernel has a torch reference of the same signature beside it (``*_native``).  Nothing here picks an
-implementation: the pool calls ``*_triton`` or ``*_native`` (see ``kvcore.kernel_mode``).
+Every kernel has a torch reference of the same signature beside it (``*_native``).  A pool keeps one
+:class:`LatentRows` bound to its cache (both paths, everything fixed at creation computed once, compiled
+kernels launched directly: :mod:`kvcore.launch`); the functions below build one per call.
 
 ``store_nope_rope_triton``
     ``set_mla_kv_buffer``: writes ``cache_k_nope`` [N, 1, Rn] into columns ``[0, Rn)`` and ``cache_k_rope``
@@ -22,10 +23,10 @@ implementation: the pool calls ``*_triton`` or ``*_native`` (see ``kvcore.kernel
     ``get_mla_kv_buffer``: reads rows ``loc`` back into caller-provided nope / rope tensors of any float or
     fp8 dtype, in one launch.
 
-Kernel shape (all three): grid ``(cdiv(N, BLOCK_N),)``, one program per block of tokens.  A program loads
-its ``BLOCK_N`` locations once, then copies the nope part and the rope part as ``[BLOCK_N, BLOCK_C]`` tiles
-(BLOCK_C a power of two up to ``MAX_BLOCK_C`` elements; a wider part loops over column tiles), converting on
-the way.  Cache rows are addressed as ``row * D`` with ``D`` a compile-time constant, so each tile row is one
+Kernel shape (all three): grid ``(cdiv(N, BLOCK_N), column blocks of nope + of rope)``, one program per
+``[BLOCK_N, BLOCK_C]`` tile (BLOCK_C a power of two up to ``MAX_BLOCK_C`` elements), so a decode step of one
+token runs its nope and rope tiles in parallel programs.  A program loads its ``BLOCK_N`` locations, then
+copies its tile, converting on the way.  Cache rows are addressed as ``row * D`` with ``D`` a compile-time constant, so each tile row is one
 wide contiguous access; offsets are int64 (pools exceed 2**31 bytes); inputs and outputs may be strided in
 both dims (a nope/rope split of a larger projection needs no copy; a unit last-dim stride is specialised).
 No host sync and no allocation: the stores are CUDA-graph safe.
@@ -54,10 +55,12 @@ from kvcore import dtypes
 from kvcore.dtypes import is_fp8_dtype, storage_dtype
 from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
+from kvcore.launch import Launcher, alignment
 from kvcore.row_move import next_pow2 as _next_pow2
 from kvcore.row_move import prev_pow2 as _prev_pow2
 
 __all__ = [
+    "LatentRows",
     "gather_nope_rope_native",
     "gather_nope_rope_triton",
     "store_nope_rope_native",
@@ -73,7 +76,9 @@ __all__ = [
 MAX_BLOCK_C = 256
 TILE_ELEMS = 2048
 COPY_TILE_ELEMS = 2048
-_NUM_WARPS = 2
+#: warps per program: one per ELEMS_PER_WARP elements of a tile, at most MAX_WARPS.
+ELEMS_PER_WARP = 1024
+MAX_WARPS = 2
 
 # The dtype codes of kvcore.dtypes, as the kernel compares them: ``IN`` says what a loaded tensor holds,
 # ``OUT`` what a conversion writes (SAME: the bits unchanged).
@@ -127,185 +132,80 @@ def _convert(x, IN: tl.constexpr, OUT: tl.constexpr, SATURATE: tl.constexpr, HW_
 
 
 @triton.jit
-def _copy_part(
-    cache_ptr,
-    rows,
-    tok,
-    mask_n,
-    ext_ptr,
-    ext_sn,
-    ext_sd,
-    COL0: tl.constexpr,
-    WIDTH: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    ROW: tl.constexpr,
-    EXT_PACKED: tl.constexpr,
-    GATHER: tl.constexpr,
-    IN: tl.constexpr,
-    OUT: tl.constexpr,
-    SATURATE: tl.constexpr,
-    HW_CVT: tl.constexpr,
-):
-    """Columns ``[COL0, COL0 + WIDTH)`` of cache rows ``rows`` <-> columns ``[0, WIDTH)`` of the external
-    tensor's tokens ``tok`` (store: external -> cache; GATHER: cache -> external)."""
-    for c0 in tl.static_range(0, WIDTH, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        mask = mask_n[:, None] & (cols < WIDTH)[None, :]
-        if EXT_PACKED:
-            ext_off = tok[:, None] * ext_sn + cols[None, :]
-        else:
-            ext_off = tok[:, None] * ext_sn + cols.to(tl.int64)[None, :] * ext_sd
-        cache_off = rows[:, None] * ROW + (COL0 + cols)[None, :]
-        if GATHER:
-            x = tl.load(cache_ptr + cache_off, mask=mask, other=0)
-            tl.store(ext_ptr + ext_off, _convert(x, IN, OUT, SATURATE, HW_CVT), mask=mask)
-        else:
-            x = tl.load(ext_ptr + ext_off, mask=mask, other=0)
-            tl.store(cache_ptr + cache_off, _convert(x, IN, OUT, SATURATE, HW_CVT), mask=mask)
+def _copy_tile(
+    cache_ptr, rows, tok, mask_n, ext_ptr, ext_sn, ext_sd, c0, COL0: tl.constexpr, EXT0: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_C: tl.constexpr, ROW: tl.constexpr, EXT_PACKED: tl.constexpr, GATHER: tl.constexpr,
+    IN: tl.constexpr, OUT: tl.constexpr, SATURATE: tl.constexpr, HW_CVT: tl.constexpr,
+):  # fmt: skip
+    """Columns ``[COL0 + c0, COL0 + c0 + BLOCK_C)`` (within ``WIDTH``) of cache rows ``rows`` <-> columns
+    ``[EXT0 + c0, ...)`` of the external tensor's tokens ``tok`` (store: external -> cache; GATHER: back)."""
+    cols = c0 + tl.arange(0, BLOCK_C)
+    mask = mask_n[:, None] & (cols < WIDTH)[None, :]
+    if EXT_PACKED:
+        ext_off = tok[:, None] * ext_sn + (EXT0 + cols)[None, :]
+    else:
+        ext_off = tok[:, None] * ext_sn + (EXT0 + cols).to(tl.int64)[None, :] * ext_sd
+    cache_off = rows[:, None] * ROW + (COL0 + cols)[None, :]
+    if GATHER:
+        x = tl.load(cache_ptr + cache_off, mask=mask, other=0)
+        tl.store(ext_ptr + ext_off, _convert(x, IN, OUT, SATURATE, HW_CVT), mask=mask)
+    else:
+        x = tl.load(ext_ptr + ext_off, mask=mask, other=0)
+        tl.store(cache_ptr + cache_off, _convert(x, IN, OUT, SATURATE, HW_CVT), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "loc_stride", "n_tokens"])
 def _mla_rows_kernel(
-    cache_ptr,
-    loc_ptr,
-    loc_stride,
-    n_tokens,
-    a_ptr,
-    a_sn,
-    a_sd,
-    b_ptr,
-    b_sn,
-    b_sd,
-    ROW: tl.constexpr,
-    A_WIDTH: tl.constexpr,
-    B_WIDTH: tl.constexpr,
-    BLOCK_A: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    A_PACKED: tl.constexpr,
-    B_PACKED: tl.constexpr,
-    GATHER: tl.constexpr,
-    A_IN: tl.constexpr,
-    A_OUT: tl.constexpr,
-    B_IN: tl.constexpr,
-    B_OUT: tl.constexpr,
-    SATURATE: tl.constexpr,
-    HW_CVT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Part A (nope) is columns ``[0, A_WIDTH)`` of a row, part B (rope) ``[A_WIDTH, A_WIDTH + B_WIDTH)``;
-    ``cache_ptr`` already points at the layer."""
+    cache_ptr, layer, loc_ptr, loc_stride, n_tokens, a_ptr, a_sn, a_sd, b_ptr, b_sn, b_sd,
+    LAYER_STRIDE: tl.constexpr, ROW: tl.constexpr, A_WIDTH: tl.constexpr, B_WIDTH: tl.constexpr,
+    B_EXT0: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, NUM_CB_A: tl.constexpr,
+    A_PACKED: tl.constexpr, B_PACKED: tl.constexpr, GATHER: tl.constexpr, A_IN: tl.constexpr, A_OUT: tl.constexpr, B_IN: tl.constexpr,
+    B_OUT: tl.constexpr, SATURATE: tl.constexpr, HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(token blocks, column blocks of part A + of part B)``: each program copies one tile.  Part A
+    (nope) is columns ``[0, A_WIDTH)`` of a row, part B (rope) ``[A_WIDTH, A_WIDTH + B_WIDTH)``; part B's
+    external columns start at ``B_EXT0`` (0 for its own tensor, ``A_WIDTH`` when both parts are one tensor)."""
     tok = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_c = tl.program_id(1)
     mask_n = tok < n_tokens
     rows = tl.load(loc_ptr + tok * loc_stride, mask=mask_n, other=0).to(tl.int64)
-    _copy_part(
-        cache_ptr, rows, tok, mask_n, a_ptr, a_sn, a_sd, 0, A_WIDTH, BLOCK_A, ROW, A_PACKED, GATHER,
-        A_IN, A_OUT, SATURATE, HW_CVT,
-    )  # fmt: skip
-    if B_WIDTH > 0:
-        _copy_part(
-            cache_ptr, rows, tok, mask_n, b_ptr, b_sn, b_sd, A_WIDTH, B_WIDTH, BLOCK_B, ROW, B_PACKED, GATHER,
-            B_IN, B_OUT, SATURATE, HW_CVT,
-        )  # fmt: skip
+    cache = cache_ptr + layer.to(tl.int64) * LAYER_STRIDE
+    if pid_c < NUM_CB_A:
+        _copy_tile(cache, rows, tok, mask_n, a_ptr, a_sn, a_sd, pid_c * BLOCK_A, 0, 0, A_WIDTH, BLOCK_A, ROW,
+                   A_PACKED, GATHER, A_IN, A_OUT, SATURATE, HW_CVT)  # fmt: skip
+    else:
+        _copy_tile(cache, rows, tok, mask_n, b_ptr, b_sn, b_sd, (pid_c - NUM_CB_A) * BLOCK_B, A_WIDTH, B_EXT0,
+                   B_WIDTH, BLOCK_B, ROW, B_PACKED, GATHER, B_IN, B_OUT, SATURATE, HW_CVT)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(a_width: int, b_width: int, n_pad: int, copy: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_A, BLOCK_B) for parts of the given widths and ``n_pad`` (a power of two) tokens."""
+def _plan(a_width: int, b_width: int, n_pad: int, copy: bool) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_A, BLOCK_B, column blocks of A, of A + B, warps) for parts of the given widths and
+    ``n_pad`` (a power of two) tokens."""
     block_a = min(_next_pow2(a_width), MAX_BLOCK_C)
     block_b = min(_next_pow2(b_width), MAX_BLOCK_C) if b_width else 1
     tile = COPY_TILE_ELEMS if copy else TILE_ELEMS
     block_n = max(1, min(tile // max(block_a, block_b), n_pad))
-    return block_n, block_a, block_b
+    num_cb_a = triton.cdiv(a_width, block_a)
+    num_cb = num_cb_a + (triton.cdiv(b_width, block_b) if b_width else 0)
+    warps = max(1, min(MAX_WARPS, block_n * block_a // ELEMS_PER_WARP))
+    return block_n, block_a, block_b, num_cb_a, num_cb, warps
 
 
-def _launch(kv_cache, layer_index, loc, a, b, a_in, a_out, b_in, b_out, gather: bool) -> None:
-    """One launch over ``loc``; ``a``/``b`` are 2-D [N, width] views (b may be None) in their kernel dtype."""
-    n = loc.shape[0]
-    if n == 0:
-        return
-    a_width = a.shape[1]
-    b_width = 0 if b is None else b.shape[1]
-    if b is None:
-        b = a
-    copy = a_out == dtypes.SAME and (b_width == 0 or b_out == dtypes.SAME)
-    block_n, block_a, block_b = _plan(a_width, b_width, _next_pow2(n), copy)
-    layer = kv_cache[layer_index]
-    _mla_rows_kernel[(triton.cdiv(n, block_n),)](
-        layer, loc, loc.stride(0), n, a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1),
-        ROW=kv_cache.stride(1), A_WIDTH=a_width, B_WIDTH=b_width, BLOCK_A=block_a, BLOCK_B=block_b,
-        A_PACKED=a.stride(1) == 1, B_PACKED=b.stride(1) == 1, GATHER=gather,
-        A_IN=a_in, A_OUT=a_out, B_IN=b_in, B_OUT=b_out,
-        SATURATE=torch_e4m3fn_saturates(), HW_CVT=not triton_interpreting(), BLOCK_N=block_n,
-        num_warps=_NUM_WARPS,
-    )  # fmt: skip
-
-
-# ==========================================================================================================
-# Argument checks and codes
-# ==========================================================================================================
-
-
-def _row_width(kv_cache: torch.Tensor, cache_dtype: torch.dtype) -> int:
-    """Elements of one row of ``kv_cache`` [L, R, 1, D] or [L, R, D]; checks dtype and row contiguity."""
-    if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
-        width, inner = kv_cache.shape[3], (kv_cache.stride(3),)
-    elif kv_cache.dim() == 3:
-        width, inner = kv_cache.shape[2], (kv_cache.stride(2),)
-    else:
-        raise ValueError(f"kv_cache must be [L, R, 1, D] or [L, R, D], got {tuple(kv_cache.shape)}")
-    if inner[0] != 1 or kv_cache.stride(1) < width:
-        raise ValueError("kv_cache rows must be contiguous")
-    want = storage_dtype(cache_dtype)
-    if kv_cache.dtype != want:
-        raise ValueError(f"cache_dtype {cache_dtype} is stored as {want}, got kv_cache of {kv_cache.dtype}")
-    return width
-
-
-def _check_layer_and_loc(kv_cache: torch.Tensor, layer_index: int, loc: torch.Tensor) -> int:
-    if not 0 <= layer_index < kv_cache.shape[0]:
-        raise ValueError(f"layer_index {layer_index} out of range for {kv_cache.shape[0]} layers")
-    if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
-    if loc.device != kv_cache.device:
-        raise ValueError(f"loc is on {loc.device}, kv_cache on {kv_cache.device}")
-    return loc.shape[0]
-
-
-def _as_rows(x: torch.Tensor, n: int, what: str) -> torch.Tensor:
-    """``x`` as a 2-D [N, W] view (from [N, W] or [N, 1, W]); never copies."""
-    if x.dim() == 3 and x.shape[1] == 1:
-        x = x.select(1, 0)
-    if x.dim() != 2 or x.shape[0] != n:
-        raise ValueError(f"{what} must be [N, 1, W] or [N, W] with N = len(loc) = {n}, got {tuple(x.shape)}")
-    return x
+def _part(x: torch.Tensor, n: int, what: str) -> tuple[int, int, int]:
+    """(width, token stride, column stride) of a [N, 1, W] or [N, W] tensor, read from its shape and strides
+    (no view is made: a view costs a microsecond of host time)."""
+    shape, stride = x.shape, x.stride()
+    if len(shape) == 3 and shape[1] == 1 and shape[0] == n:
+        return shape[2], stride[0], stride[2]
+    if len(shape) == 2 and shape[0] == n:
+        return shape[1], stride[0], stride[1]
+    raise ValueError(f"{what} must be [N, 1, W] or [N, W] with N = len(loc) = {n}, got {tuple(shape)}")
 
 
 def _kernel_view(x: torch.Tensor) -> torch.Tensor:
     """fp8 tensors as their uint8 bytes (same shape and strides)."""
     return x.view(torch.uint8) if is_fp8_dtype(x.dtype) else x
-
-
-def _check_store(kv_cache, layer_index, loc, parts, cache_dtype) -> list[torch.Tensor]:
-    """Validate a store of ``parts`` ({name: tensor}, written side by side from column 0); 2-D views."""
-    width = _row_width(kv_cache, cache_dtype)
-    n = _check_layer_and_loc(kv_cache, layer_index, loc)
-    views = []
-    for name, x in parts.items():
-        dtypes.dtype_code(x.dtype, name)
-        dtypes.conversion_code(x.dtype, cache_dtype, name)
-        if x.device != kv_cache.device:
-            raise ValueError(f"{name} is on {x.device}, kv_cache on {kv_cache.device}")
-        views.append(_as_rows(x, n, name))
-    total = sum(v.shape[1] for v in views)
-    if total > width:
-        widths = " + ".join(f"{name} {v.shape[1]}" for name, v in zip(parts, views))
-        raise ValueError(f"{widths} = {total} columns do not fit a cache row of {width}")
-    return views
-
-
-# ==========================================================================================================
-# Split store (set_mla_kv_buffer)
-# ==========================================================================================================
 
 
 def _to_storage(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -314,36 +214,168 @@ def _to_storage(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return y.view(torch.uint8) if is_fp8_dtype(cache_dtype) else y
 
 
+def _flat(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x.reshape(x.shape[0], width)
+
+
+class LatentRows:
+    """The store and gather of one pool's stacked latent rows: the Triton kernel (``use_triton``) or its torch
+    reference, sharing the checks.
+
+    What is fixed at pool creation (row width, strides, constexprs, the launcher) is computed once; a call
+    checks shapes and dtypes from the tensors' own tuples, names its launch key (:mod:`kvcore.launch`) and
+    launches once.
+
+    :param kv_cache: ``[L, R, 1, D]`` (or ``[L, R, D]``) cache with contiguous rows, dtype
+        ``storage_dtype(cache_dtype)``.
+    :param cache_dtype: the cache's logical dtype (``torch.uint8``: raw bytes, copied only).
+    :param use_triton: the Triton kernel (True) or the torch reference (False).
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, cache_dtype: torch.dtype, use_triton: bool = True):
+        if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
+            width, inner = kv_cache.shape[3], kv_cache.stride(3)
+        elif kv_cache.dim() == 3:
+            width, inner = kv_cache.shape[2], kv_cache.stride(2)
+        else:
+            raise ValueError(f"kv_cache must be [L, R, 1, D] or [L, R, D], got {tuple(kv_cache.shape)}")
+        if inner != 1 or kv_cache.stride(1) < width:
+            raise ValueError("kv_cache rows must be contiguous")
+        want = storage_dtype(cache_dtype)
+        if kv_cache.dtype != want:
+            raise ValueError(f"cache_dtype {cache_dtype} is stored as {want}, got kv_cache of {kv_cache.dtype}")
+        self.kv_cache, self.cache_dtype, self.use_triton = kv_cache, cache_dtype, use_triton
+        self.width, self.layers = width, kv_cache.shape[0]
+        self.device = kv_cache.device
+        self.launch = Launcher(_mla_rows_kernel, kv_cache.device)
+        self._row_stride, self._layer_stride = kv_cache.stride(1), kv_cache.stride(0)
+        self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
+        self._codes: dict[tuple, tuple[int, int]] = {}
+
+    # -- checks ---------------------------------------------------------------------------------------------
+
+    def _check_loc(self, layer_index: int, loc: torch.Tensor) -> int:
+        if not 0 <= layer_index < self.layers:
+            raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
+        if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
+        if loc.device != self.device:
+            raise ValueError(f"loc is on {loc.device}, kv_cache on {self.device}")
+        return loc.shape[0]
+
+    def _codes_of(self, src: torch.dtype, dst: torch.dtype, what: str) -> tuple[int, int]:
+        """(IN code, OUT code) of a conversion ``src -> dst`` (memoized: a dict lookup per call)."""
+        codes = self._codes.get((src, dst))
+        if codes is None:
+            codes = self._codes[(src, dst)] = (dtypes.dtype_code(src, what), dtypes.conversion_code(src, dst, what))
+        return codes
+
+    def _check_parts(self, n: int, parts, gather: bool) -> list[tuple[int, int, int]]:
+        geometry = []
+        for what, x in parts:
+            if gather:
+                self._codes_of(self.cache_dtype, x.dtype, what)
+            else:
+                self._codes_of(x.dtype, self.cache_dtype, what)
+            if x.device != self.device:
+                raise ValueError(f"{what} is on {x.device}, kv_cache on {self.device}")
+            geometry.append(_part(x, n, what))
+        total = sum(g[0] for g in geometry)
+        if total > self.width:
+            widths = " + ".join(f"{what} {g[0]}" for (what, _), g in zip(parts, geometry))
+            raise ValueError(f"{widths} = {total} columns do not fit a cache row of {self.width}")
+        return geometry
+
+    # -- the one launch --------------------------------------------------------------------------------------
+
+    def _launch(self, layer_index, loc, n, a, a_geo, b, b_geo, gather: bool, b_ext0: int = 0) -> None:
+        """One launch over ``loc``; ``b``/``b_geo`` may be None (a single part); part B's external columns start
+        at ``b_ext0``."""
+        src_a, src_b = (self.cache_dtype, self.cache_dtype) if gather else (a.dtype, None if b is None else b.dtype)
+        dst_a, dst_b = (a.dtype, None if b is None else b.dtype) if gather else (self.cache_dtype, self.cache_dtype)
+        a_in, a_out = self._codes_of(src_a, dst_a, "part A")
+        if b is None:
+            b, b_geo, b_in, b_out = a, (0, a_geo[1], a_geo[2]), a_in, a_out
+        else:
+            b_in, b_out = self._codes_of(src_b, dst_b, "part B")
+        copy = a_out == dtypes.SAME and (b_geo[0] == 0 or b_out == dtypes.SAME)
+        plan = _plan(a_geo[0], b_geo[0], _next_pow2(n), copy)
+        block_n, block_a, block_b, num_cb_a, num_cb, warps = plan
+        a, b = _kernel_view(a), _kernel_view(b)
+        key = (a.dtype, b.dtype, a_geo, b_geo, b_ext0, alignment(a), alignment(b), loc.dtype, alignment(loc),
+               gather, a_in, a_out, b_in, b_out, plan)  # fmt: skip
+        self.launch(key, (triton.cdiv(n, block_n), num_cb), (
+            self.kv_cache, layer_index, loc, loc.stride(0), n, a, a_geo[1], a_geo[2], b, b_geo[1], b_geo[2],
+            self._layer_stride, self._row_stride, a_geo[0], b_geo[0], b_ext0, block_a, block_b, num_cb_a, a_geo[2] == 1,
+            b_geo[2] == 1, gather, a_in, a_out, b_in, b_out, self._saturate, self._hw_cvt, block_n,
+        ), num_warps=warps)  # fmt: skip
+
+    # -- the operations --------------------------------------------------------------------------------------
+
+    def store(self, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:
+        """See :func:`store_nope_rope_triton`."""
+        n = self._check_loc(layer_index, loc)
+        nope_geo, rope_geo = self._check_parts(n, (("cache_k_nope", cache_k_nope), ("cache_k_rope", cache_k_rope)), False)
+        if n == 0:
+            return
+        if self.use_triton:
+            self._launch(layer_index, loc, n, cache_k_nope, nope_geo, cache_k_rope, rope_geo, gather=False)
+            return
+        rows, idx, r = self.kv_cache[layer_index].flatten(1), loc.long(), nope_geo[0]
+        rows[idx, :r] = _to_storage(_flat(cache_k_nope, r), self.cache_dtype)
+        rows[idx, r : r + rope_geo[0]] = _to_storage(_flat(cache_k_rope, rope_geo[0]), self.cache_dtype)
+
+    def store_rows(self, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
+        """See :func:`store_rows_triton`."""
+        n = self._check_loc(layer_index, loc)
+        (geo,) = self._check_parts(n, (("cache_k", cache_k),), False)
+        if n == 0:
+            return
+        if not self.use_triton:
+            rows = self.kv_cache[layer_index].flatten(1)
+            rows[loc.long(), : geo[0]] = _to_storage(_flat(cache_k, geo[0]), self.cache_dtype)
+            return
+        # Split at the largest power of two below the width (576 = 512 + 64): tiles of 512 and 64 columns
+        # instead of one 1024-wide tile with 448 idle lanes; part B is the same tensor from column ``split``.
+        split = _prev_pow2(geo[0])
+        tail = (geo[0] - split, geo[1], geo[2]) if split < geo[0] else None
+        self._launch(layer_index, loc, n, cache_k, (split, geo[1], geo[2]), cache_k if tail else None, tail,
+                     gather=False, b_ext0=split)  # fmt: skip
+
+    def gather(self, layer_index: int, loc: torch.Tensor, out_nope: torch.Tensor, out_rope: torch.Tensor) -> None:
+        """See :func:`gather_nope_rope_triton`."""
+        n = self._check_loc(layer_index, loc)
+        nope_geo, rope_geo = self._check_parts(n, (("out_nope", out_nope), ("out_rope", out_rope)), True)
+        if n == 0:
+            return
+        if self.use_triton:
+            self._launch(layer_index, loc, n, out_nope, nope_geo, out_rope, rope_geo, gather=True)
+            return
+        rows = self.kv_cache[layer_index].flatten(1)[loc.long()]
+        if is_fp8_dtype(self.cache_dtype):
+            rows = rows.view(self.cache_dtype)
+        r = nope_geo[0]
+        _flat(out_nope, r).copy_(rows[:, :r].to(out_nope.dtype))
+        _flat(out_rope, rope_geo[0]).copy_(rows[:, r : r + rope_geo[0]].to(out_rope.dtype))
+
+
+# ==========================================================================================================
+# One call each (tests, benchmarks, other families); pools keep a LatentRows
+# ==========================================================================================================
+
+
 def store_nope_rope_native(
-    kv_cache: torch.Tensor,
-    layer_index: int,
-    loc: torch.Tensor,
-    cache_k_nope: torch.Tensor,
-    cache_k_rope: torch.Tensor,
-    *,
-    cache_dtype: torch.dtype,
-) -> None:
+    kv_cache: torch.Tensor, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor,
+    cache_k_rope: torch.Tensor, *, cache_dtype: torch.dtype,
+) -> None:  # fmt: skip
     """Torch reference of :func:`store_nope_rope_triton` (same signature and semantics)."""
-    parts = {"cache_k_nope": cache_k_nope, "cache_k_rope": cache_k_rope}
-    nope, rope = _check_store(kv_cache, layer_index, loc, parts, cache_dtype)
-    if loc.shape[0] == 0:
-        return
-    idx = loc.long()
-    rows = kv_cache[layer_index].flatten(1)
-    r = nope.shape[1]
-    rows[idx, :r] = _to_storage(nope, cache_dtype)
-    rows[idx, r : r + rope.shape[1]] = _to_storage(rope, cache_dtype)
+    LatentRows(kv_cache, cache_dtype, use_triton=False).store(layer_index, loc, cache_k_nope, cache_k_rope)
 
 
 def store_nope_rope_triton(
-    kv_cache: torch.Tensor,
-    layer_index: int,
-    loc: torch.Tensor,
-    cache_k_nope: torch.Tensor,
-    cache_k_rope: torch.Tensor,
-    *,
-    cache_dtype: torch.dtype,
-) -> None:
+    kv_cache: torch.Tensor, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor,
+    cache_k_rope: torch.Tensor, *, cache_dtype: torch.dtype,
+) -> None:  # fmt: skip
     """Write the latent rows of ``loc.numel()`` tokens from their two parts, in one launch.
 
     :param kv_cache: ``[L, R, 1, D]`` (or ``[L, R, D]``) cache with contiguous rows, dtype
@@ -358,30 +390,14 @@ def store_nope_rope_triton(
         Neither input is modified.  ``Rn + Rp`` must not exceed ``D``; columns past it are left untouched.
     :param cache_dtype: the cache's logical dtype (``torch.uint8``: raw bytes, inputs must be uint8).
     """
-    parts = {"cache_k_nope": cache_k_nope, "cache_k_rope": cache_k_rope}
-    nope, rope = _check_store(kv_cache, layer_index, loc, parts, cache_dtype)
-    _launch(
-        kv_cache, layer_index, loc, _kernel_view(nope), _kernel_view(rope),
-        dtypes.dtype_code(nope.dtype, "cache_k_nope"), dtypes.conversion_code(nope.dtype, cache_dtype, "cache_k_nope"),
-        dtypes.dtype_code(rope.dtype, "cache_k_rope"), dtypes.conversion_code(rope.dtype, cache_dtype, "cache_k_rope"),
-        gather=False,
-    )  # fmt: skip
-
-
-# ==========================================================================================================
-# Concatenated store (set_kv_buffer)
-# ==========================================================================================================
+    LatentRows(kv_cache, cache_dtype).store(layer_index, loc, cache_k_nope, cache_k_rope)
 
 
 def store_rows_native(
     kv_cache: torch.Tensor, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor, *, cache_dtype: torch.dtype
 ) -> None:
     """Torch reference of :func:`store_rows_triton` (same signature and semantics)."""
-    (rows_in,) = _check_store(kv_cache, layer_index, loc, {"cache_k": cache_k}, cache_dtype)
-    if loc.shape[0] == 0:
-        return
-    rows = kv_cache[layer_index].flatten(1)
-    rows[loc.long(), : rows_in.shape[1]] = _to_storage(rows_in, cache_dtype)
+    LatentRows(kv_cache, cache_dtype, use_triton=False).store_rows(layer_index, loc, cache_k)
 
 
 def store_rows_triton(
@@ -393,84 +409,36 @@ def store_rows_triton(
     The row is copied as two parts split at the largest power of two below ``W`` (576 = 512 + 64), by the
     split store's kernel: byte-identical to the split store of the same values.
     """
-    (rows_in,) = _check_store(kv_cache, layer_index, loc, {"cache_k": cache_k}, cache_dtype)
-    width = rows_in.shape[1]
-    split = _prev_pow2(width)
-    view = _kernel_view(rows_in)
-    in_code, out_code = dtypes.dtype_code(rows_in.dtype, "cache_k"), dtypes.conversion_code(rows_in.dtype, cache_dtype, "cache_k")
-    tail = view[:, split:] if split < width else None
-    _launch(kv_cache, layer_index, loc, view[:, :split], tail, in_code, out_code, in_code, out_code, gather=False)
+    LatentRows(kv_cache, cache_dtype).store_rows(layer_index, loc, cache_k)
 
 
-# ==========================================================================================================
-# Gather (get_mla_kv_buffer)
-# ==========================================================================================================
-
-
-def _check_gather(kv_cache, layer_index, loc, out_nope, out_rope, cache_dtype):
-    width = _row_width(kv_cache, cache_dtype)
-    n = _check_layer_and_loc(kv_cache, layer_index, loc)
-    views = []
-    for name, x in (("out_nope", out_nope), ("out_rope", out_rope)):
-        dtypes.conversion_code(cache_dtype, x.dtype, name)
-        if x.device != kv_cache.device:
-            raise ValueError(f"{name} is on {x.device}, kv_cache on {kv_cache.device}")
-        views.append(_as_rows(x, n, name))
-    nope, rope = views
-    if nope.shape[1] + rope.shape[1] > width:
-        raise ValueError(
-            f"out_nope {nope.shape[1]} + out_rope {rope.shape[1]} columns exceed a cache row of {width}"
-        )
+def _check_no_alias(kv_cache: torch.Tensor, *outputs: torch.Tensor) -> None:
     cache_storage = kv_cache.untyped_storage().data_ptr()
-    if cache_storage in (nope.untyped_storage().data_ptr(), rope.untyped_storage().data_ptr()):
+    if any(x.untyped_storage().data_ptr() == cache_storage for x in outputs):
         raise ValueError("gather outputs must not alias the cache")
-    return nope, rope
 
 
 def gather_nope_rope_native(
-    kv_cache: torch.Tensor,
-    layer_index: int,
-    loc: torch.Tensor,
-    out_nope: torch.Tensor,
-    out_rope: torch.Tensor,
-    *,
-    cache_dtype: torch.dtype,
-) -> None:
+    kv_cache: torch.Tensor, layer_index: int, loc: torch.Tensor, out_nope: torch.Tensor, out_rope: torch.Tensor,
+    *, cache_dtype: torch.dtype,
+) -> None:  # fmt: skip
     """Torch reference of :func:`gather_nope_rope_triton` (same signature and semantics)."""
-    nope, rope = _check_gather(kv_cache, layer_index, loc, out_nope, out_rope, cache_dtype)
-    if loc.shape[0] == 0:
-        return
-    rows = kv_cache[layer_index].flatten(1)[loc.long()]
-    if is_fp8_dtype(cache_dtype):
-        rows = rows.view(cache_dtype)
-    r = nope.shape[1]
-    nope.copy_(rows[:, :r].to(nope.dtype))
-    rope.copy_(rows[:, r : r + rope.shape[1]].to(rope.dtype))
+    _check_no_alias(kv_cache, out_nope, out_rope)
+    LatentRows(kv_cache, cache_dtype, use_triton=False).gather(layer_index, loc, out_nope, out_rope)
 
 
 def gather_nope_rope_triton(
-    kv_cache: torch.Tensor,
-    layer_index: int,
-    loc: torch.Tensor,
-    out_nope: torch.Tensor,
-    out_rope: torch.Tensor,
-    *,
-    cache_dtype: torch.dtype,
-) -> None:
+    kv_cache: torch.Tensor, layer_index: int, loc: torch.Tensor, out_nope: torch.Tensor, out_rope: torch.Tensor,
+    *, cache_dtype: torch.dtype,
+) -> None:  # fmt: skip
     """Read rows ``loc`` of layer ``layer_index`` into ``out_nope`` (columns ``[0, Rn)``) and ``out_rope``
     (columns ``[Rn, Rn + Rp)``), in one launch.
 
     :param out_nope: ``[N, 1, Rn]`` (or ``[N, Rn]``) output, any strides, float32/float16/bfloat16 or fp8;
         values are ``row.view(cache_dtype).to(out.dtype)`` (fp8 caches decode exactly; a same-dtype output
-        receives the bits).
+        receives the bits).  It must not alias the cache.
     :param out_rope: ``[N, 1, Rp]`` (or ``[N, Rp]``) output, likewise.
     Other arguments as :func:`store_nope_rope_triton`.  The cache is not modified.
     """
-    nope, rope = _check_gather(kv_cache, layer_index, loc, out_nope, out_rope, cache_dtype)
-    in_code = dtypes.dtype_code(cache_dtype, "cache_dtype")
-    _launch(
-        kv_cache, layer_index, loc, _kernel_view(nope), _kernel_view(rope),
-        in_code, dtypes.conversion_code(cache_dtype, nope.dtype, "out_nope"),
-        in_code, dtypes.conversion_code(cache_dtype, rope.dtype, "out_rope"),
-        gather=True,
-    )  # fmt: skip
+    _check_no_alias(kv_cache, out_nope, out_rope)
+    LatentRows(kv_cache, cache_dtype).gather(layer_index, loc, out_nope, out_rope)

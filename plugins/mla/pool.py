@@ -6,7 +6,7 @@ import torch
 
 from kvcore.pools import KVCache
 from kvcore.sample import random_nonzero
-from kvcore_mla import kernels
+from kvcore_mla.kernels import LatentRows
 from kvcore_mla.layout import mla_row_dim
 
 
@@ -67,6 +67,7 @@ class MLATokenToKVPool(KVCache):
             (self.layer_num, rows, 1, self.kv_cache_dim), dtype=self.store_dtype, device=self.device
         )
         self.kv_buffer = list(self.kv_cache.unbind(0))
+        self._rows = LatentRows(self.kv_cache, self.dtype, self._use_triton)
 
     # -- layout and sizes --------------------------------------------------------------------------------
 
@@ -104,11 +105,11 @@ class MLATokenToKVPool(KVCache):
         local = self.local_layer(layer)
         self._wait_for_layer(local)
         dst_dtype = dst_dtype or self.dtype
-        n = loc.numel()
-        nope = torch.empty((n, 1, self.kv_lora_rank), dtype=dst_dtype, device=self.device)
-        rope = torch.empty((n, 1, self.qk_rope_head_dim), dtype=dst_dtype, device=self.device)
-        gather = kernels.gather_nope_rope_triton if self._use_triton else kernels.gather_nope_rope_native
-        gather(self.kv_cache, local, loc.reshape(-1), nope, rope, cache_dtype=self.dtype)
+        loc = loc if loc.dim() == 1 else loc.reshape(-1)
+        n = loc.shape[0]
+        nope = torch.empty((n, 1, self.kv_lora_rank), dtype=dst_dtype, device=self.kv_cache.device)
+        rope = torch.empty((n, 1, self.qk_rope_head_dim), dtype=dst_dtype, device=self.kv_cache.device)
+        self._rows.gather(local, loc, nope, rope)
         return nope, rope
 
     # -- writes ------------------------------------------------------------------------------------------
@@ -140,8 +141,7 @@ class MLATokenToKVPool(KVCache):
                 f"kv_lora_rank + qk_rope_head_dim = {width}"
             )
         rows = cache_k if cache_k.dim() in (2, 3) else cache_k.reshape(-1, width)
-        store = kernels.store_rows_triton if self._use_triton else kernels.store_rows_native
-        store(self.kv_cache, local, loc.reshape(-1), rows, cache_dtype=self.dtype)
+        self._rows.store_rows(local, loc if loc.dim() == 1 else loc.reshape(-1), rows)
 
     def set_mla_kv_buffer(
         self,
@@ -168,8 +168,7 @@ class MLATokenToKVPool(KVCache):
                 raise ValueError(
                     f"layer {self.start_layer + local}: {what} {tuple(x.shape)} must end in {name} = {width}"
                 )
-        store = kernels.store_nope_rope_triton if self._use_triton else kernels.store_nope_rope_native
-        store(self.kv_cache, local, loc.reshape(-1), cache_k_nope, cache_k_rope, cache_dtype=self.dtype)
+        self._rows.store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k_nope, cache_k_rope)
 
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Random rows through :meth:`set_mla_kv_buffer`, from nope/rope views of one wider projection (from

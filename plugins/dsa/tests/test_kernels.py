@@ -257,7 +257,7 @@ def test_kernels_reject_bad_arguments():
         kernels.store_dsa_fp8_triton(cache[..., :576], 0, loc, nope, rope, **kw)
     with pytest.raises(ValueError, match="layer_index"):
         kernels.store_dsa_fp8_triton(cache, 1, loc, nope, rope, **kw)
-    with pytest.raises(ValueError, match="locations"):
+    with pytest.raises(ValueError, match=r"cache_k_nope must be \[1, 512\] or \[1, 1, 512\], got \(2, 512\)"):
         kernels.store_dsa_fp8_triton(cache, 0, loc[:1], nope, rope, **kw)
     with pytest.raises(ValueError, match="float32/float16/bfloat16"):
         kernels.store_dsa_fp8_triton(cache, 0, loc, nope.to(torch.float8_e4m3fn), rope, **kw)

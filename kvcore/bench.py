@@ -1,0 +1,205 @@
+"""``kvcore bench``: the built-in pools' hot paths timed on the GPU at hand, each beside the torch path it replaces.
+
+Two tables, both from one process so the ratios are comparable (host timings differ between machines by tens
+of percent, ratios much less):
+
+* **host cost** of one eager call (what an engine running without CUDA graphs pays per layer): the mean host
+  time of ``reps`` calls issued back to back with no sync inside the loop, for kvcore's pool method, for the
+  same method with ``hardware.kernels=native`` (the torch path), and for a bare torch op (``x.add_(0)``).
+* **device time** inside CUDA-graph replay (what a decode step costs on the GPU), for kvcore and the torch
+  path, with the bytes moved over the measured device-copy ceiling.
+
+Sizes are the real models': Llama-3-8B's MHA rows (8 KV heads x 128), DeepSeek-V3's latent rows (512 + 64) and
+DeepSeek-V3.2's fp8 rows and indexer.  Every timed kvcore call is first checked against the torch path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import attrs
+import torch
+
+HEADS, HEAD_DIM = 8, 128  # Llama-3-8B
+RANK, ROPE = 512, 64  # DeepSeek-V3 / V3.2
+POOL_TOKENS = 1 << 16  # of every pool timed; locations are drawn among them
+
+
+@attrs.frozen
+class Row:
+    """One measured line of a table (times in microseconds)."""
+
+    table: str
+    op: str
+    n: int
+    kvcore_us: float
+    torch_us: float
+    bare_us: float | None = None
+    of_ceiling: float | None = None
+
+    def as_text(self) -> str:
+        ratio = self.kvcore_us / self.torch_us
+        if self.table == "host":
+            return (f"{self.op:<34} {self.n:>6} {self.kvcore_us:>9.2f} {self.torch_us:>9.2f} {self.bare_us:>9.2f} "
+                    f"{ratio:>8.2f} {self.kvcore_us / self.bare_us:>8.2f}")  # fmt: skip
+        ceil = "" if self.of_ceiling is None else f"{self.of_ceiling:>9.2f}"
+        return f"{self.op:<34} {self.n:>6} {self.kvcore_us:>9.2f} {self.torch_us:>9.2f} {ratio:>8.2f} {ceil}"
+
+
+def host_us(fn: Callable[[], object], reps: int = 2000) -> float:
+    """Mean host time of one call: ``reps`` calls with no sync inside the loop (after a warm-up)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / reps * 1e6
+
+
+def graph_us(fn: Callable[[], object], calls: int = 20) -> float:
+    """Device time of one call inside CUDA-graph replay (median of replays of ``calls`` captured calls)."""
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / calls
+
+
+def copy_ceiling_gbps() -> float:
+    """The measured device-to-device copy rate (bytes read + written per second, GB/s)."""
+    from triton.testing import do_bench
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    seconds = do_bench(lambda: y.copy_(x), warmup=20, rep=100, return_mode="median") * 1e-3
+    del x, y
+    return 2 * (1 << 30) / seconds / 1e9
+
+
+def _pools(kernels: str) -> dict[str, object]:
+    from kvcore_dsa.pool import DSATokenToKVPool
+    from kvcore_mha.pool import MHATokenToKVPool
+    from kvcore_mla.pool import MLATokenToKVPool
+
+    common = dict(size=POOL_TOKENS, device="cuda", enable_memory_saver=False, kernels=kernels)
+    return {
+        "mha": MHATokenToKVPool(page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=32, **common),
+        "mha_fp8": MHATokenToKVPool(page_size=1, dtype=torch.float8_e4m3fn, head_num=HEADS, head_dim=HEAD_DIM,
+                                    layer_num=2, **common),
+        "mla": MLATokenToKVPool(page_size=1, dtype=torch.bfloat16, kv_lora_rank=RANK, qk_rope_head_dim=ROPE, layer_num=2,
+                                **common),
+        "dsa": DSATokenToKVPool(page_size=64, dtype=torch.float8_e4m3fn, kv_lora_rank=RANK, qk_rope_head_dim=ROPE,
+                                layer_num=2, index_head_dim=128, **common),
+    }  # fmt: skip
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (tuple, list)):
+        return all(_same(x, y) for x, y in zip(a, b))
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch.Tensor]]:
+    """Per op: (pool name, ``pool -> call`` to time, the tokens whose rows the call writes).  Inputs are made
+    once, random, never zero."""
+
+    def rand(*shape, dtype=torch.bfloat16):
+        x = torch.randn(shape, generator=gen) * 2
+        return torch.where(x == 0, torch.ones_like(x), x).to(dtype).cuda()
+
+    loc = (torch.randperm(POOL_TOKENS - 64, generator=gen)[:n] + 64).cuda()
+    k, v = rand(n, HEADS, HEAD_DIM), rand(n, HEADS, HEAD_DIM)
+    nope, rope, latent = rand(n, 1, RANK), rand(n, 1, ROPE), rand(n, 1, RANK + ROPE)
+    half = max(1, n // 2)
+    tgt, src = loc[:half], loc[n - half :]
+    keys = rand(n, 128).to(torch.float8_e4m3fn)
+    scales = torch.rand(n, generator=gen).add_(0.01).cuda()
+    pages = torch.arange(1, 2 + n // 64, dtype=torch.int32).cuda()
+    return {
+        "mha set_kv_buffer bf16": ("mha", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
+        "mha set_kv_buffer fp8<-bf16": ("mha_fp8", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
+        "move_kv_cache mha 32 layers": ("mha", lambda p: lambda: p.move_kv_cache(tgt, src), tgt),
+        "mla set_mla_kv_buffer": ("mla", lambda p: lambda: p.set_mla_kv_buffer(0, loc, nope, rope), loc),
+        "mla set_kv_buffer (concatenated)": ("mla", lambda p: lambda: p.set_kv_buffer(0, loc, latent, None), loc),
+        "mla get_mla_kv_buffer": ("mla", lambda p: lambda: p.get_mla_kv_buffer(0, loc), None),
+        "dsa set_mla_kv_buffer (fp8 quantize)": ("dsa", lambda p: lambda: p.set_mla_kv_buffer(0, loc, nope, rope), loc),
+        "dsa get_mla_kv_buffer (dequantize)": ("dsa", lambda p: lambda: p.get_mla_kv_buffer(0, loc), None),
+        "dsa set_index_k_scale_buffer": ("dsa", lambda p: lambda: p.set_index_k_scale_buffer(0, loc, keys, scales), loc),
+        "dsa get_index_k_scale_buffer": ("dsa", lambda p: lambda: p.get_index_k_scale_buffer(0, n, pages), None),
+    }
+
+
+def _bytes_moved(op: str, n: int) -> int | None:
+    """Bytes a call must read + write (for the copy-ceiling ratio), where that is plain to count."""
+    per_token = {
+        "mha set_kv_buffer bf16": 2 * 2 * HEADS * HEAD_DIM * 2,
+        "mla set_mla_kv_buffer": 2 * (RANK + ROPE) * 2,
+        "mla set_kv_buffer (concatenated)": 2 * (RANK + ROPE) * 2,
+        "mla get_mla_kv_buffer": 2 * (RANK + ROPE) * 2,
+        "dsa set_mla_kv_buffer (fp8 quantize)": (RANK + ROPE) * 2 + 656,
+        "dsa get_mla_kv_buffer (dequantize)": 656 + (RANK + ROPE) * 2,
+    }.get(op)
+    return None if per_token is None else per_token * n
+
+
+def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 64, 32768), reps: int = 2000, out=print) -> list[Row]:
+    """Check, then time every case; print both tables with ``out`` and return the rows."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("kvcore bench times kernels on a CUDA GPU and this machine has none")
+    fast, ref = _pools("triton"), _pools("native")
+    for pools in (fast, ref):  # the same random contents in both, so the outputs can be compared
+        for name, pool in pools.items():
+            gen = torch.Generator(device="cuda").manual_seed(hash(name) % 1000)
+            for buf in pool.buffers().values():
+                buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.view(torch.uint8).shape, dtype=torch.uint8,
+                                                          device="cuda", generator=gen))  # fmt: skip
+    x = torch.zeros(16, device="cuda")
+    rows: list[Row] = []
+    ceiling = copy_ceiling_gbps()
+    for n in sorted(set(host_sizes) | set(graph_sizes)):
+        for op, (pool, make, written) in _cases(n, torch.Generator().manual_seed(n)).items():
+            ours, theirs = make(fast[pool]), make(ref[pool])
+            got, want = ours(), theirs()
+            if written is None:
+                ok = _same(got, want)
+            else:  # a write: the rows it wrote, in every buffer, must be the torch path's
+                rows = fast[pool].token_rows(), ref[pool].token_rows()
+                ok = all(_same(rows[0][b].take(written), rows[1][b].take(written)) for b in rows[0])
+            if not ok:
+                raise AssertionError(f"kvcore bench: {op} at N={n} differs from the torch path")
+            if n in host_sizes:
+                rows_ = (host_us(ours, reps), host_us(theirs, reps), host_us(lambda: x.add_(0), reps))
+                rows.append(Row("host", op, n, *rows_))
+            if n in graph_sizes:
+                t_ours, t_ref = graph_us(ours), graph_us(theirs)
+                moved = _bytes_moved(op, n)
+                of_ceiling = None if moved is None else moved / (t_ours * 1e-6) / 1e9 / ceiling
+                rows.append(Row("graph", op, n, t_ours, t_ref, of_ceiling=of_ceiling))
+    gpu = torch.cuda.get_device_name()
+    import triton
+
+    out(f"kvcore bench on {gpu} (torch {torch.__version__}, triton {triton.__version__}); copy ceiling {ceiling:.0f} GB/s")
+    out("")
+    out("host time of one eager call (us): kvcore / torch path / bare torch op (x.add_(0)), and the ratios")
+    out(f"{'op':<34} {'N':>6} {'kvcore':>9} {'torch':>9} {'bare op':>9} {'/torch':>8} {'/bare':>8}")
+    for r in rows:
+        if r.table == "host":
+            out(r.as_text())
+    out("")
+    out("device time per call in CUDA-graph replay (us): kvcore / torch path; share of the copy ceiling")
+    out(f"{'op':<34} {'N':>6} {'kvcore':>9} {'torch':>9} {'/torch':>8} {'of ceil':>9}")
+    for r in rows:
+        if r.table == "graph":
+            out(r.as_text())
+    return rows

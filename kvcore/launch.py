@@ -1,0 +1,98 @@
+"""Launching Triton kernels with little host time: each compiled specialization is found once through Triton's
+JIT dispatcher, then launched directly.
+
+Why: the JIT dispatcher binds every argument, computes its specialization key and looks the kernel up on every
+call (about 12 us of host time for a small kernel on an H200 with Triton 3.6, twice a bare torch op); an
+engine running without CUDA graphs pays that per layer and per call.  A hot path knows far more cheaply what
+can change between its calls, so it names a *launch key* itself and :class:`Launcher` maps each key to the
+compiled kernel the dispatcher chose the first time.
+
+The contract of a launch key: two calls with the same key must get the same specialization from Triton.
+Triton specializes a kernel on its constexpr values and launch options, the dtype of every tensor, whether a
+tensor's address is a multiple of 16, and, for every int not marked ``do_not_specialize``, whether it is 1,
+a multiple of 16, and fits in 32 bits.  A key may be finer than that (a miss only costs one dispatcher call),
+never coarser.  Hot paths therefore mark the ints that change every call (token counts, layer indices, index
+strides) ``do_not_specialize``, and put in the key what is left: dtypes, alignments and the strides whose
+divisibility matters for vector loads.  ``KVCORE_LAUNCH_CHECK=1`` (set by the conformance kit in compiled
+runs) checks every direct launch against the dispatcher's own choice and raises on a mismatch.
+
+Under Triton's interpreter, and while a Triton launch hook is installed (profilers), every call goes through
+the dispatcher.  ``KVCORE_DIRECT_LAUNCH=0`` does the same everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import triton
+
+from kvcore.kernel_mode import triton_interpreting
+
+__all__ = ["Launcher", "alignment", "direct_launch_enabled"]
+
+
+def direct_launch_enabled() -> bool:
+    """False under the interpreter or with ``KVCORE_DIRECT_LAUNCH=0``."""
+    return not triton_interpreting() and os.environ.get("KVCORE_DIRECT_LAUNCH", "1") != "0"
+
+
+def alignment(t: torch.Tensor) -> bool:
+    """Whether Triton sees ``t``'s address as 16-byte aligned (part of its specialization)."""
+    return t.data_ptr() % 16 == 0
+
+
+def _launch_hooks_installed() -> bool:
+    runtime = triton.knobs.runtime
+    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+
+
+class Launcher:
+    """One ``@triton.jit`` kernel on one device, launched without the dispatcher once a key is known.
+
+    :param kernel: the ``@triton.jit`` function.
+    :param device: the device its tensors live on; launches go to that device's current stream.
+    """
+
+    __slots__ = ("kernel", "direct", "check", "_stream", "_device_index", "_compiled")
+
+    def __init__(self, kernel, device: torch.device | str):
+        device = torch.device(device)
+        self.kernel = kernel
+        self.direct = device.type == "cuda" and direct_launch_enabled() and hasattr(triton, "knobs")
+        self.check = os.environ.get("KVCORE_LAUNCH_CHECK") == "1"
+        self._device_index = device.index if device.index is not None else (
+            torch.cuda.current_device() if self.direct else 0
+        )
+        self._stream = torch._C._cuda_getCurrentRawStream if self.direct else None
+        self._compiled: dict[Any, tuple] = {}
+
+    def __call__(self, key: Any, grid: Sequence[int], args: Sequence[Any], num_warps: int = 4) -> None:
+        """Launch ``kernel[grid](*args, num_warps=num_warps)``.
+
+        :param key: a launch key (see the module docstring); hashable.
+        :param grid: one to three program counts.
+        :param args: every parameter of the kernel in signature order, constexpr values included.
+        """
+        entry = self._compiled.get(key)
+        if entry is None or _launch_hooks_installed():
+            compiled = self.kernel[tuple(grid)](*args, num_warps=num_warps)
+            if self.direct and compiled is not None:
+                self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
+            return
+        run, function, metadata, compiled = entry
+        if self.check:
+            self._check(key, grid, args, num_warps, compiled)
+        g = (*grid, 1, 1)
+        run(g[0], g[1], g[2], self._stream(self._device_index), function, metadata, None, None, None, *args)
+
+    def _check(self, key, grid, args, num_warps, compiled) -> None:
+        chosen = self.kernel.warmup(*args, grid=tuple(grid), num_warps=num_warps)
+        chosen = chosen.result() if hasattr(chosen, "result") else chosen
+        if chosen is not compiled:
+            raise AssertionError(
+                f"launch key {key!r} of {self.kernel.__name__} names another specialization than the one Triton "
+                "chooses for these arguments: the key misses something Triton specializes on"
+            )
