@@ -174,13 +174,13 @@ def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 64, 32768), reps: int = 200
             if written is None:
                 ok = _same(got, want)
             else:  # a write: the rows it wrote, in every buffer, must be the torch path's
-                rows = fast[pool].token_rows(), ref[pool].token_rows()
-                ok = all(_same(rows[0][b].take(written), rows[1][b].take(written)) for b in rows[0])
+                mine, reference = fast[pool].token_rows(), ref[pool].token_rows()
+                ok = all(_same(mine[b].take(written), reference[b].take(written)) for b in mine)
             if not ok:
                 raise AssertionError(f"kvcore bench: {op} at N={n} differs from the torch path")
             if n in host_sizes:
-                rows_ = (host_us(ours, reps), host_us(theirs, reps), host_us(lambda: x.add_(0), reps))
-                rows.append(Row("host", op, n, *rows_))
+                times = (host_us(ours, reps), host_us(theirs, reps), host_us(lambda: x.add_(0), reps))
+                rows.append(Row("host", op, n, *times))
             if n in graph_sizes:
                 t_ours, t_ref = graph_us(ours), graph_us(theirs)
                 moved = _bytes_moved(op, n)
