@@ -44,9 +44,18 @@ def alignment(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
+def _hook_active(hook) -> bool:
+    """A launch hook that does something: not None, and (Triton >= 3.5 keeps a ``HookChain`` there, empty
+    unless a profiler added to it) not an empty chain."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return True if calls is None else bool(calls)
+
+
 def _launch_hooks_installed() -> bool:
     runtime = triton.knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
 class Launcher:

@@ -130,3 +130,26 @@ def test_kit_sets_up_interpreted_triton_itself():
     env["KVCORE_TEST_COMPILED"] = "1"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "None"
+
+
+def test_launcher_sees_an_empty_hook_chain_as_no_hook(monkeypatch):
+    """Triton keeps a HookChain in its launch-hook knobs; only a chain with hooks (a profiler) must send
+    launches through the dispatcher, or every call pays the dispatcher's host time."""
+    import triton
+
+    from kvcore import launch
+
+    runtime = triton.knobs.runtime
+    if hasattr(runtime.launch_enter_hook, "calls"):
+        assert not launch._launch_hooks_installed()
+        hook = lambda *args: None  # noqa: E731
+        runtime.launch_enter_hook.add(hook)
+        try:
+            assert launch._launch_hooks_installed()
+        finally:
+            runtime.launch_enter_hook.remove(hook)
+    monkeypatch.setattr(runtime, "launch_exit_hook", lambda *args: None)
+    assert launch._launch_hooks_installed()
+    monkeypatch.setattr(runtime, "launch_exit_hook", None)
+    monkeypatch.setattr(runtime, "launch_enter_hook", None)
+    assert not launch._launch_hooks_installed()
