@@ -47,15 +47,34 @@ def alignment(t: torch.Tensor) -> bool:
 def _hook_active(hook) -> bool:
     """A launch hook that does something: not None, and (Triton >= 3.5 keeps a ``HookChain`` there, empty
     unless a profiler added to it) not an empty chain."""
-    if hook is None:
-        return False
-    calls = getattr(hook, "calls", None)
-    return True if calls is None else bool(calls)
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _launch_hooks_installed() -> bool:
     runtime = triton.knobs.runtime
     return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+
+
+#: Triton releases whose compiled launcher's C entry point kvcore calls itself (its argument list was read from
+#: that release's ``CudaLauncher``); on others, kvcore calls the launcher object, a stable API of Triton 3.x.
+_C_LAUNCH_VERIFIED = ("3.6.",)
+
+
+def _entry(compiled) -> tuple:
+    """``(launch, function, packed metadata, prefix)`` of a compiled kernel: what a direct launch needs.
+
+    ``prefix`` is what goes between the stream and the kernel's own arguments."""
+    run = compiled.run
+    direct_c = (
+        triton.__version__.startswith(_C_LAUNCH_VERIFIED)
+        and getattr(run, "global_scratch_size", 1) == 0
+        and getattr(run, "profile_scratch_size", 1) == 0
+        and hasattr(run, "launch")
+    )
+    if direct_c:  # launch(grid, stream, function, coop, pdl, global scratch, profile scratch, metadata, ...)
+        prefix = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
+        return run.launch, compiled.function, prefix
+    return run, compiled.function, (compiled.packed_metadata, None, None, None)
 
 
 class Launcher:
@@ -86,16 +105,16 @@ class Launcher:
         :param args: every parameter of the kernel in signature order, constexpr values included.
         """
         entry = self._compiled.get(key)
-        if entry is None or _launch_hooks_installed():
-            compiled = self.kernel[tuple(grid)](*args, num_warps=num_warps)
-            if self.direct and compiled is not None:
-                self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
+        if entry is not None and not _launch_hooks_installed():
+            launch, function, prefix, compiled = entry
+            if self.check:
+                self._check(key, grid, args, num_warps, compiled)
+            g = (*grid, 1, 1)
+            launch(g[0], g[1], g[2], self._stream(self._device_index), function, *prefix, *args)
             return
-        run, function, metadata, compiled = entry
-        if self.check:
-            self._check(key, grid, args, num_warps, compiled)
-        g = (*grid, 1, 1)
-        run(g[0], g[1], g[2], self._stream(self._device_index), function, metadata, None, None, None, *args)
+        compiled = self.kernel[tuple(grid)](*args, num_warps=num_warps)
+        if self.direct and compiled is not None and entry is None:
+            self._compiled[key] = (*_entry(compiled), compiled)
 
     def _check(self, key, grid, args, num_warps, compiled) -> None:
         chosen = self.kernel.warmup(*args, grid=tuple(grid), num_warps=num_warps)

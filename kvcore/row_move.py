@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.launch import Launcher, alignment
+from kvcore.launch import Launcher
 from kvcore.token_rows import TokenRows
 
 # Tiling (bytes).
@@ -368,13 +368,13 @@ class RowMover:
 
     def _plan(self, n: int) -> tuple[int, int, int, int, int]:
         """(N_PAD, K_TILE, V_TILE, column programs, warps) of the single-launch path for ``n`` slots."""
-        n_pad, tile_bytes = _move_plan(n, self._k_row_bytes, self._v_row_bytes)
-        plan = self._plans.get(n_pad)
+        plan = self._plans.get(n)
         if plan is None:
+            n_pad, tile_bytes = _move_plan(n, self._k_row_bytes, self._v_row_bytes)
             k_tile, v_tile = max(1, tile_bytes // self._kwb), max(1, tile_bytes // self._vwb)
             n_col = max(triton.cdiv(self._fixed[3], k_tile), triton.cdiv(self._fixed[4], v_tile))
             num_warps = max(1, min(8, prev_pow2(n_pad * tile_bytes // 4096)))
-            plan = self._plans[n_pad] = (n_pad, k_tile, v_tile, n_col, num_warps)
+            plan = self._plans[n] = (n_pad, k_tile, v_tile, n_col, num_warps)
         return plan
 
     def __call__(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
@@ -393,7 +393,7 @@ class RowMover:
             return
         plan = self._plan(n)
         n_pad, k_tile, v_tile, n_col, num_warps = plan
-        key = (tgt_loc.dtype, src_loc.dtype, alignment(tgt_loc), alignment(src_loc), plan)
+        key = (tgt_loc.dtype, src_loc.dtype, tgt_loc.data_ptr() & 15, src_loc.data_ptr() & 15, plan)
         self.launch(key, (len(self.buffers) * self._layers, n_col), (
             *self._caches, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), n, *self._fixed,
             k_tile, v_tile, self._kwb, self._vwb, *self._paging, n_pad,

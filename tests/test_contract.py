@@ -153,3 +153,15 @@ def test_launcher_sees_an_empty_hook_chain_as_no_hook(monkeypatch):
     monkeypatch.setattr(runtime, "launch_exit_hook", None)
     monkeypatch.setattr(runtime, "launch_enter_hook", None)
     assert not launch._launch_hooks_installed()
+
+
+def test_empty_outputs_are_disjoint_contiguous_tensors():
+    from kvcore.pools import empty_outputs
+
+    a, b, c = empty_outputs(torch.device("cpu"), torch.bfloat16, (3, 1, 5), (3, 1, 2), (0, 4))
+    assert (a.shape, b.shape, c.shape) == ((3, 1, 5), (3, 1, 2), (0, 4))
+    assert a.is_contiguous() and b.is_contiguous() and c.is_contiguous() and a.dtype == torch.bfloat16
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert bool((a == 1).all()) and bool((b == 2).all()), "the outputs overlap"
+    assert b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()

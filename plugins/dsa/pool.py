@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.pools import empty_outputs
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_dsa import kernels
@@ -210,8 +211,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         dst_dtype = dst_dtype or ROPE_STORAGE_DTYPE
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
         n = loc.shape[0]
-        nope = torch.empty((n, 1, self.kv_lora_rank), dtype=dst_dtype, device=self.kv_cache.device)
-        rope = torch.empty((n, 1, self.qk_rope_head_dim), dtype=dst_dtype, device=self.kv_cache.device)
+        nope, rope = empty_outputs(self.kv_cache.device, dst_dtype, (n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim))
         self._scaled.gather(local, loc, nope, rope)
         return nope, rope
 
@@ -255,9 +255,10 @@ class DSATokenToKVPool(MLATokenToKVPool):
             raise ValueError("the bf16 indexer (kv_cache.options.index_dtype=bfloat16) keeps no scales")
         seq_len = int(seq_len)
         page_indices = page_indices if page_indices.dim() == 1 else page_indices.reshape(-1)
-        device = self.index_k_with_scale_cache.device
-        k_out = torch.empty((seq_len, self._index_key_bytes), dtype=torch.uint8, device=device) if want_k else None
-        s_out = torch.empty((seq_len, INDEX_SCALE_BYTES), dtype=torch.uint8, device=device) if want_s else None
+        shapes = [(seq_len, self._index_key_bytes)] * want_k + [(seq_len, INDEX_SCALE_BYTES)] * want_s
+        outputs = empty_outputs(self.index_k_with_scale_cache.device, torch.uint8, *shapes)
+        k_out = outputs.pop(0) if want_k else None
+        s_out = outputs.pop(0) if want_s else None
         self._indexer.get(local, seq_len, page_indices, k_out, s_out)
         if k_out is not None and not self._index_has_scale:
             k_out = k_out.view(self.index_k_dtype)

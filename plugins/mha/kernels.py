@@ -31,7 +31,7 @@ from kvcore import dtypes
 from kvcore.dtypes import is_fp8_dtype, storage_dtype
 from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import Launcher, alignment
+from kvcore.launch import Launcher
 from kvcore.row_move import next_pow2 as _next_pow2
 
 __all__ = [
@@ -247,12 +247,11 @@ class KVStore:
         self.layers, self.heads, self.dk, self.dv = ks[0], ks[2], ks[3], vs[3]
         self.k_shape, self.v_shape = (ks[2], ks[3]), (vs[2], vs[3])
         self.launch = Launcher(_store_kv_kernel, k_cache.device)
-        self._fixed = dict(
-            DK=self.dk, DV=self.dv, HDK=self.heads * self.dk, HDV=self.heads * self.dv, K_LAYER_STRIDE=kcs[0],
-            V_LAYER_STRIDE=vcs[0], K_ROW_STRIDE=kcs[1], V_ROW_STRIDE=vcs[1], SATURATE=torch_e4m3fn_saturates(),
-            HW_CVT=not triton_interpreting(),
-        )  # fmt: skip
+        # DK, DV, HDK, HDV, K/V_LAYER_STRIDE, K/V_ROW_STRIDE, then SATURATE and HW_CVT (kernel order)
+        self._fixed = (self.dk, self.dv, self.heads * self.dk, self.heads * self.dv, kcs[0], vcs[0], kcs[1], vcs[1],
+                       torch_e4m3fn_saturates(), not triton_interpreting())  # fmt: skip
         self._codes: dict[torch.dtype, int] = {}
+        self._plans: dict[tuple[int, int], tuple] = {}
 
     def _code(self, dtype: torch.dtype) -> int:
         code = self._codes.get(dtype)
@@ -289,20 +288,26 @@ class KVStore:
             k_scale = v_scale = None  # SGLang's rule: scales apply only to inputs that are converted
             if src_dtype != self.k_cache.dtype:  # fp8 inputs into an fp8 cache: move their bytes
                 cache_k, cache_v = cache_k.view(torch.uint8), cache_v.view(torch.uint8)
-        k_mode, k_scale_ptr, k_scale_value = _scale_args(k_scale, self.k_cache)
-        v_mode, v_scale_ptr, v_scale_value = _scale_args(v_scale, self.v_cache)
+        if k_scale is None and v_scale is None:
+            k_mode = v_mode = _SCALE_NONE
+            k_scale_ptr, v_scale_ptr, k_scale_value, v_scale_value = self.k_cache, self.v_cache, 1.0, 1.0
+        else:
+            k_mode, k_scale_ptr, k_scale_value = _scale_args(k_scale, self.k_cache)
+            v_mode, v_scale_ptr, v_scale_value = _scale_args(v_scale, self.v_cache)
         kss, vss = cache_k.stride(), cache_v.stride()
-        plan = _store_plan(self.heads * self.dk, self.heads * self.dv, _next_pow2(n), out == dtypes.SAME)
+        n_pad = 1 << (n - 1).bit_length()
+        plan = self._plans.get((n_pad, out))
+        if plan is None:
+            plan = self._plans[(n_pad, out)] = _store_plan(self.heads * self.dk, self.heads * self.dv, n_pad, out == dtypes.SAME)
         block_n, block_ck, block_cv, num_cb_k, num_cb = plan
-        key = (src_dtype, kss, vss, alignment(cache_k), alignment(cache_v), loc.dtype, alignment(loc), k_mode, v_mode,
-               alignment(k_scale_ptr), alignment(v_scale_ptr), plan)  # fmt: skip
+        key = (src_dtype, kss, vss, cache_k.data_ptr() & 15, cache_v.data_ptr() & 15, loc.dtype, loc.data_ptr() & 15,
+               k_mode, v_mode, k_scale_ptr.data_ptr() & 15, v_scale_ptr.data_ptr() & 15, plan)  # fmt: skip
         f = self._fixed
         self.launch(key, (triton.cdiv(n, block_n), num_cb), (
             self.k_cache, self.v_cache, layer_index, cache_k, cache_v, loc, loc.stride(0), n,
             kss[0], kss[1], kss[2], vss[0], vss[1], vss[2], k_scale_ptr, v_scale_ptr, k_scale_value, v_scale_value,
-            f["DK"], f["DV"], f["HDK"], f["HDV"], f["K_LAYER_STRIDE"], f["V_LAYER_STRIDE"], f["K_ROW_STRIDE"],
-            f["V_ROW_STRIDE"], kss[2] == 1 and kss[1] == self.dk, vss[2] == 1 and vss[1] == self.dv, out,
-            f["SATURATE"], k_mode, v_mode, block_n, block_ck, block_cv, num_cb_k, f["HW_CVT"],
+            *f[:8], kss[2] == 1 and kss[1] == self.dk, vss[2] == 1 and vss[1] == self.dv, out,
+            f[8], k_mode, v_mode, block_n, block_ck, block_cv, num_cb_k, f[9],
         ), num_warps=_STORE_NUM_WARPS)  # fmt: skip
 
 

@@ -52,10 +52,10 @@ import triton
 import triton.language as tl
 
 from kvcore import dtypes
-from kvcore.dtypes import is_fp8_dtype, storage_dtype
+from kvcore.dtypes import FP8_DTYPES, is_fp8_dtype, storage_dtype
 from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import Launcher, alignment
+from kvcore.launch import Launcher
 from kvcore.row_move import next_pow2 as _next_pow2
 from kvcore.row_move import prev_pow2 as _prev_pow2
 
@@ -246,11 +246,12 @@ class LatentRows:
             raise ValueError(f"cache_dtype {cache_dtype} is stored as {want}, got kv_cache of {kv_cache.dtype}")
         self.kv_cache, self.cache_dtype, self.use_triton = kv_cache, cache_dtype, use_triton
         self.width, self.layers = width, kv_cache.shape[0]
-        self.device = kv_cache.device
+        self.device, self._device_index = kv_cache.device, kv_cache.get_device()  # -1 on the CPU
         self.launch = Launcher(_mla_rows_kernel, kv_cache.device)
         self._row_stride, self._layer_stride = kv_cache.stride(1), kv_cache.stride(0)
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
         self._codes: dict[tuple, tuple[int, int]] = {}
+        self._plans: dict[tuple, tuple] = {}
 
     # -- checks ---------------------------------------------------------------------------------------------
 
@@ -259,7 +260,7 @@ class LatentRows:
             raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
         if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
-        if loc.device != self.device:
+        if loc.get_device() != self._device_index:
             raise ValueError(f"loc is on {loc.device}, kv_cache on {self.device}")
         return loc.shape[0]
 
@@ -277,7 +278,7 @@ class LatentRows:
                 self._codes_of(self.cache_dtype, x.dtype, what)
             else:
                 self._codes_of(x.dtype, self.cache_dtype, what)
-            if x.device != self.device:
+            if x.get_device() != self._device_index:
                 raise ValueError(f"{what} is on {x.device}, kv_cache on {self.device}")
             geometry.append(_part(x, n, what))
         total = sum(g[0] for g in geometry)
@@ -299,11 +300,15 @@ class LatentRows:
         else:
             b_in, b_out = self._codes_of(src_b, dst_b, "part B")
         copy = a_out == dtypes.SAME and (b_geo[0] == 0 or b_out == dtypes.SAME)
-        plan = _plan(a_geo[0], b_geo[0], _next_pow2(n), copy)
+        n_pad = 1 << (n - 1).bit_length()
+        plan = self._plans.get((a_geo[0], b_geo[0], n_pad, copy))
+        if plan is None:
+            plan = self._plans[(a_geo[0], b_geo[0], n_pad, copy)] = _plan(a_geo[0], b_geo[0], n_pad, copy)
         block_n, block_a, block_b, num_cb_a, num_cb, warps = plan
-        a, b = _kernel_view(a), _kernel_view(b)
-        key = (a.dtype, b.dtype, a_geo, b_geo, b_ext0, alignment(a), alignment(b), loc.dtype, alignment(loc),
-               gather, a_in, a_out, b_in, b_out, plan)  # fmt: skip
+        if a.dtype in FP8_DTYPES or b.dtype in FP8_DTYPES:
+            a, b = _kernel_view(a), _kernel_view(b)
+        key = (a.dtype, b.dtype, a_geo, b_geo, b_ext0, a.data_ptr() & 15, b.data_ptr() & 15, loc.dtype,
+               loc.data_ptr() & 15, gather, a_in, a_out, b_in, b_out, plan)  # fmt: skip
         self.launch(key, (triton.cdiv(n, block_n), num_cb), (
             self.kv_cache, layer_index, loc, loc.stride(0), n, a, a_geo[1], a_geo[2], b, b_geo[1], b_geo[2],
             self._layer_stride, self._row_stride, a_geo[0], b_geo[0], b_ext0, block_a, block_b, num_cb_a, a_geo[2] == 1,
