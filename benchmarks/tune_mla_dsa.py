@@ -16,7 +16,6 @@ import itertools
 import torch
 
 from bench_mha import copy_ceiling, graph_time_us, same_size_copy_us
-from kvcore.dtypes import storage_dtype
 from kvcore_dsa.layout import scaled_row_bytes
 from kvcore_dsa import kernels as dsa
 from kvcore_mla import kernels as mla
