@@ -83,7 +83,6 @@ def copy_ceiling_gbps() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     seconds = do_bench(lambda: y.copy_(x), warmup=20, rep=100, return_mode="median") * 1e-3
-    del x, y
     return 2 * (1 << 30) / seconds / 1e9
 
 
