@@ -68,7 +68,7 @@ class PoolRequest:
     kernels: str = "auto"
     backend: str = "auto"
     model_name: str = ""
-    options: Any = attrs.field(factory=dict)
+    options: Any = attrs.field(factory=dict, converter=lambda v: _frozen_mapping(v) if isinstance(v, Mapping) else v)
     sections: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
 
     @property

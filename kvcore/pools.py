@@ -138,7 +138,7 @@ class KVCache(abc.ABC):
     **Methods a family implements:** :meth:`buffers` (every stacked buffer by its layout name, matching the
     backend's :class:`~kvcore.layout.PoolLayout`), :meth:`get_key_buffer`, :meth:`set_kv_buffer` and
     :meth:`self_test_write`.  **Optional:** :meth:`get_value_buffer` (families that keep values; without it
-    the pool keeps keys only, and ``set_kv_buffer``'s ``cache_v`` is None), :meth:`token_buffers` (when some
+    the pool keeps keys only, and its ``set_kv_buffer`` need not take a ``cache_v``), :meth:`token_buffers` (when some
     buffers are not token-indexed) and :meth:`token_rows` (to add per-token rows that live inside pages).
 
     **What the base then provides for every family:** :meth:`move_kv_cache` and CPU offload
