@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.launch import Launcher
+from kvcore.launch import Launcher, cdiv
 from kvcore.token_rows import TokenRows
 
 # Tiling (bytes).
@@ -272,7 +272,7 @@ def _copy_rows(src, dst, src_idx, dst_idx, n, guard=None, guard_mode=0):
     block_c = min(next_pow2(row), _COPY_MAX_BLOCK_C)
     block_n = max(1, min(_COPY_TILE_WORDS // block_c, next_pow2(n)))
     dummy = src_idx if src_idx is not None else dst_idx
-    grid = (triton.cdiv(n, block_n), triton.cdiv(row, block_c), src.shape[0])
+    grid = (cdiv(n, block_n), cdiv(row, block_c), src.shape[0])
     _copy_rows_kernel[grid](
         src, dst, dummy if src_idx is None else src_idx, dummy if dst_idx is None else dst_idx,
         1 if src_idx is None else src_idx.stride(0), 1 if dst_idx is None else dst_idx.stride(0), n,
@@ -327,7 +327,7 @@ def _flag_overlaps(rows: int, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> t
     n = tgt_loc.shape[0]
     marks = torch.zeros(rows, dtype=torch.int8, device=tgt_loc.device)
     flag = torch.zeros(1, dtype=torch.int32, device=tgt_loc.device)
-    grid = (triton.cdiv(n, _FLAG_BLOCK),)
+    grid = (cdiv(n, _FLAG_BLOCK),)
     _mark_sources_kernel[grid](marks, src_loc, src_loc.stride(0), n, BLOCK=_FLAG_BLOCK)
     _flag_overlaps_kernel[grid](
         marks, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), flag, n, BLOCK=_FLAG_BLOCK
@@ -372,7 +372,7 @@ class RowMover:
         if plan is None:
             n_pad, tile_bytes = _move_plan(n, self._k_row_bytes, self._v_row_bytes)
             k_tile, v_tile = max(1, tile_bytes // self._kwb), max(1, tile_bytes // self._vwb)
-            n_col = max(triton.cdiv(self._fixed[3], k_tile), triton.cdiv(self._fixed[4], v_tile))
+            n_col = max(cdiv(self._fixed[3], k_tile), cdiv(self._fixed[4], v_tile))
             num_warps = max(1, min(8, prev_pow2(n_pad * tile_bytes // 4096)))
             plan = self._plans[n] = (n_pad, k_tile, v_tile, n_col, num_warps)
         return plan

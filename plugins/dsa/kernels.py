@@ -44,7 +44,7 @@ from kvcore.fp8 import (
 )
 from kvcore import dtypes
 from kvcore.dtypes import E4M3FN_MAX
-from kvcore.launch import Launcher, alignment
+from kvcore.launch import Launcher, alignment, cdiv
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.row_move import next_pow2
 from kvcore_dsa.layout import (
@@ -495,7 +495,7 @@ class ScaledRows:
         block_n = min(_STORE_BLOCK_N, next_pow2(n))
         key = (cache_k_nope.dtype, cache_k_rope.dtype, nope_s, rope_s, alignment(cache_k_nope),
                alignment(cache_k_rope), loc.dtype, alignment(loc), block_n)  # fmt: skip
-        self._store(key, (triton.cdiv(n, block_n),), (
+        self._store(key, (cdiv(n, block_n),), (
             *self._views, layer_index, cache_k_nope, cache_k_rope, loc, loc.stride(0), n, *nope_s, *rope_s,
             *self._dims, cache_k_rope.dtype == torch.bfloat16, SCALE_MIN, self._saturate, self._hw_cvt, block_n,
         ), num_warps=_STORE_NUM_WARPS)  # fmt: skip
@@ -522,7 +522,7 @@ class ScaledRows:
         block_n = min(_GATHER_BLOCK_N, next_pow2(n))
         out = dtypes.dtype_code(nope_out.dtype)
         key = (out, alignment(nope_out), alignment(rope_out), loc.dtype, alignment(loc), block_n)
-        self._gather(key, (triton.cdiv(n, block_n),), (
+        self._gather(key, (cdiv(n, block_n),), (
             *self._views, layer_index, loc, loc.stride(0), n, nope_out, rope_out, *self._dims, out, self._hw_cvt,
             block_n,
         ), num_warps=_GATHER_NUM_WARPS)  # fmt: skip
@@ -600,7 +600,11 @@ class IndexerPages:
         if (index_k_scale is not None) != self.has_scale:
             raise ValueError("scales are given for an indexer without scales" if index_k_scale is not None
                              else "this indexer keeps a scale per key; pass index_k_scale")  # fmt: skip
-        scales = None if index_k_scale is None else _scale_bytes(index_k_scale, n)
+        fast_scale = (index_k_scale is not None and index_k_scale.dtype == torch.float32 and index_k_scale.dim() == 1
+                      and index_k_scale.stride(0) == 1)  # fmt: skip
+        if fast_scale and index_k_scale.shape[0] != n:
+            raise ValueError(f"index_k_scale must hold one float32 per token ({n}), got {tuple(index_k_scale.shape)}")
+        scales = None if index_k_scale is None or (fast_scale and self.use_triton) else _scale_bytes(index_k_scale, n)
         if n == 0:
             return
         if not self.use_triton:
@@ -612,12 +616,18 @@ class IndexerPages:
                 page_scales[page, slot] = scales
             return
         block_n = min(_INDEX_BLOCK_N, next_pow2(n))
-        s = scales if scales is not None else keys
-        key = (keys.stride(), s.stride(), alignment(keys), alignment(s), loc.dtype, alignment(loc), block_n)
-        self._set(key, (triton.cdiv(n, block_n),), (
-            self.index_buf, layer_index, loc, loc.stride(0), n, keys, keys.stride(0), keys.stride(1), s, s.stride(0),
-            s.stride(1), INDEX_PAGE_SIZE, self.index_buf.stride(0), self.page_bytes, self.key_bytes,
-            scales is not None, block_n,
+        if index_k_scale is None:
+            s, ss = keys, (0, 0)
+        elif fast_scale:
+            # one view instead of _scale_bytes' two: the kernel reads the 4 bytes of token i at byte 4 i
+            s, ss = index_k_scale.view(torch.uint8), (4, 1)
+        else:
+            s, ss = scales, scales.stride()
+        ks = keys.stride()
+        key = (ks, ss, alignment(keys), alignment(s), loc.dtype, alignment(loc), block_n)
+        self._set(key, (cdiv(n, block_n),), (
+            self.index_buf, layer_index, loc, loc.stride(0), n, keys, ks[0], ks[1], s, ss[0], ss[1], INDEX_PAGE_SIZE,
+            self.index_buf.stride(0), self.page_bytes, self.key_bytes, index_k_scale is not None, block_n,
         ), num_warps=_INDEX_NUM_WARPS)  # fmt: skip
 
     def get(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, k_out: torch.Tensor | None,
@@ -654,7 +664,7 @@ class IndexerPages:
         k, s = (k_out if k_out is not None else dummy), (s_out if s_out is not None else dummy)
         key = (alignment(k), alignment(s), page_indices.dtype, alignment(page_indices), k_out is not None,
                s_out is not None, block_n)  # fmt: skip
-        self._get(key, (triton.cdiv(seq_len, block_n),), (
+        self._get(key, (cdiv(seq_len, block_n),), (
             self.index_buf, layer_index, page_indices, page_indices.stride(0), seq_len, k, s, INDEX_PAGE_SIZE,
             self.index_buf.stride(0), self.page_bytes, self.key_bytes, k_out is not None, s_out is not None, block_n,
         ), num_warps=_INDEX_NUM_WARPS)  # fmt: skip

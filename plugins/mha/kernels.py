@@ -31,7 +31,7 @@ from kvcore import dtypes
 from kvcore.dtypes import is_fp8_dtype, storage_dtype
 from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import Launcher
+from kvcore.launch import Launcher, cdiv
 from kvcore.row_move import next_pow2 as _next_pow2
 
 __all__ = [
@@ -303,7 +303,7 @@ class KVStore:
         key = (src_dtype, kss, vss, cache_k.data_ptr() & 15, cache_v.data_ptr() & 15, loc.dtype, loc.data_ptr() & 15,
                k_mode, v_mode, k_scale_ptr.data_ptr() & 15, v_scale_ptr.data_ptr() & 15, plan)  # fmt: skip
         f = self._fixed
-        self.launch(key, (triton.cdiv(n, block_n), num_cb), (
+        self.launch(key, (cdiv(n, block_n), num_cb), (
             self.k_cache, self.v_cache, layer_index, cache_k, cache_v, loc, loc.stride(0), n,
             kss[0], kss[1], kss[2], vss[0], vss[1], vss[2], k_scale_ptr, v_scale_ptr, k_scale_value, v_scale_value,
             *f[:8], kss[2] == 1 and kss[1] == self.dk, vss[2] == 1 and vss[1] == self.dv, out,
@@ -368,5 +368,5 @@ def _store_plan(hdk: int, hdv: int, n_pad: int, copy: bool) -> tuple[int, int, i
     block_cv = min(_next_pow2(hdv), STORE_MAX_BLOCK_C)
     tile = STORE_COPY_TILE_ELEMS if copy else STORE_TILE_ELEMS
     block_n = max(1, min(tile // max(block_ck, block_cv), n_pad))
-    num_cb_k = triton.cdiv(hdk, block_ck)
-    return block_n, block_ck, block_cv, num_cb_k, num_cb_k + triton.cdiv(hdv, block_cv)
+    num_cb_k = cdiv(hdk, block_ck)
+    return block_n, block_ck, block_cv, num_cb_k, num_cb_k + cdiv(hdv, block_cv)

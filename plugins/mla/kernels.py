@@ -55,7 +55,7 @@ from kvcore import dtypes
 from kvcore.dtypes import FP8_DTYPES, is_fp8_dtype, storage_dtype
 from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import Launcher
+from kvcore.launch import Launcher, cdiv
 from kvcore.row_move import next_pow2 as _next_pow2
 from kvcore.row_move import prev_pow2 as _prev_pow2
 
@@ -186,8 +186,8 @@ def _plan(a_width: int, b_width: int, n_pad: int, copy: bool) -> tuple[int, int,
     block_b = min(_next_pow2(b_width), MAX_BLOCK_C) if b_width else 1
     tile = COPY_TILE_ELEMS if copy else TILE_ELEMS
     block_n = max(1, min(tile // max(block_a, block_b), n_pad))
-    num_cb_a = triton.cdiv(a_width, block_a)
-    num_cb = num_cb_a + (triton.cdiv(b_width, block_b) if b_width else 0)
+    num_cb_a = cdiv(a_width, block_a)
+    num_cb = num_cb_a + (cdiv(b_width, block_b) if b_width else 0)
     warps = max(1, min(MAX_WARPS, block_n * block_a // ELEMS_PER_WARP))
     return block_n, block_a, block_b, num_cb_a, num_cb, warps
 
@@ -271,48 +271,43 @@ class LatentRows:
             codes = self._codes[(src, dst)] = (dtypes.dtype_code(src, what), dtypes.conversion_code(src, dst, what))
         return codes
 
-    def _check_parts(self, n: int, parts, gather: bool) -> list[tuple[int, int, int]]:
-        geometry = []
+    def _check_parts(self, n: int, parts, gather: bool) -> list[tuple[int, int, int, int, int]]:
+        """Per part: (width, token stride, column stride, IN code, OUT code), from the tensors' own tuples."""
+        checked = []
         for what, x in parts:
-            if gather:
-                self._codes_of(self.cache_dtype, x.dtype, what)
-            else:
-                self._codes_of(x.dtype, self.cache_dtype, what)
+            codes = self._codes_of(self.cache_dtype, x.dtype, what) if gather else self._codes_of(x.dtype, self.cache_dtype, what)
             if x.get_device() != self._device_index:
                 raise ValueError(f"{what} is on {x.device}, kv_cache on {self.device}")
-            geometry.append(_part(x, n, what))
-        total = sum(g[0] for g in geometry)
+            checked.append((*_part(x, n, what), *codes))
+        total = checked[0][0] + (checked[1][0] if len(checked) > 1 else 0)
         if total > self.width:
-            widths = " + ".join(f"{what} {g[0]}" for (what, _), g in zip(parts, geometry))
+            widths = " + ".join(f"{what} {c[0]}" for (what, _), c in zip(parts, checked))
             raise ValueError(f"{widths} = {total} columns do not fit a cache row of {self.width}")
-        return geometry
+        return checked
 
     # -- the one launch --------------------------------------------------------------------------------------
 
-    def _launch(self, layer_index, loc, n, a, a_geo, b, b_geo, gather: bool, b_ext0: int = 0) -> None:
-        """One launch over ``loc``; ``b``/``b_geo`` may be None (a single part); part B's external columns start
-        at ``b_ext0``."""
-        src_a, src_b = (self.cache_dtype, self.cache_dtype) if gather else (a.dtype, None if b is None else b.dtype)
-        dst_a, dst_b = (a.dtype, None if b is None else b.dtype) if gather else (self.cache_dtype, self.cache_dtype)
-        a_in, a_out = self._codes_of(src_a, dst_a, "part A")
+    def _launch(self, layer_index, loc, n, a, a_part, b, b_part, gather: bool, b_ext0: int = 0) -> None:
+        """One launch over ``loc``.  ``a_part`` / ``b_part`` are (width, token stride, column stride, IN, OUT) as
+        :meth:`_check_parts` returns them; ``b`` may be None (a single part); part B's external columns start at
+        ``b_ext0``."""
         if b is None:
-            b, b_geo, b_in, b_out = a, (0, a_geo[1], a_geo[2]), a_in, a_out
-        else:
-            b_in, b_out = self._codes_of(src_b, dst_b, "part B")
-        copy = a_out == dtypes.SAME and (b_geo[0] == 0 or b_out == dtypes.SAME)
+            b, b_part = a, (0, *a_part[1:])
+        copy = a_part[4] == dtypes.SAME and (b_part[0] == 0 or b_part[4] == dtypes.SAME)
         n_pad = 1 << (n - 1).bit_length()
-        plan = self._plans.get((a_geo[0], b_geo[0], n_pad, copy))
+        plan = self._plans.get((a_part[0], b_part[0], n_pad, copy))
         if plan is None:
-            plan = self._plans[(a_geo[0], b_geo[0], n_pad, copy)] = _plan(a_geo[0], b_geo[0], n_pad, copy)
+            plan = self._plans[(a_part[0], b_part[0], n_pad, copy)] = _plan(a_part[0], b_part[0], n_pad, copy)
         block_n, block_a, block_b, num_cb_a, num_cb, warps = plan
         if a.dtype in FP8_DTYPES or b.dtype in FP8_DTYPES:
             a, b = _kernel_view(a), _kernel_view(b)
-        key = (a.dtype, b.dtype, a_geo, b_geo, b_ext0, a.data_ptr() & 15, b.data_ptr() & 15, loc.dtype,
-               loc.data_ptr() & 15, gather, a_in, a_out, b_in, b_out, plan)  # fmt: skip
-        self.launch(key, (triton.cdiv(n, block_n), num_cb), (
-            self.kv_cache, layer_index, loc, loc.stride(0), n, a, a_geo[1], a_geo[2], b, b_geo[1], b_geo[2],
-            self._layer_stride, self._row_stride, a_geo[0], b_geo[0], b_ext0, block_a, block_b, num_cb_a, a_geo[2] == 1,
-            b_geo[2] == 1, gather, a_in, a_out, b_in, b_out, self._saturate, self._hw_cvt, block_n,
+        key = (a.dtype, b.dtype, a_part, b_part, b_ext0, a.data_ptr() & 15, b.data_ptr() & 15, loc.dtype,
+               loc.data_ptr() & 15, gather, plan)  # fmt: skip
+        self.launch(key, (cdiv(n, block_n), num_cb), (
+            self.kv_cache, layer_index, loc, loc.stride(0), n, a, a_part[1], a_part[2], b, b_part[1], b_part[2],
+            self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block_a, block_b, num_cb_a,
+            a_part[2] == 1, b_part[2] == 1, gather, a_part[3], a_part[4], b_part[3], b_part[4], self._saturate,
+            self._hw_cvt, block_n,
         ), num_warps=warps)  # fmt: skip
 
     # -- the operations --------------------------------------------------------------------------------------
@@ -343,8 +338,8 @@ class LatentRows:
         # Split at the largest power of two below the width (576 = 512 + 64): tiles of 512 and 64 columns
         # instead of one 1024-wide tile with 448 idle lanes; part B is the same tensor from column ``split``.
         split = _prev_pow2(geo[0])
-        tail = (geo[0] - split, geo[1], geo[2]) if split < geo[0] else None
-        self._launch(layer_index, loc, n, cache_k, (split, geo[1], geo[2]), cache_k if tail else None, tail,
+        tail = (geo[0] - split, *geo[1:]) if split < geo[0] else None
+        self._launch(layer_index, loc, n, cache_k, (split, *geo[1:]), cache_k if tail else None, tail,
                      gather=False, b_ext0=split)  # fmt: skip
 
     def gather(self, layer_index: int, loc: torch.Tensor, out_nope: torch.Tensor, out_rope: torch.Tensor) -> None:

@@ -161,12 +161,12 @@ class MLATokenToKVPool(KVCache):
         are never modified.
         """
         local = self.local_layer(layer, layer_id_override)
-        expected = ((self.kv_lora_rank, "kv_lora_rank"), (self.qk_rope_head_dim, "qk_rope_head_dim"))
-        for x, (width, name), what in zip((cache_k_nope, cache_k_rope), expected, ("cache_k_nope", "cache_k_rope")):
-            if x.shape[-1] != width:
-                raise ValueError(
-                    f"layer {self.start_layer + local}: {what} {tuple(x.shape)} must end in {name} = {width}"
-                )
+        if cache_k_nope.shape[-1] != self.kv_lora_rank or cache_k_rope.shape[-1] != self.qk_rope_head_dim:
+            raise ValueError(
+                f"layer {self.start_layer + local}: cache_k_nope {tuple(cache_k_nope.shape)} / cache_k_rope "
+                f"{tuple(cache_k_rope.shape)} must end in kv_lora_rank = {self.kv_lora_rank} / qk_rope_head_dim = "
+                f"{self.qk_rope_head_dim}"
+            )
         self._rows.store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k_nope, cache_k_rope)
 
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
