@@ -26,6 +26,15 @@ RANK, ROPE = 512, 64  # DeepSeek-V3 / V3.2
 POOL_TOKENS = 1 << 16  # of every pool timed; locations are drawn among them
 
 
+#: (table, title, (column head, width) ...) of the two tables, in print order; the widths are Row.as_text's.
+TABLES = (
+    ("host", "host time of one eager call (us): kvcore / torch path / bare torch op (x.add_(0)), and the ratios",
+     (("kvcore", 9), ("torch", 9), ("bare op", 9), ("/torch", 8), ("/bare", 8))),
+    ("graph", "device time per call in CUDA-graph replay (us): kvcore / torch path; share of the copy ceiling",
+     (("kvcore", 9), ("torch", 9), ("/torch", 8), ("of ceil", 9))),
+)  # fmt: skip
+
+
 @attrs.frozen
 class Row:
     """One measured line of a table (times in microseconds)."""
@@ -152,6 +161,15 @@ def _bytes_moved(op: str, n: int) -> int | None:
     return None if per_token is None else per_token * n
 
 
+def format_tables(rows: list[Row]) -> list[str]:
+    """The two tables as text lines (a blank line and a title before each)."""
+    lines = []
+    for table, title, columns in TABLES:
+        lines += ["", title, f"{'op':<34} {'N':>6} " + " ".join(f"{head:>{width}}" for head, width in columns)]
+        lines += [r.as_text() for r in rows if r.table == table]
+    return lines
+
+
 def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 64, 32768), reps: int = 2000, out=print) -> list[Row]:
     """Check, then time every case; print both tables with ``out`` and return the rows."""
     if not torch.cuda.is_available():
@@ -185,20 +203,10 @@ def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 64, 32768), reps: int = 200
                 moved = _bytes_moved(op, n)
                 of_ceiling = None if moved is None else moved / (t_ours * 1e-6) / 1e9 / ceiling
                 rows.append(Row("graph", op, n, t_ours, t_ref, of_ceiling=of_ceiling))
-    gpu = torch.cuda.get_device_name()
     import triton
 
-    out(f"kvcore bench on {gpu} (torch {torch.__version__}, triton {triton.__version__}); copy ceiling {ceiling:.0f} GB/s")
-    out("")
-    out("host time of one eager call (us): kvcore / torch path / bare torch op (x.add_(0)), and the ratios")
-    out(f"{'op':<34} {'N':>6} {'kvcore':>9} {'torch':>9} {'bare op':>9} {'/torch':>8} {'/bare':>8}")
-    for r in rows:
-        if r.table == "host":
-            out(r.as_text())
-    out("")
-    out("device time per call in CUDA-graph replay (us): kvcore / torch path; share of the copy ceiling")
-    out(f"{'op':<34} {'N':>6} {'kvcore':>9} {'torch':>9} {'/torch':>8} {'of ceil':>9}")
-    for r in rows:
-        if r.table == "graph":
-            out(r.as_text())
+    out(f"kvcore bench on {torch.cuda.get_device_name()} (torch {torch.__version__}, triton {triton.__version__}); "
+        f"copy ceiling {ceiling:.0f} GB/s")  # fmt: skip
+    for line in format_tables(rows):
+        out(line)
     return rows

@@ -194,3 +194,24 @@ def test_module_entry_point_subprocess(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "llama-3-8b" in result.stdout
     assert "131072 bytes per token" in result.stdout  # 8 kv heads x (128 + 128) x 2 bytes x 32 layers
+
+
+def test_bench_needs_a_gpu_and_says_so(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_tables_line_up():
+    from kvcore.bench import Row, format_tables
+
+    rows = [Row("host", "mha set_kv_buffer bf16", 8, 9.5, 18.4, 6.0), Row("graph", "mla get_mla_kv_buffer", 64, 1.73, 6.33, of_ceiling=0.02)]
+    lines = format_tables(rows)
+    host_head, host_row = lines[2], lines[3]
+    graph_head, graph_row = lines[6], lines[7]
+    assert host_row.split() == ["mha", "set_kv_buffer", "bf16", "8", "9.50", "18.40", "6.00", "0.52", "1.58"]
+    assert graph_row.split()[-4:] == ["1.73", "6.33", "0.27", "0.02"]
+    for head, row in ((host_head, host_row), (graph_head, graph_row)):
+        assert len(head) == len(row), "a column head does not sit over its column"
