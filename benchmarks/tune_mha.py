@@ -33,7 +33,6 @@ def main() -> None:
         for tile, warps in itertools.product((2048, 4096, 8192, 16384), (4, 8)):
             kernels.STORE_TILE_ELEMS = kernels.STORE_COPY_TILE_ELEMS = tile
             kernels._STORE_NUM_WARPS = warps
-            kernels._store_plan.cache_clear()
             us = graph_time_us(lambda: kernels.store_kv_triton(k, v, 0, loc, ck, ck, cache_dtype=dtype), 4)
             print(f"store {dtype} 32k tile={tile} warps={warps}: {us:.1f} us {moved / us / 1e6 / ceiling:.3f} of ceiling")
         del k, v

@@ -54,7 +54,6 @@ def main() -> None:
     def mla_apply(setting):
         mla.COPY_TILE_ELEMS = mla.TILE_ELEMS = setting[0]
         mla.MAX_BLOCK_C, mla.ELEMS_PER_WARP, mla.MAX_WARPS = setting[1], setting[2], 8
-        mla._plan.cache_clear()
 
     # (elements per program, widest column tile, elements per warp); bf16, the dtype of the decode targets,
     # at decode sizes and at 32k tokens

@@ -7,7 +7,7 @@ import logging
 import attrs
 import torch
 
-from kvcore.backend import PoolRequest
+from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.config import EngineConfig, ModelConfig
 from kvcore.errors import PluginError
 from kvcore.layout import PoolLayout
@@ -68,11 +68,15 @@ def select(cfg: EngineConfig, registry: Registry | None = None) -> Selection:
     return select_backend(registry or get_registry(), _core_request(cfg))
 
 
-def buffer_layout(selection: Selection, registry: Registry, request: PoolRequest) -> PoolLayout:
-    layout = registry.hook.kvcore_buffer_layout(backend=selection.backend, request=request)
+def buffer_layout(backend: BackendSpec, registry: Registry, request: PoolRequest) -> PoolLayout:
+    """The layout ``backend`` declares for ``request``, through the ``kvcore_buffer_layout`` hook.
+
+    :raises PluginError: naming the plugin when the answer is not a :class:`~kvcore.layout.PoolLayout`.
+    """
+    layout = registry.hook.kvcore_buffer_layout(backend=backend, request=request)
     if not isinstance(layout, PoolLayout):
         raise PluginError(
-            f"plugin {selection.backend.plugin!r}: the buffer layout of backend {selection.backend.name!r} "
+            f"plugin {backend.plugin!r}: the buffer layout of backend {backend.name!r} "
             f"is {type(layout).__name__}, expected kvcore.layout.PoolLayout"
         )
     return layout
@@ -96,7 +100,7 @@ def plan_memory(
     layouts = []
     for rank in range(cfg.parallel.pp_size):
         request = selection.backend.resolve(_core_request(cfg, pp_rank=rank))
-        layouts.append(buffer_layout(selection, registry, request))
+        layouts.append(buffer_layout(selection.backend, registry, request))
     budget = memory_budget(cfg, free_memory_bytes=free_memory_bytes, weights_loaded=weights_loaded)
     return plan_from_layouts(cfg, layouts, budget)
 

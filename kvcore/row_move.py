@@ -23,8 +23,6 @@ are CUDA-graph safe (the large path takes its flag and scratch from torch's cach
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -58,16 +56,26 @@ def prev_pow2(n: int) -> int:
 
 
 
-def _check_move_args(first: TokenRows, second: TokenRows | None, tgt_loc, src_loc):
+def _check_same_layers(first: TokenRows, second: TokenRows | None) -> None:
     if second is not None and first.rows.shape[0] != second.rows.shape[0]:
         raise ValueError(
             f"both buffers must stack the same layers, got {tuple(first.rows.shape)} and {tuple(second.rows.shape)}"
         )
+
+
+def _check_locs(tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> int:
+    """The number of slots moved; raises unless both are 1-D int32/int64 tensors of one length."""
     for name, t in (("tgt_loc", tgt_loc), ("src_loc", src_loc)):
         if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
     if tgt_loc.shape != src_loc.shape:
         raise ValueError(f"tgt_loc {tuple(tgt_loc.shape)} and src_loc {tuple(src_loc.shape)} differ")
+    return tgt_loc.shape[0]
+
+
+def _check_move_args(first: TokenRows, second: TokenRows | None, tgt_loc, src_loc) -> None:
+    _check_same_layers(first, second)
+    _check_locs(tgt_loc, src_loc)
 
 
 def _identity_rows(k_cache: torch.Tensor, v_cache: torch.Tensor | None) -> tuple[TokenRows, TokenRows | None]:
@@ -208,7 +216,6 @@ def _word_bytes(buf: torch.Tensor) -> int:
     return 1
 
 
-@functools.lru_cache(maxsize=1024)
 def _move_plan(n: int, k_row_bytes: int, v_row_bytes: int) -> tuple[int, int]:
     """(N_pad, tile bytes) of the single-launch path."""
     n_pad = next_pow2(n)
@@ -345,10 +352,7 @@ class RowMover:
     """
 
     def __init__(self, first: TokenRows, second: TokenRows | None = None):
-        if second is not None and first.rows.shape[0] != second.rows.shape[0]:
-            raise ValueError(
-                f"both buffers must stack the same layers, got {tuple(first.rows.shape)} and {tuple(second.rows.shape)}"
-            )
+        _check_same_layers(first, second)
         self.buffers = (first,) if second is None else (first, second)
         if not all(b.rows.is_contiguous() for b in self.buffers):
             raise ValueError("cache buffers must be contiguous")
@@ -380,12 +384,7 @@ class RowMover:
     def __call__(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """Rows of tokens ``tgt_loc[i]`` <- rows of tokens ``src_loc[i]``, in every layer of the buffers (see
         :func:`move_token_rows_triton`)."""
-        for name, t in (("tgt_loc", tgt_loc), ("src_loc", src_loc)):
-            if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
-        n = tgt_loc.shape[0]
-        if src_loc.shape[0] != n:
-            raise ValueError(f"tgt_loc {tuple(tgt_loc.shape)} and src_loc {tuple(src_loc.shape)} differ")
+        n = _check_locs(tgt_loc, src_loc)
         if n == 0:
             return
         if n > MOVE_MAX_TOKENS:

@@ -165,29 +165,25 @@ def kv_backend_spec(kv_backend, kv_registry):
     return kv_registry.backends[kv_backend]
 
 
-def _layout(registry, backend, request):
-    from kvcore.layout import PoolLayout
-
-    layout = registry.hook.kvcore_buffer_layout(backend=backend, request=request)
-    assert isinstance(layout, PoolLayout), f"backend {backend.name!r} declared {type(layout).__name__}, not a PoolLayout"
-    return layout
-
-
 @pytest.fixture
 def kv_layout(kv_request, kv_backend_spec, kv_registry):
     """The layout the backend declares for ``kv_request`` (the kit's ``kv_pool`` is built from the same request)."""
-    return _layout(kv_registry, kv_backend_spec, kv_request)
+    from kvcore.api import buffer_layout
+
+    return buffer_layout(kv_backend_spec, kv_registry, kv_request)
 
 
 @pytest.fixture
 def kv_pool_factory(kv_request, kv_backend_spec, kv_registry):
     """``(size, page_size, start_layer) -> pool``, through the backend's own layout and ``kvcore_create_pool``."""
+    from kvcore.api import buffer_layout
+
 
     def make(size, page_size, start_layer):
         request = attrs.evolve(
             kv_request, page_size=page_size, start_layer=start_layer, end_layer=start_layer + kv_request.layer_num - 1
         )
-        layout = _layout(kv_registry, kv_backend_spec, request)
+        layout = buffer_layout(kv_backend_spec, kv_registry, request)
         sizes = {group: size for group in layout.groups}
         return kv_registry.hook.kvcore_create_pool(backend=kv_backend_spec, request=request, layout=layout, sizes=sizes)
 

@@ -21,8 +21,6 @@ Moves between slots are the family-independent row move of :mod:`kvcore.row_move
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -361,7 +359,6 @@ def store_kv_native(
     KVStore(k_cache, v_cache, cache_dtype, use_triton=False)(layer_index, loc, cache_k, cache_v, k_scale, v_scale)
 
 
-@functools.lru_cache(maxsize=1024)
 def _store_plan(hdk: int, hdv: int, n_pad: int, copy: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_CK, BLOCK_CV, column blocks of K, column blocks of K + V) of the store kernel."""
     block_ck = min(_next_pow2(hdk), STORE_MAX_BLOCK_C)

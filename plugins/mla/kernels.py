@@ -45,8 +45,6 @@ Moves between slots are the family-independent row move of :mod:`kvcore.row_move
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -178,7 +176,6 @@ def _mla_rows_kernel(
                    B_WIDTH, BLOCK_B, ROW, B_PACKED, GATHER, B_IN, B_OUT, SATURATE, HW_CVT)  # fmt: skip
 
 
-@functools.lru_cache(maxsize=1024)
 def _plan(a_width: int, b_width: int, n_pad: int, copy: bool) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N, BLOCK_A, BLOCK_B, column blocks of A, of A + B, warps) for parts of the given widths and
     ``n_pad`` (a power of two) tokens."""
