@@ -4,8 +4,10 @@ Two tables, both from one process so the ratios are comparable (host timings dif
 of percent, ratios much less):
 
 * **host cost** of one eager call (what an engine running without CUDA graphs pays per layer): the mean host
-  time of ``reps`` calls issued back to back with no sync inside the loop, for kvcore's pool method, for the
+  time of calls issued back to back with no sync inside the loop (:func:`host_us`), for kvcore's pool method, for the
   same method with ``hardware.kernels=native`` (the torch path), and for a bare torch op (``x.add_(0)``).
+  Methods that return new tensors (the gathers) are also set beside a bare torch op that allocates its
+  output (``x.index_select(0, i)``): the least any eager call that returns a new tensor costs.
 * **device time** inside CUDA-graph replay (what a decode step costs on the GPU), for kvcore and the torch
   path, with the bytes moved over the measured device-copy ceiling.
 
@@ -28,8 +30,9 @@ POOL_TOKENS = 1 << 16  # of every pool timed; locations are drawn among them
 
 #: (table, title, (column head, width) ...) of the two tables, in print order; the widths are Row.as_text's.
 TABLES = (
-    ("host", "host time of one eager call (us): kvcore / torch path / bare torch op (x.add_(0)), and the ratios",
-     (("kvcore", 9), ("torch", 9), ("bare op", 9), ("/torch", 8), ("/bare", 8))),
+    ("host", "host time of one eager call (us): kvcore / torch path / bare torch op (x.add_(0)) / bare op that "
+     "allocates (x.index_select(0, i), for methods returning new tensors), and the ratios",
+     (("kvcore", 9), ("torch", 9), ("bare op", 9), ("/torch", 8), ("/bare", 8), ("alloc op", 9), ("/alloc", 8))),
     ("graph", "device time per call in CUDA-graph replay (us): kvcore / torch path; share of the copy ceiling",
      (("kvcore", 9), ("torch", 9), ("/torch", 8), ("of ceil", 9))),
 )  # fmt: skip
@@ -46,27 +49,37 @@ class Row:
     torch_us: float
     bare_us: float | None = None
     of_ceiling: float | None = None
+    alloc_us: float | None = None
 
     def as_text(self) -> str:
         ratio = self.kvcore_us / self.torch_us
         if self.table == "host":
+            alloc = "" if self.alloc_us is None else f" {self.alloc_us:>9.2f} {self.kvcore_us / self.alloc_us:>8.2f}"
             return (f"{self.op:<34} {self.n:>6} {self.kvcore_us:>9.2f} {self.torch_us:>9.2f} {self.bare_us:>9.2f} "
-                    f"{ratio:>8.2f} {self.kvcore_us / self.bare_us:>8.2f}")  # fmt: skip
+                    f"{ratio:>8.2f} {self.kvcore_us / self.bare_us:>8.2f}{alloc}")  # fmt: skip
         ceil = "" if self.of_ceiling is None else f"{self.of_ceiling:>9.2f}"
         return f"{self.op:<34} {self.n:>6} {self.kvcore_us:>9.2f} {self.torch_us:>9.2f} {ratio:>8.2f} {ceil}"
 
 
-def host_us(fn: Callable[[], object], reps: int = 2000) -> float:
-    """Mean host time of one call: ``reps`` calls with no sync inside the loop (after a warm-up)."""
-    for _ in range(50):
-        fn()
+def host_us(*fns: Callable[[], object], reps: int = 2000, rounds: int = 5) -> list[float]:
+    """Host time of one call of each of ``fns``: in each of ``rounds`` rounds, every function in turn runs
+    ``reps // rounds`` calls with no sync inside the loop; a function's time is its fastest round's mean.
+    Interleaving the functions and keeping the fastest round keeps a burst of noise on a shared host from
+    landing on one function only, which would skew the ratios."""
+    for fn in fns:
+        for _ in range(50):
+            fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / reps * 1e6
+    best = [float("inf")] * len(fns)
+    calls = max(1, reps // rounds)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    return best
 
 
 def graph_us(fn: Callable[[], object], calls: int = 20) -> float:
@@ -182,6 +195,7 @@ def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 64, 32768), reps: int = 200
                 buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.view(torch.uint8).shape, dtype=torch.uint8,
                                                           device="cuda", generator=gen))  # fmt: skip
     x = torch.zeros(16, device="cuda")
+    one = torch.zeros(1, dtype=torch.int64, device="cuda")
     rows: list[Row] = []
     ceiling = copy_ceiling_gbps()
     for n in sorted(set(host_sizes) | set(graph_sizes)):
@@ -196,8 +210,9 @@ def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 64, 32768), reps: int = 200
             if not ok:
                 raise AssertionError(f"kvcore bench: {op} at N={n} differs from the torch path")
             if n in host_sizes:
-                times = (host_us(ours, reps), host_us(theirs, reps), host_us(lambda: x.add_(0), reps))
-                rows.append(Row("host", op, n, *times))
+                fns = [ours, theirs, lambda: x.add_(0)] + ([lambda: x.index_select(0, one)] if written is None else [])
+                times = host_us(*fns, reps=reps)
+                rows.append(Row("host", op, n, *times[:3], alloc_us=times[3] if written is None else None))
             if n in graph_sizes:
                 t_ours, t_ref = graph_us(ours), graph_us(theirs)
                 moved = _bytes_moved(op, n)

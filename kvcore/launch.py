@@ -16,6 +16,13 @@ strides) ``do_not_specialize``, and put in the key what is left: dtypes, alignme
 divisibility matters for vector loads.  ``KVCORE_LAUNCH_CHECK=1`` (set by the conformance kit in compiled
 runs) checks every direct launch against the dispatcher's own choice and raises on a mismatch.
 
+Pointers as addresses: given a tensor, Triton's launcher calls its ``data_ptr()`` and asks the driver whether
+the address is a device pointer (about 0.17 us per tensor on an H200); given an int, it takes the address as
+is.  A hot path therefore passes the addresses of its pool's own buffers (fixed at creation) and of its inputs
+(whose ``data_ptr()`` it reads anyway, for their alignment) as ints, and names the tensors behind them for the
+dispatcher, which needs tensors to specialize.  The caller then owns the checks the driver would have made:
+every tensor on the pool's device.
+
 Under Triton's interpreter, and while a Triton launch hook is installed (profilers), every call goes through
 the dispatcher.  ``KVCORE_DIRECT_LAUNCH=0`` does the same everywhere.
 """
@@ -23,7 +30,7 @@ the dispatcher.  ``KVCORE_DIRECT_LAUNCH=0`` does the same everywhere.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -58,7 +65,10 @@ def _hook_active(hook) -> bool:
 
 def _launch_hooks_installed() -> bool:
     runtime = triton.knobs.runtime
-    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if enter is None and exit_ is None:
+        return False
+    return _hook_active(enter) or _hook_active(exit_)
 
 
 #: Triton releases whose compiled launcher's C entry point kvcore calls itself (its argument list was read from
@@ -67,9 +77,8 @@ _C_LAUNCH_VERIFIED = ("3.6.",)
 
 
 def _entry(compiled) -> tuple:
-    """``(launch, function, packed metadata, prefix)`` of a compiled kernel: what a direct launch needs.
-
-    ``prefix`` is what goes between the stream and the kernel's own arguments."""
+    """``(launch, head)`` of a compiled kernel: the callable and what goes between the stream and the kernel's
+    own arguments."""
     run = compiled.run
     direct_c = (
         triton.__version__.startswith(_C_LAUNCH_VERIFIED)
@@ -78,9 +87,10 @@ def _entry(compiled) -> tuple:
         and hasattr(run, "launch")
     )
     if direct_c:  # launch(grid, stream, function, coop, pdl, global scratch, profile scratch, metadata, ...)
-        prefix = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
-        return run.launch, compiled.function, prefix
-    return run, compiled.function, (compiled.packed_metadata, None, None, None)
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+                None, None, None)  # fmt: skip
+        return run.launch, head
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
 class Launcher:
@@ -88,11 +98,13 @@ class Launcher:
 
     :param kernel: the ``@triton.jit`` function.
     :param device: the device its tensors live on; launches go to that device's current stream.
+    :param pointers: names of the kernel's pointer parameters that calls may pass as addresses (ints); each
+        call then gives the tensors behind them, in this order, as ``tensors``.
     """
 
-    __slots__ = ("kernel", "direct", "check", "_stream", "_device_index", "_compiled")
+    __slots__ = ("kernel", "direct", "check", "_stream", "_device_index", "_compiled", "_pointer_pos")
 
-    def __init__(self, kernel, device: torch.device | str):
+    def __init__(self, kernel, device: torch.device | str, pointers: Sequence[str] = ()):
         device = torch.device(device)
         self.kernel = kernel
         self.direct = device.type == "cuda" and direct_launch_enabled() and hasattr(triton, "knobs")
@@ -102,28 +114,47 @@ class Launcher:
         )
         self._stream = torch._C._cuda_getCurrentRawStream if self.direct else None
         self._compiled: dict[Any, tuple] = {}
+        names = list(kernel.arg_names)
+        unknown = [p for p in pointers if p not in names]
+        if unknown:
+            raise ValueError(f"{kernel.__name__} has no parameters {unknown}")
+        self._pointer_pos = tuple(names.index(p) for p in pointers)
 
-    def __call__(self, key: Any, grid: Sequence[int], args: Sequence[Any], num_warps: int = 4) -> None:
-        """Launch ``kernel[grid](*args, num_warps=num_warps)``.
+    def __call__(self, key: Any, grid_x: int, grid_y: int, args: Sequence[Any],
+                 tensors: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] = (),
+                 num_warps: int = 4) -> None:  # fmt: skip
+        """Launch ``kernel[grid_x, grid_y](*args, num_warps=num_warps)``.
 
         :param key: a launch key (see the module docstring); hashable.
-        :param grid: one to three program counts.
-        :param args: every parameter of the kernel in signature order, constexpr values included.
+        :param args: every parameter of the kernel in signature order, constexpr values included; the
+            ``pointers`` named at construction may be addresses (ints).
+        :param tensors: the tensors behind the ``pointers``, in their order (needed when any is an address), or
+            a function returning them: it is called only when they are needed (a launch through the
+            dispatcher, or a check), so views made only for the dispatcher cost nothing on other calls.
         """
         entry = self._compiled.get(key)
         if entry is not None and not _launch_hooks_installed():
-            launch, function, prefix, compiled = entry
+            launch, head, compiled = entry
             if self.check:
-                self._check(key, grid, args, num_warps, compiled)
-            g = (*grid, 1, 1)
-            launch(g[0], g[1], g[2], self._stream(self._device_index), function, *prefix, *args)
+                self._check(key, grid_x, grid_y, self._with_tensors(args, tensors), num_warps, compiled)
+            launch(grid_x, grid_y, 1, self._stream(self._device_index), *head, *args)
             return
-        compiled = self.kernel[tuple(grid)](*args, num_warps=num_warps)
+        compiled = self.kernel[(grid_x, grid_y)](*self._with_tensors(args, tensors), num_warps=num_warps)
         if self.direct and compiled is not None and entry is None:
             self._compiled[key] = (*_entry(compiled), compiled)
 
-    def _check(self, key, grid, args, num_warps, compiled) -> None:
-        chosen = self.kernel.warmup(*args, grid=tuple(grid), num_warps=num_warps)
+    def _with_tensors(self, args: Sequence[Any], tensors: Sequence[torch.Tensor]) -> Sequence[Any]:
+        if callable(tensors):
+            tensors = tensors()
+        if not tensors:
+            return args
+        args = list(args)
+        for position, tensor in zip(self._pointer_pos, tensors, strict=True):
+            args[position] = tensor
+        return args
+
+    def _check(self, key, grid_x, grid_y, args, num_warps, compiled) -> None:
+        chosen = self.kernel.warmup(*args, grid=(grid_x, grid_y), num_warps=num_warps)
         chosen = chosen.result() if hasattr(chosen, "result") else chosen
         if chosen is not compiled:
             raise AssertionError(

@@ -368,7 +368,8 @@ class RowMover:
         self._paging = (first.tokens_per_page, first.rows_per_page, first.first_row,
                         v_rows.tokens_per_page, v_rows.rows_per_page, v_rows.first_row)  # fmt: skip
         self._plans: dict[int, tuple] = {}
-        self.launch = Launcher(_move_kv_kernel, k_cache.device)
+        self.launch = Launcher(_move_kv_kernel, k_cache.device, ("k_ptr", "v_ptr", "tgt_ptr", "src_ptr"))
+        self._cache_ptrs, self._device_index = (k_cache.data_ptr(), v_cache.data_ptr()), k_cache.get_device()
 
     def _plan(self, n: int) -> tuple[int, int, int, int, int]:
         """(N_PAD, K_TILE, V_TILE, column programs, warps) of the single-launch path for ``n`` slots."""
@@ -390,13 +391,17 @@ class RowMover:
         if n > MOVE_MAX_TOKENS:
             self._move_large(tgt_loc, src_loc, n)
             return
-        plan = self._plan(n)
-        n_pad, k_tile, v_tile, n_col, num_warps = plan
-        key = (tgt_loc.dtype, src_loc.dtype, tgt_loc.data_ptr() & 15, src_loc.data_ptr() & 15, plan)
-        self.launch(key, (len(self.buffers) * self._layers, n_col), (
-            *self._caches, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), n, *self._fixed,
+        device = self._device_index
+        if tgt_loc.get_device() != device or src_loc.get_device() != device:
+            raise ValueError(f"tgt_loc and src_loc must be on {self._caches[0].device}, got {tgt_loc.device} and "
+                             f"{src_loc.device}")  # fmt: skip
+        n_pad, k_tile, v_tile, n_col, num_warps = plan = self._plan(n)
+        tp, sp = tgt_loc.data_ptr(), src_loc.data_ptr()
+        key = (tgt_loc.dtype, src_loc.dtype, tp & 15, sp & 15, plan)
+        self.launch(key, len(self.buffers) * self._layers, n_col, (
+            *self._cache_ptrs, tp, sp, tgt_loc.stride(0), src_loc.stride(0), n, *self._fixed,
             k_tile, v_tile, self._kwb, self._vwb, *self._paging, n_pad,
-        ), num_warps=num_warps)  # fmt: skip
+        ), (*self._caches, tgt_loc, src_loc), num_warps)  # fmt: skip
 
     def _move_large(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor, n: int) -> None:
         # The device decides: without overlap a straight parallel row copy (one pass over the bytes);

@@ -207,11 +207,16 @@ def test_bench_needs_a_gpu_and_says_so(capsys, monkeypatch):
 def test_bench_tables_line_up():
     from kvcore.bench import Row, format_tables
 
-    rows = [Row("host", "mha set_kv_buffer bf16", 8, 9.5, 18.4, 6.0), Row("graph", "mla get_mla_kv_buffer", 64, 1.73, 6.33, of_ceiling=0.02)]
+    rows = [
+        Row("host", "mha set_kv_buffer bf16", 8, 9.5, 18.4, 6.0),
+        Row("host", "mla get_mla_kv_buffer", 8, 12.0, 48.0, 6.0, alloc_us=8.0),
+        Row("graph", "mla get_mla_kv_buffer", 64, 1.73, 6.33, of_ceiling=0.02),
+    ]
     lines = format_tables(rows)
-    host_head, host_row = lines[2], lines[3]
-    graph_head, graph_row = lines[6], lines[7]
-    assert host_row.split() == ["mha", "set_kv_buffer", "bf16", "8", "9.50", "18.40", "6.00", "0.52", "1.58"]
+    host_head, write_row, read_row = lines[2], lines[3], lines[4]
+    graph_head, graph_row = lines[7], lines[8]
+    assert write_row.split() == ["mha", "set_kv_buffer", "bf16", "8", "9.50", "18.40", "6.00", "0.52", "1.58"]
+    assert read_row.split()[-7:] == ["12.00", "48.00", "6.00", "0.25", "2.00", "8.00", "1.50"]
     assert graph_row.split()[-4:] == ["1.73", "6.33", "0.27", "0.02"]
-    for head, row in ((host_head, host_row), (graph_head, graph_row)):
+    for head, row in ((host_head, read_row), (graph_head, graph_row)):
         assert len(head) == len(row), "a column head does not sit over its column"

@@ -44,7 +44,7 @@ from kvcore.fp8 import (
 )
 from kvcore import dtypes
 from kvcore.dtypes import E4M3FN_MAX
-from kvcore.launch import Launcher, alignment, cdiv
+from kvcore.launch import Launcher
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.row_move import next_pow2
 from kvcore_dsa.layout import (
@@ -438,9 +438,17 @@ def _geometry(x: torch.Tensor, width: int, n: int, what: str) -> tuple[int, int]
 
 
 def _check_loc(loc: torch.Tensor) -> int:
-    if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
+    loc_dtype = loc.dtype
+    if loc.dim() != 1 or (loc_dtype is not torch.int32 and loc_dtype is not torch.int64):
+        raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc_dtype} {tuple(loc.shape)}")
     return loc.shape[0]
+
+
+def _check_device(device_index: int, device: torch.device, **tensors: torch.Tensor) -> None:
+    """Raises unless every tensor is on the device (hot paths pass addresses, which the driver cannot check)."""
+    for name, t in tensors.items():
+        if t.get_device() != device_index:
+            raise ValueError(f"{name} is on {t.device}, the cache on {device}")
 
 
 class ScaledRows:
@@ -470,8 +478,11 @@ class ScaledRows:
         self._dims = (kv_lora_rank, qk_rope_head_dim, next_pow2(qk_rope_head_dim), kv_cache.stride(0), width, tiles,
                       next_pow2(tiles), QUANT_BLOCK_SIZE)  # fmt: skip
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
-        self._store = Launcher(_store_dsa_fp8_kernel, kv_cache.device)
-        self._gather = Launcher(_gather_dsa_fp8_kernel, kv_cache.device)
+        views = ("cache_u8", "cache_i16", "cache_f32")
+        self._store = Launcher(_store_dsa_fp8_kernel, kv_cache.device, (*views, "nope_ptr", "rope_ptr", "loc_ptr"))
+        self._gather = Launcher(_gather_dsa_fp8_kernel, kv_cache.device, (*views, "loc_ptr", "nope_out", "rope_out"))
+        self._view_ptrs = (kv_cache.data_ptr(),) * 3
+        self.device, self._device_index = kv_cache.device, kv_cache.get_device()
 
     def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:
@@ -483,22 +494,26 @@ class ScaledRows:
         n = _check_loc(loc)
         nope_s = _geometry(cache_k_nope, self.kv_lora_rank, n, "cache_k_nope")
         rope_s = _geometry(cache_k_rope, self.qk_rope_head_dim, n, "cache_k_rope")
-        for name, t in (("cache_k_nope", cache_k_nope), ("cache_k_rope", cache_k_rope)):
-            if t.dtype not in _FLOAT_INPUTS:
-                raise ValueError(f"{name} must be float32/float16/bfloat16 to be quantized, got {t.dtype}")
+        nope_dtype, rope_dtype = cache_k_nope.dtype, cache_k_rope.dtype
+        if nope_dtype not in _FLOAT_INPUTS or rope_dtype not in _FLOAT_INPUTS:
+            name, dtype = ("cache_k_nope", nope_dtype) if nope_dtype not in _FLOAT_INPUTS else ("cache_k_rope", rope_dtype)
+            raise ValueError(f"{name} must be float32/float16/bfloat16 to be quantized, got {dtype}")
         if n == 0:
             return
         if not self.use_triton:
             nope = cache_k_nope.reshape(n, self.kv_lora_rank)
             self.kv_cache[layer_index, loc.long(), 0] = quantize_parts(nope, cache_k_rope.reshape(n, -1))
             return
+        dev = self._device_index
+        if loc.get_device() != dev or cache_k_nope.get_device() != dev or cache_k_rope.get_device() != dev:
+            _check_device(dev, self.device, loc=loc, cache_k_nope=cache_k_nope, cache_k_rope=cache_k_rope)
         block_n = min(_STORE_BLOCK_N, next_pow2(n))
-        key = (cache_k_nope.dtype, cache_k_rope.dtype, nope_s, rope_s, alignment(cache_k_nope),
-               alignment(cache_k_rope), loc.dtype, alignment(loc), block_n)  # fmt: skip
-        self._store(key, (cdiv(n, block_n),), (
-            *self._views, layer_index, cache_k_nope, cache_k_rope, loc, loc.stride(0), n, *nope_s, *rope_s,
-            *self._dims, cache_k_rope.dtype == torch.bfloat16, SCALE_MIN, self._saturate, self._hw_cvt, block_n,
-        ), num_warps=_STORE_NUM_WARPS)  # fmt: skip
+        np_, rp, lp = cache_k_nope.data_ptr(), cache_k_rope.data_ptr(), loc.data_ptr()
+        key = (nope_dtype, rope_dtype, nope_s, rope_s, np_ & 15, rp & 15, loc.dtype, lp & 15, block_n)
+        self._store(key, -(-n // block_n), 1, (
+            *self._view_ptrs, layer_index, np_, rp, lp, loc.stride(0), n, *nope_s, *rope_s,
+            *self._dims, rope_dtype == torch.bfloat16, SCALE_MIN, self._saturate, self._hw_cvt, block_n,
+        ), (*self._views, cache_k_nope, cache_k_rope, loc), _STORE_NUM_WARPS)  # fmt: skip
 
     def gather(self, layer_index: int, loc: torch.Tensor, nope_out: torch.Tensor, rope_out: torch.Tensor) -> None:
         """See :func:`gather_dsa_fp8_triton`."""
@@ -519,13 +534,38 @@ class ScaledRows:
             nope_out.view(n, self.kv_lora_rank).copy_(nope)
             rope_out.view(n, self.qk_rope_head_dim).copy_(rope)
             return
+        _check_device(self._device_index, self.device, loc=loc, nope_out=nope_out, rope_out=rope_out)
+        self._launch_gather(layer_index, loc, n, nope_out, rope_out)
+
+    def _launch_gather(self, layer_index: int, loc: torch.Tensor, n: int, nope_out: torch.Tensor,
+                       rope_out: torch.Tensor) -> None:  # fmt: skip
         block_n = min(_GATHER_BLOCK_N, next_pow2(n))
         out = dtypes.dtype_code(nope_out.dtype)
-        key = (out, alignment(nope_out), alignment(rope_out), loc.dtype, alignment(loc), block_n)
-        self._gather(key, (cdiv(n, block_n),), (
-            *self._views, layer_index, loc, loc.stride(0), n, nope_out, rope_out, *self._dims, out, self._hw_cvt,
-            block_n,
-        ), num_warps=_GATHER_NUM_WARPS)  # fmt: skip
+        np_, rp, lp = nope_out.data_ptr(), rope_out.data_ptr(), loc.data_ptr()
+        key = (out, np_ & 15, rp & 15, loc.dtype, lp & 15, block_n)
+        self._gather(key, -(-n // block_n), 1, (
+            *self._view_ptrs, layer_index, lp, loc.stride(0), n, np_, rp, *self._dims, out, self._hw_cvt, block_n,
+        ), (*self._views, loc, nope_out, rope_out), _GATHER_NUM_WARPS)  # fmt: skip
+
+    def gather_new(self, layer_index: int, loc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``loc`` dequantized into two new contiguous tensors ``[N, 1, kv_lora_rank]`` and
+        ``[N, 1, qk_rope_head_dim]`` of ``dtype`` (float32/float16/bfloat16), carved from one allocation."""
+        self._check_layer(layer_index)
+        n = _check_loc(loc)
+        if dtype not in _FLOAT_INPUTS:
+            raise ValueError(f"dequantized rows must be float32/float16/bfloat16, got {dtype}")
+        r, p = self.kv_lora_rank, self.qk_rope_head_dim
+        flat = torch.empty(n * (r + p), dtype=dtype, device=self.device)
+        nope, rope = flat.as_strided((n, 1, r), (r, r, 1)), flat.as_strided((n, 1, p), (p, p, 1), n * r)
+        if n == 0:
+            return nope, rope
+        if self.use_triton:
+            if loc.get_device() != self._device_index:
+                _check_device(self._device_index, self.device, loc=loc)
+            self._launch_gather(layer_index, loc, n, nope, rope)
+        else:
+            self.gather(layer_index, loc, nope, rope)
+        return nope, rope
 
 
 def _key_bytes(index_k: torch.Tensor) -> torch.Tensor:
@@ -574,8 +614,10 @@ class IndexerPages:
             raise ValueError(f"index pages hold {index_buf.shape[2]} bytes, keys of {key_bytes} bytes need {page_bytes}")
         self.index_buf, self.key_bytes, self.has_scale, self.use_triton = index_buf, key_bytes, has_scale, use_triton
         self.layers, self.page_bytes = index_buf.shape[0], page_bytes
-        self._set = Launcher(_set_index_k_kernel, index_buf.device)
-        self._get = Launcher(_get_index_k_kernel, index_buf.device)
+        self._set = Launcher(_set_index_k_kernel, index_buf.device, ("buf_ptr", "loc_ptr", "k_ptr", "s_ptr"))
+        self._get = Launcher(_get_index_k_kernel, index_buf.device, ("buf_ptr", "page_ptr", "k_out", "s_out"))
+        self._buf_ptr, self._layer_bytes = index_buf.data_ptr(), index_buf.stride(0)
+        self.device, self._device_index = index_buf.device, index_buf.get_device()
 
     def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:
@@ -592,6 +634,8 @@ class IndexerPages:
         """See :func:`set_index_k_triton`."""
         self._check_layer(layer_index)
         n = _check_loc(loc)
+        if self.use_triton and n and self._set_packed(layer_index, loc, n, index_k, index_k_scale):
+            return
         keys = _key_bytes(index_k)
         if keys.shape[0] != n:
             raise ValueError(f"{n} locations but {keys.shape[0]} index keys")
@@ -615,7 +659,6 @@ class IndexerPages:
             if scales is not None:
                 page_scales[page, slot] = scales
             return
-        block_n = min(_INDEX_BLOCK_N, next_pow2(n))
         if index_k_scale is None:
             s, ss = keys, (0, 0)
         elif fast_scale:
@@ -623,16 +666,45 @@ class IndexerPages:
             s, ss = index_k_scale.view(torch.uint8), (4, 1)
         else:
             s, ss = scales, scales.stride()
-        ks = keys.stride()
-        key = (ks, ss, alignment(keys), alignment(s), loc.dtype, alignment(loc), block_n)
-        self._set(key, (cdiv(n, block_n),), (
-            self.index_buf, layer_index, loc, loc.stride(0), n, keys, ks[0], ks[1], s, ss[0], ss[1], INDEX_PAGE_SIZE,
-            self.index_buf.stride(0), self.page_bytes, self.key_bytes, index_k_scale is not None, block_n,
-        ), num_warps=_INDEX_NUM_WARPS)  # fmt: skip
+        self._launch_set(layer_index, loc, n, keys, keys.stride(), s, ss, (self.index_buf, loc, keys, s))
 
-    def get(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, k_out: torch.Tensor | None,
-            s_out: torch.Tensor | None) -> None:  # fmt: skip
-        """See :func:`get_index_k_triton`."""
+    def _set_packed(self, layer_index: int, loc: torch.Tensor, n: int, index_k: torch.Tensor, index_k_scale) -> bool:
+        """The common call, made without views: keys ``[N, D]`` with packed columns and scales None or ``[N]``
+        packed float32; their byte strides are the element strides times the item size.  False, having done
+        nothing, for any other call (the general path then takes it)."""
+        shape, ks = index_k.shape, index_k.stride()
+        item = index_k.dtype.itemsize
+        if len(shape) != 2 or shape[0] != n or shape[1] * item != self.key_bytes or ks[1] != 1:
+            return False
+        if index_k_scale is None:
+            if self.has_scale:
+                return False
+            scale, ss = index_k, (0, 0)
+        else:
+            if (not self.has_scale or index_k_scale.dtype is not torch.float32 or index_k_scale.dim() != 1
+                    or index_k_scale.stride(0) != 1 or index_k_scale.shape[0] != n):  # fmt: skip
+                return False
+            scale, ss = index_k_scale, (INDEX_SCALE_BYTES, 1)
+        def as_bytes():  # noqa: E306 - what the dispatcher sees (only on its calls)
+            return self.index_buf, loc, index_k.view(torch.uint8), scale.view(torch.uint8)
+        self._launch_set(layer_index, loc, n, index_k, (ks[0] * item, 1), scale, ss, as_bytes)
+        return True
+
+    def _launch_set(self, layer_index, loc, n, keys, ks, s, ss, tensors) -> None:
+        """One launch of the set kernel; ``ks`` / ``ss`` are the keys' and scales' byte strides, and ``s is
+        keys`` when there are no scales."""
+        dev = self._device_index
+        if loc.get_device() != dev or keys.get_device() != dev or s.get_device() != dev:
+            _check_device(dev, self.device, loc=loc, index_k=keys, index_k_scale=s)
+        block_n = min(_INDEX_BLOCK_N, next_pow2(n))
+        kp, sp, lp = keys.data_ptr(), s.data_ptr(), loc.data_ptr()
+        key = (ks, ss, kp & 15, sp & 15, loc.dtype, lp & 15, block_n)
+        self._set(key, -(-n // block_n), 1, (
+            self._buf_ptr, layer_index, lp, loc.stride(0), n, kp, ks[0], ks[1], sp, ss[0], ss[1], INDEX_PAGE_SIZE,
+            self._layer_bytes, self.page_bytes, self.key_bytes, s is not keys, block_n,
+        ), tensors, _INDEX_NUM_WARPS)  # fmt: skip
+
+    def _check_get(self, layer_index: int, seq_len: int, page_indices: torch.Tensor) -> None:
         self._check_layer(layer_index)
         if page_indices.dim() != 1 or page_indices.dtype not in (torch.int32, torch.int64):
             raise ValueError(
@@ -641,6 +713,33 @@ class IndexerPages:
         needed = -(-seq_len // INDEX_PAGE_SIZE)
         if seq_len < 0 or page_indices.shape[0] < needed:
             raise ValueError(f"seq_len={seq_len} needs {needed} page indices, got {page_indices.shape[0]}")
+
+    def get_new(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, want_k: bool, want_s: bool
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        """A sequence's keys ``[seq_len, key_bytes]`` and/or scales ``[seq_len, 4]`` (uint8) as new contiguous
+        tensors carved from one allocation (None for what is not wanted); otherwise as :meth:`get`."""
+        self._check_get(layer_index, seq_len, page_indices)
+        if want_s and not self.has_scale:
+            raise ValueError("this indexer buffer keeps no scales")
+        k_bytes, s_bytes = self.key_bytes * want_k, INDEX_SCALE_BYTES * want_s
+        flat = torch.empty(seq_len * (k_bytes + s_bytes), dtype=torch.uint8, device=self.device)
+        k_out = flat.as_strided((seq_len, k_bytes), (k_bytes, 1)) if want_k else None
+        s_out = flat.as_strided((seq_len, s_bytes), (s_bytes, 1), seq_len * k_bytes) if want_s else None
+        if seq_len == 0 or not (want_k or want_s):
+            return k_out, s_out
+        if not self.use_triton:
+            self.get(layer_index, seq_len, page_indices, k_out, s_out)
+            return k_out, s_out
+        if page_indices.get_device() != self._device_index:
+            _check_device(self._device_index, self.device, page_indices=page_indices)
+        k = k_out if k_out is not None else s_out
+        self._launch_get(layer_index, seq_len, page_indices, k, s_out if s_out is not None else k, want_k, want_s)
+        return k_out, s_out
+
+    def get(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, k_out: torch.Tensor | None,
+            s_out: torch.Tensor | None) -> None:  # fmt: skip
+        """See :func:`get_index_k_triton`."""
+        self._check_get(layer_index, seq_len, page_indices)
         if k_out is not None and (k_out.dtype != torch.uint8 or k_out.shape != (seq_len, self.key_bytes) or not k_out.is_contiguous()):
             raise ValueError(f"k_out must be contiguous uint8 [{seq_len}, {self.key_bytes}], got {k_out.dtype} {tuple(k_out.shape)}")
         if s_out is not None:
@@ -659,15 +758,20 @@ class IndexerPages:
             if s_out is not None:
                 s_out.copy_(page_scales[page, slot])
             return
-        block_n = min(_INDEX_BLOCK_N, next_pow2(seq_len))
         dummy = k_out if k_out is not None else s_out
         k, s = (k_out if k_out is not None else dummy), (s_out if s_out is not None else dummy)
-        key = (alignment(k), alignment(s), page_indices.dtype, alignment(page_indices), k_out is not None,
-               s_out is not None, block_n)  # fmt: skip
-        self._get(key, (cdiv(seq_len, block_n),), (
-            self.index_buf, layer_index, page_indices, page_indices.stride(0), seq_len, k, s, INDEX_PAGE_SIZE,
-            self.index_buf.stride(0), self.page_bytes, self.key_bytes, k_out is not None, s_out is not None, block_n,
-        ), num_warps=_INDEX_NUM_WARPS)  # fmt: skip
+        _check_device(self._device_index, self.device, page_indices=page_indices, k_out=k, s_out=s)
+        self._launch_get(layer_index, seq_len, page_indices, k, s, k_out is not None, s_out is not None)
+
+    def _launch_get(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, k: torch.Tensor,
+                    s: torch.Tensor, want_k: bool, want_s: bool) -> None:  # fmt: skip
+        block_n = min(_INDEX_BLOCK_N, next_pow2(seq_len))
+        kp, sp, pp = k.data_ptr(), s.data_ptr(), page_indices.data_ptr()
+        key = (kp & 15, sp & 15, page_indices.dtype, pp & 15, want_k, want_s, block_n)
+        self._get(key, -(-seq_len // block_n), 1, (
+            self._buf_ptr, layer_index, pp, page_indices.stride(0), seq_len, kp, sp, INDEX_PAGE_SIZE,
+            self._layer_bytes, self.page_bytes, self.key_bytes, want_k, want_s, block_n,
+        ), (self.index_buf, page_indices, k, s), _INDEX_NUM_WARPS)  # fmt: skip
 
 
 # ==========================================================================================================

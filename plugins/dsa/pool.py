@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.pools import empty_outputs
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_dsa import kernels
@@ -208,12 +207,8 @@ class DSATokenToKVPool(MLATokenToKVPool):
             return super().get_mla_kv_buffer(layer, loc, dst_dtype)
         local = self.local_layer(layer)
         self._wait_for_layer(local)
-        dst_dtype = dst_dtype or ROPE_STORAGE_DTYPE
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
-        n = loc.shape[0]
-        nope, rope = empty_outputs(self.kv_cache.device, dst_dtype, (n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim))
-        self._scaled.gather(local, loc, nope, rope)
-        return nope, rope
+        return self._scaled.gather_new(local, loc, dst_dtype or ROPE_STORAGE_DTYPE)
 
     # -- indexer -----------------------------------------------------------------------------------------
 
@@ -255,11 +250,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
             raise ValueError("the bf16 indexer (kv_cache.options.index_dtype=bfloat16) keeps no scales")
         seq_len = int(seq_len)
         page_indices = page_indices if page_indices.dim() == 1 else page_indices.reshape(-1)
-        shapes = [(seq_len, self._index_key_bytes)] * want_k + [(seq_len, INDEX_SCALE_BYTES)] * want_s
-        outputs = empty_outputs(self.index_k_with_scale_cache.device, torch.uint8, *shapes)
-        k_out = outputs.pop(0) if want_k else None
-        s_out = outputs.pop(0) if want_s else None
-        self._indexer.get(local, seq_len, page_indices, k_out, s_out)
+        k_out, s_out = self._indexer.get_new(local, seq_len, page_indices, want_k, want_s)
         if k_out is not None and not self._index_has_scale:
             k_out = k_out.view(self.index_k_dtype)
         return k_out, s_out

@@ -202,6 +202,10 @@ def _store_kv_kernel(
         )  # fmt: skip
 
 
+#: the store kernel's pointer parameters, passed as addresses (see :mod:`kvcore.launch`)
+_STORE_POINTERS = ("k_cache_ptr", "v_cache_ptr", "k_src_ptr", "v_src_ptr", "loc_ptr", "k_scale_ptr", "v_scale_ptr")
+
+
 def _scale_args(scale, dummy: torch.Tensor):
     """(mode, pointer, value) for a scale given as None, a python number, or a 0-d/1-element tensor.
     Tensors are read inside the kernel (no host sync; CUDA-graph safe)."""
@@ -244,12 +248,14 @@ class KVStore:
         self.k_cache, self.v_cache, self.cache_dtype, self.use_triton = k_cache, v_cache, cache_dtype, use_triton
         self.layers, self.heads, self.dk, self.dv = ks[0], ks[2], ks[3], vs[3]
         self.k_shape, self.v_shape = (ks[2], ks[3]), (vs[2], vs[3])
-        self.launch = Launcher(_store_kv_kernel, k_cache.device)
-        # DK, DV, HDK, HDV, K/V_LAYER_STRIDE, K/V_ROW_STRIDE, then SATURATE and HW_CVT (kernel order)
+        self.launch = Launcher(_store_kv_kernel, k_cache.device, _STORE_POINTERS)
+        self._device_index = k_cache.get_device()
+        self._cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr())
+        # DK, DV, HDK, HDV, K/V_LAYER_STRIDE, K/V_ROW_STRIDE (kernel order), then SATURATE and HW_CVT
         self._fixed = (self.dk, self.dv, self.heads * self.dk, self.heads * self.dv, kcs[0], vcs[0], kcs[1], vcs[1],
                        torch_e4m3fn_saturates(), not triton_interpreting())  # fmt: skip
         self._codes: dict[torch.dtype, int] = {}
-        self._plans: dict[tuple[int, int], tuple] = {}
+        self._specs: dict[tuple, tuple] = {}
 
     def _code(self, dtype: torch.dtype) -> int:
         code = self._codes.get(dtype)
@@ -259,13 +265,25 @@ class KVStore:
             code = self._codes[dtype] = dtypes.conversion_code(dtype, self.cache_dtype, "cache_k")
         return code
 
+    def _spec(self, key: tuple) -> tuple:
+        """(BLOCK_N, column blocks, the kernel's arguments from ``DK`` on) of a launch key."""
+        n_pad, out, kss, vss, k_mode, v_mode = key[0], key[1], key[3], key[4], key[-2], key[-1]
+        block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(
+            self.heads * self.dk, self.heads * self.dv, n_pad, out == dtypes.SAME
+        )
+        f = self._fixed
+        tail = (*f[:8], kss[2] == 1 and kss[1] == self.dk, vss[2] == 1 and vss[1] == self.dv, out, f[8], k_mode,
+                v_mode, block_n, block_ck, block_cv, num_cb_k, f[9])  # fmt: skip
+        return block_n, num_cb, tail
+
     def __call__(self, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                  k_scale=None, v_scale=None) -> None:  # fmt: skip
         """Store ``cache_k`` / ``cache_v`` at rows ``loc`` of layer ``layer_index``; see :func:`store_kv_triton`."""
         if not 0 <= layer_index < self.layers:
             raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
-        if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
+        loc_dtype = loc.dtype
+        if loc.dim() != 1 or (loc_dtype is not torch.int32 and loc_dtype is not torch.int64):
+            raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc_dtype} {tuple(loc.shape)}")
         n = loc.shape[0]
         if cache_k.shape != (n, *self.k_shape):
             raise ValueError(f"cache_k must be [N, H, Dk] = {(n, *self.k_shape)}, got {tuple(cache_k.shape)}")
@@ -282,31 +300,34 @@ class KVStore:
             self.k_cache[layer_index, idx] = _convert_native(cache_k, self.cache_dtype, k_scale)
             self.v_cache[layer_index, idx] = _convert_native(cache_v, self.cache_dtype, v_scale)
             return
+        device = self._device_index
+        if cache_k.get_device() != device or cache_v.get_device() != device or loc.get_device() != device:
+            raise ValueError(f"loc, cache_k and cache_v must be on {self.k_cache.device}, got {loc.device}, "
+                             f"{cache_k.device} and {cache_v.device}")  # fmt: skip
         if out == dtypes.SAME:
             k_scale = v_scale = None  # SGLang's rule: scales apply only to inputs that are converted
             if src_dtype != self.k_cache.dtype:  # fp8 inputs into an fp8 cache: move their bytes
                 cache_k, cache_v = cache_k.view(torch.uint8), cache_v.view(torch.uint8)
+        k_ptr, v_ptr = self._cache_ptrs
         if k_scale is None and v_scale is None:
             k_mode = v_mode = _SCALE_NONE
-            k_scale_ptr, v_scale_ptr, k_scale_value, v_scale_value = self.k_cache, self.v_cache, 1.0, 1.0
+            k_scale_t, v_scale_t, k_sp, v_sp, k_scale_value, v_scale_value = self.k_cache, self.v_cache, k_ptr, v_ptr, 1.0, 1.0
         else:
-            k_mode, k_scale_ptr, k_scale_value = _scale_args(k_scale, self.k_cache)
-            v_mode, v_scale_ptr, v_scale_value = _scale_args(v_scale, self.v_cache)
+            k_mode, k_scale_t, k_scale_value = _scale_args(k_scale, self.k_cache)
+            v_mode, v_scale_t, v_scale_value = _scale_args(v_scale, self.v_cache)
+            k_sp, v_sp = k_scale_t.data_ptr(), v_scale_t.data_ptr()
         kss, vss = cache_k.stride(), cache_v.stride()
-        n_pad = 1 << (n - 1).bit_length()
-        plan = self._plans.get((n_pad, out))
-        if plan is None:
-            plan = self._plans[(n_pad, out)] = _store_plan(self.heads * self.dk, self.heads * self.dv, n_pad, out == dtypes.SAME)
-        block_n, block_ck, block_cv, num_cb_k, num_cb = plan
-        key = (src_dtype, kss, vss, cache_k.data_ptr() & 15, cache_v.data_ptr() & 15, loc.dtype, loc.data_ptr() & 15,
-               k_mode, v_mode, k_scale_ptr.data_ptr() & 15, v_scale_ptr.data_ptr() & 15, plan)  # fmt: skip
-        f = self._fixed
-        self.launch(key, (cdiv(n, block_n), num_cb), (
-            self.k_cache, self.v_cache, layer_index, cache_k, cache_v, loc, loc.stride(0), n,
-            kss[0], kss[1], kss[2], vss[0], vss[1], vss[2], k_scale_ptr, v_scale_ptr, k_scale_value, v_scale_value,
-            *f[:8], kss[2] == 1 and kss[1] == self.dk, vss[2] == 1 and vss[1] == self.dv, out,
-            f[8], k_mode, v_mode, block_n, block_ck, block_cv, num_cb_k, f[9],
-        ), num_warps=_STORE_NUM_WARPS)  # fmt: skip
+        kp, vp, lp = cache_k.data_ptr(), cache_v.data_ptr(), loc.data_ptr()
+        key = (1 << (n - 1).bit_length(), out, src_dtype, kss, vss, kp & 15, vp & 15, loc_dtype, lp & 15,
+               k_sp & 15, v_sp & 15, k_mode, v_mode)  # fmt: skip
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = self._spec(key)
+        block_n, num_cb, tail = spec
+        self.launch(key, -(-n // block_n), num_cb, (
+            k_ptr, v_ptr, layer_index, kp, vp, lp, loc.stride(0), n, kss[0], kss[1], kss[2], vss[0], vss[1], vss[2],
+            k_sp, v_sp, k_scale_value, v_scale_value, *tail,
+        ), (self.k_cache, self.v_cache, cache_k, cache_v, loc, k_scale_t, v_scale_t), _STORE_NUM_WARPS)  # fmt: skip
 
 
 def store_kv_triton(

@@ -244,19 +244,22 @@ class LatentRows:
         self.kv_cache, self.cache_dtype, self.use_triton = kv_cache, cache_dtype, use_triton
         self.width, self.layers = width, kv_cache.shape[0]
         self.device, self._device_index = kv_cache.device, kv_cache.get_device()  # -1 on the CPU
-        self.launch = Launcher(_mla_rows_kernel, kv_cache.device)
+        self.launch = Launcher(_mla_rows_kernel, kv_cache.device, ("cache_ptr", "loc_ptr", "a_ptr", "b_ptr"))
+        self._cache_ptr = kv_cache.data_ptr()
         self._row_stride, self._layer_stride = kv_cache.stride(1), kv_cache.stride(0)
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
         self._codes: dict[tuple, tuple[int, int]] = {}
-        self._plans: dict[tuple, tuple] = {}
+        self._specs: dict[tuple, tuple] = {}
+        self._fresh: dict[tuple, tuple] = {}
 
     # -- checks ---------------------------------------------------------------------------------------------
 
     def _check_loc(self, layer_index: int, loc: torch.Tensor) -> int:
         if not 0 <= layer_index < self.layers:
             raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
-        if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
+        loc_dtype = loc.dtype
+        if loc.dim() != 1 or (loc_dtype is not torch.int32 and loc_dtype is not torch.int64):
+            raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc_dtype} {tuple(loc.shape)}")
         if loc.get_device() != self._device_index:
             raise ValueError(f"loc is on {loc.device}, kv_cache on {self.device}")
         return loc.shape[0]
@@ -268,51 +271,60 @@ class LatentRows:
             codes = self._codes[(src, dst)] = (dtypes.dtype_code(src, what), dtypes.conversion_code(src, dst, what))
         return codes
 
-    def _check_parts(self, n: int, parts, gather: bool) -> list[tuple[int, int, int, int, int]]:
-        """Per part: (width, token stride, column stride, IN code, OUT code), from the tensors' own tuples."""
-        checked = []
-        for what, x in parts:
-            codes = self._codes_of(self.cache_dtype, x.dtype, what) if gather else self._codes_of(x.dtype, self.cache_dtype, what)
-            if x.get_device() != self._device_index:
-                raise ValueError(f"{what} is on {x.device}, kv_cache on {self.device}")
-            checked.append((*_part(x, n, what), *codes))
-        total = checked[0][0] + (checked[1][0] if len(checked) > 1 else 0)
+    def _check_part(self, n: int, what: str, x: torch.Tensor, gather: bool) -> tuple[int, int, int, int, int]:
+        """(width, token stride, column stride, IN code, OUT code) of one part, from the tensor's own tuples."""
+        codes = self._codes_of(self.cache_dtype, x.dtype, what) if gather else self._codes_of(x.dtype, self.cache_dtype, what)
+        if x.get_device() != self._device_index:
+            raise ValueError(f"{what} is on {x.device}, kv_cache on {self.device}")
+        return (*_part(x, n, what), *codes)
+
+    def _check_width(self, parts) -> None:
+        total = sum(part[0] for _, part in parts)
         if total > self.width:
-            widths = " + ".join(f"{what} {c[0]}" for (what, _), c in zip(parts, checked))
+            widths = " + ".join(f"{what} {part[0]}" for what, part in parts)
             raise ValueError(f"{widths} = {total} columns do not fit a cache row of {self.width}")
-        return checked
 
     # -- the one launch --------------------------------------------------------------------------------------
 
+    def _spec(self, key: tuple) -> tuple:
+        """(BLOCK_N, column blocks, warps, the kernel's arguments from ``LAYER_STRIDE`` on) of a launch key."""
+        n_pad, gather, a_part, b_part, b_ext0 = key[:5]
+        copy = a_part[4] == dtypes.SAME and (b_part[0] == 0 or b_part[4] == dtypes.SAME)
+        block_n, block_a, block_b, num_cb_a, num_cb, warps = _plan(a_part[0], b_part[0], n_pad, copy)
+        tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block_a, block_b, num_cb_a,
+                a_part[2] == 1, b_part[2] == 1, gather, a_part[3], a_part[4], b_part[3], b_part[4], self._saturate,
+                self._hw_cvt, block_n)  # fmt: skip
+        return block_n, num_cb, warps, tail
+
     def _launch(self, layer_index, loc, n, a, a_part, b, b_part, gather: bool, b_ext0: int = 0) -> None:
         """One launch over ``loc``.  ``a_part`` / ``b_part`` are (width, token stride, column stride, IN, OUT) as
-        :meth:`_check_parts` returns them; ``b`` may be None (a single part); part B's external columns start at
+        :meth:`_check_part` returns them; ``b`` may be None (a single part); part B's external columns start at
         ``b_ext0``."""
         if b is None:
             b, b_part = a, (0, *a_part[1:])
-        copy = a_part[4] == dtypes.SAME and (b_part[0] == 0 or b_part[4] == dtypes.SAME)
-        n_pad = 1 << (n - 1).bit_length()
-        plan = self._plans.get((a_part[0], b_part[0], n_pad, copy))
-        if plan is None:
-            plan = self._plans[(a_part[0], b_part[0], n_pad, copy)] = _plan(a_part[0], b_part[0], n_pad, copy)
-        block_n, block_a, block_b, num_cb_a, num_cb, warps = plan
         if a.dtype in FP8_DTYPES or b.dtype in FP8_DTYPES:
             a, b = _kernel_view(a), _kernel_view(b)
-        key = (a.dtype, b.dtype, a_part, b_part, b_ext0, a.data_ptr() & 15, b.data_ptr() & 15, loc.dtype,
-               loc.data_ptr() & 15, gather, plan)  # fmt: skip
-        self.launch(key, (cdiv(n, block_n), num_cb), (
-            self.kv_cache, layer_index, loc, loc.stride(0), n, a, a_part[1], a_part[2], b, b_part[1], b_part[2],
-            self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block_a, block_b, num_cb_a,
-            a_part[2] == 1, b_part[2] == 1, gather, a_part[3], a_part[4], b_part[3], b_part[4], self._saturate,
-            self._hw_cvt, block_n,
-        ), num_warps=warps)  # fmt: skip
+        ap, bp, lp = a.data_ptr(), b.data_ptr(), loc.data_ptr()
+        key = (1 << (n - 1).bit_length(), gather, a_part, b_part, b_ext0, a.dtype, b.dtype, ap & 15, bp & 15,
+               loc.dtype, lp & 15)  # fmt: skip
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = self._spec(key)
+        block_n, num_cb, warps, tail = spec
+        self.launch(key, -(-n // block_n), num_cb, (
+            self._cache_ptr, layer_index, lp, loc.stride(0), n, ap, a_part[1], a_part[2], bp, b_part[1], b_part[2],
+            *tail,
+        ), (self.kv_cache, loc, a, b), warps)  # fmt: skip
 
     # -- the operations --------------------------------------------------------------------------------------
 
     def store(self, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:
         """See :func:`store_nope_rope_triton`."""
         n = self._check_loc(layer_index, loc)
-        nope_geo, rope_geo = self._check_parts(n, (("cache_k_nope", cache_k_nope), ("cache_k_rope", cache_k_rope)), False)
+        nope_geo = self._check_part(n, "cache_k_nope", cache_k_nope, False)
+        rope_geo = self._check_part(n, "cache_k_rope", cache_k_rope, False)
+        if nope_geo[0] + rope_geo[0] > self.width:
+            self._check_width((("cache_k_nope", nope_geo), ("cache_k_rope", rope_geo)))
         if n == 0:
             return
         if self.use_triton:
@@ -325,7 +337,9 @@ class LatentRows:
     def store_rows(self, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
         """See :func:`store_rows_triton`."""
         n = self._check_loc(layer_index, loc)
-        (geo,) = self._check_parts(n, (("cache_k", cache_k),), False)
+        geo = self._check_part(n, "cache_k", cache_k, False)
+        if geo[0] > self.width:
+            self._check_width((("cache_k", geo),))
         if n == 0:
             return
         if not self.use_triton:
@@ -339,10 +353,41 @@ class LatentRows:
         self._launch(layer_index, loc, n, cache_k, (split, *geo[1:]), cache_k if tail else None, tail,
                      gather=False, b_ext0=split)  # fmt: skip
 
+    def gather_new(self, layer_index: int, loc: torch.Tensor, dtype: torch.dtype, a_width: int, b_width: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Rows ``loc`` of a layer as two new contiguous tensors, columns ``[0, a_width)`` as ``[N, 1, a_width]``
+        and the next ``b_width`` as ``[N, 1, b_width]``, of ``dtype`` (converted as :meth:`gather` converts).
+
+        Both are carved from one allocation (one allocator call instead of two), and the outputs need no
+        checks: what is fixed by ``(dtype, a_width, b_width)`` is worked out once."""
+        n = self._check_loc(layer_index, loc)
+        fresh = self._fresh.get((dtype, a_width, b_width))
+        if fresh is None:
+            if a_width + b_width > self.width:
+                raise ValueError(f"{a_width} + {b_width} columns do not fit a cache row of {self.width}")
+            a_codes = self._codes_of(self.cache_dtype, dtype, "dst_dtype")
+            fresh = self._fresh[(dtype, a_width, b_width)] = (
+                (a_width, a_width, 1, *a_codes), (b_width, b_width, 1, *a_codes), a_width + b_width
+            )
+        a_part, b_part, width = fresh
+        flat = torch.empty(n * width, dtype=dtype, device=self.device)
+        a = flat.as_strided((n, 1, a_width), (a_width, a_width, 1))
+        b = flat.as_strided((n, 1, b_width), (b_width, b_width, 1), n * a_width)
+        if n == 0:
+            return a, b
+        if self.use_triton:
+            self._launch(layer_index, loc, n, a, a_part, b, b_part, gather=True)
+        else:
+            self.gather(layer_index, loc, a, b)
+        return a, b
+
     def gather(self, layer_index: int, loc: torch.Tensor, out_nope: torch.Tensor, out_rope: torch.Tensor) -> None:
         """See :func:`gather_nope_rope_triton`."""
         n = self._check_loc(layer_index, loc)
-        nope_geo, rope_geo = self._check_parts(n, (("out_nope", out_nope), ("out_rope", out_rope)), True)
+        nope_geo = self._check_part(n, "out_nope", out_nope, True)
+        rope_geo = self._check_part(n, "out_rope", out_rope, True)
+        if nope_geo[0] + rope_geo[0] > self.width:
+            self._check_width((("out_nope", nope_geo), ("out_rope", rope_geo)))
         if n == 0:
             return
         if self.use_triton:

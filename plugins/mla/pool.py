@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.pools import KVCache, empty_outputs
+from kvcore.pools import KVCache
 from kvcore.sample import random_nonzero
 from kvcore_mla.kernels import LatentRows
 from kvcore_mla.layout import mla_row_dim
@@ -104,12 +104,8 @@ class MLATokenToKVPool(KVCache):
         """
         local = self.local_layer(layer)
         self._wait_for_layer(local)
-        dst_dtype = dst_dtype or self.dtype
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
-        n = loc.shape[0]
-        nope, rope = empty_outputs(self.kv_cache.device, dst_dtype, (n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim))
-        self._rows.gather(local, loc, nope, rope)
-        return nope, rope
+        return self._rows.gather_new(local, loc, dst_dtype or self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
 
     # -- writes ------------------------------------------------------------------------------------------
 

@@ -346,6 +346,27 @@ def test_gather_native_and_triton_agree_on_padding_and_duplicates(n):
     assert bits_equal(out[0], ref[0]) and bits_equal(out[1], ref[1])
 
 
+@pytest.mark.parametrize("n", [0, 1, 33])
+@pytest.mark.parametrize("dst_dtype", (torch.bfloat16, torch.float32), ids=_name)
+def test_gather_new_returns_disjoint_contiguous_rows(n, dst_dtype):
+    """``gather_new`` (get_mla_kv_buffer's path): two new contiguous tensors from one allocation, holding what
+    the torch reference gathers into tensors of its own; writing one leaves the other alone."""
+    gen = torch.Generator().manual_seed(43)
+    r, p = DIMS["small"]
+    cache = _cache("small", torch.bfloat16, gen)
+    loc = _loc(n, torch.int64, gen)
+    nope, rope = kernels.LatentRows(cache, torch.bfloat16, use_triton=True).gather_new(2, loc, dst_dtype, r, p)
+    assert (nope.shape, rope.shape) == ((n, 1, r), (n, 1, p)) and nope.dtype == rope.dtype == dst_dtype
+    assert nope.is_contiguous() and rope.is_contiguous()
+    ref_nope, ref_rope = torch.empty_like(nope), torch.empty_like(rope)
+    kernels.gather_nope_rope_native(cache, 2, loc, ref_nope, ref_rope, cache_dtype=torch.bfloat16)
+    assert bits_equal(nope, ref_nope) and bits_equal(rope, ref_rope)
+    nope.fill_(7.0)
+    assert bits_equal(rope, ref_rope), "the two outputs overlap"
+    with pytest.raises(ValueError, match="do not fit a cache row"):
+        kernels.LatentRows(cache, torch.bfloat16).gather_new(0, loc, dst_dtype, r, p + 1)
+
+
 # ==========================================================================================================
 # edge cases and errors
 # ==========================================================================================================
