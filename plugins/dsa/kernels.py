@@ -549,14 +549,14 @@ class ScaledRows:
 
     def gather_new(self, layer_index: int, loc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``loc`` dequantized into two new contiguous tensors ``[N, 1, kv_lora_rank]`` and
-        ``[N, 1, qk_rope_head_dim]`` of ``dtype`` (float32/float16/bfloat16), carved from one allocation."""
+        ``[N, 1, qk_rope_head_dim]`` of ``dtype`` (float32/float16/bfloat16)."""
         self._check_layer(layer_index)
         n = _check_loc(loc)
         if dtype not in _FLOAT_INPUTS:
             raise ValueError(f"dequantized rows must be float32/float16/bfloat16, got {dtype}")
         r, p = self.kv_lora_rank, self.qk_rope_head_dim
-        flat = torch.empty(n * (r + p), dtype=dtype, device=self.device)
-        nope, rope = flat.as_strided((n, 1, r), (r, r, 1)), flat.as_strided((n, 1, p), (p, p, 1), n * r)
+        nope = torch.empty_strided((n, 1, r), (r, r, 1), dtype=dtype, device=self.device)
+        rope = torch.empty_strided((n, 1, p), (p, p, 1), dtype=dtype, device=self.device)
         if n == 0:
             return nope, rope
         if self.use_triton:
@@ -717,14 +717,14 @@ class IndexerPages:
     def get_new(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, want_k: bool, want_s: bool
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
         """A sequence's keys ``[seq_len, key_bytes]`` and/or scales ``[seq_len, 4]`` (uint8) as new contiguous
-        tensors carved from one allocation (None for what is not wanted); otherwise as :meth:`get`."""
+        tensors (None for what is not wanted); otherwise as :meth:`get`."""
         self._check_get(layer_index, seq_len, page_indices)
         if want_s and not self.has_scale:
             raise ValueError("this indexer buffer keeps no scales")
-        k_bytes, s_bytes = self.key_bytes * want_k, INDEX_SCALE_BYTES * want_s
-        flat = torch.empty(seq_len * (k_bytes + s_bytes), dtype=torch.uint8, device=self.device)
-        k_out = flat.as_strided((seq_len, k_bytes), (k_bytes, 1)) if want_k else None
-        s_out = flat.as_strided((seq_len, s_bytes), (s_bytes, 1), seq_len * k_bytes) if want_s else None
+        k_bytes, s_bytes = self.key_bytes, INDEX_SCALE_BYTES
+        new = torch.empty_strided
+        k_out = new((seq_len, k_bytes), (k_bytes, 1), dtype=torch.uint8, device=self.device) if want_k else None
+        s_out = new((seq_len, s_bytes), (s_bytes, 1), dtype=torch.uint8, device=self.device) if want_s else None
         if seq_len == 0 or not (want_k or want_s):
             return k_out, s_out
         if not self.use_triton:

@@ -358,8 +358,9 @@ class LatentRows:
         """Rows ``loc`` of a layer as two new contiguous tensors, columns ``[0, a_width)`` as ``[N, 1, a_width]``
         and the next ``b_width`` as ``[N, 1, b_width]``, of ``dtype`` (converted as :meth:`gather` converts).
 
-        Both are carved from one allocation (one allocator call instead of two), and the outputs need no
-        checks: what is fixed by ``(dtype, a_width, b_width)`` is worked out once."""
+        The outputs need no checks: what is fixed by ``(dtype, a_width, b_width)`` is worked out once.  (Two
+        ``torch.empty_strided`` calls: on an H200 they cost less host time than one allocation carved into two
+        views, each view costing about as much as an allocation.)"""
         n = self._check_loc(layer_index, loc)
         fresh = self._fresh.get((dtype, a_width, b_width))
         if fresh is None:
@@ -367,12 +368,11 @@ class LatentRows:
                 raise ValueError(f"{a_width} + {b_width} columns do not fit a cache row of {self.width}")
             a_codes = self._codes_of(self.cache_dtype, dtype, "dst_dtype")
             fresh = self._fresh[(dtype, a_width, b_width)] = (
-                (a_width, a_width, 1, *a_codes), (b_width, b_width, 1, *a_codes), a_width + b_width
+                (a_width, a_width, 1, *a_codes), (b_width, b_width, 1, *a_codes)
             )
-        a_part, b_part, width = fresh
-        flat = torch.empty(n * width, dtype=dtype, device=self.device)
-        a = flat.as_strided((n, 1, a_width), (a_width, a_width, 1))
-        b = flat.as_strided((n, 1, b_width), (b_width, b_width, 1), n * a_width)
+        a_part, b_part = fresh
+        a = torch.empty_strided((n, 1, a_width), a_part[:2] + (1,), dtype=dtype, device=self.device)
+        b = torch.empty_strided((n, 1, b_width), b_part[:2] + (1,), dtype=dtype, device=self.device)
         if n == 0:
             return a, b
         if self.use_triton:

@@ -349,8 +349,8 @@ def test_gather_native_and_triton_agree_on_padding_and_duplicates(n):
 @pytest.mark.parametrize("n", [0, 1, 33])
 @pytest.mark.parametrize("dst_dtype", (torch.bfloat16, torch.float32), ids=_name)
 def test_gather_new_returns_disjoint_contiguous_rows(n, dst_dtype):
-    """``gather_new`` (get_mla_kv_buffer's path): two new contiguous tensors from one allocation, holding what
-    the torch reference gathers into tensors of its own; writing one leaves the other alone."""
+    """``gather_new`` (get_mla_kv_buffer's path): two new contiguous tensors holding what the torch reference
+    gathers into tensors of its own; writing one leaves the other alone."""
     gen = torch.Generator().manual_seed(43)
     r, p = DIMS["small"]
     cache = _cache("small", torch.bfloat16, gen)
