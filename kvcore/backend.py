@@ -47,6 +47,8 @@ class PoolRequest:
     :param layer_num: layers of this pipeline stage, global ids ``start_layer .. end_layer``.
     :param head_num: key/value heads this tensor-parallel rank stores (replicated when tp exceeds them), with
         ``head_dim`` / ``v_head_dim``: what families with per-head rows (MHA/GQA) store; others ignore them.
+    :param tp_size: the tensor-parallel size, for families that split more than ``head_num`` over the ranks
+        (a sliding-window section's own head count, recurrent state).
     :param options: ``kv_cache.options``: the raw mapping until the selected backend resolves the request, then
         that backend's options object (None for a backend that takes no options).
     :param sections: the model's family sections by name (objects of the declaring plugin's schema); after
@@ -68,6 +70,7 @@ class PoolRequest:
     kernels: str = "auto"
     backend: str = "auto"
     model_name: str = ""
+    tp_size: int = 1
     options: Any = attrs.field(factory=dict, converter=lambda v: _frozen_mapping(v) if isinstance(v, Mapping) else v)
     sections: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
 

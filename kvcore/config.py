@@ -102,6 +102,7 @@ class ModelConfig:
     num_parameters: int = key(validator=positive, doc="parameter count; weights per rank are charged against the memory budget")
     dtype: str = key("bfloat16", doc="compute dtype; kv_cache.dtype=auto follows it")
     weight_dtype: Optional[str] = key(None, doc="the checkpoint's weight dtype when it differs from dtype (DeepSeek-V3 ships fp8 weights)")
+    weight_bytes: Optional[int] = key(None, validator=positive, doc="the checkpoint's weight bytes, for mixed-precision checkpoints (gpt-oss's MXFP4 experts); replaces num_parameters x the weight dtype's bytes")
 
 
 @attrs.define
@@ -187,9 +188,9 @@ class EngineConfig:
 
     @property
     def weight_bytes_per_rank(self) -> int:
-        """Model weights one rank holds: parameters x weight bytes / (tp x pp)."""
+        """Model weights one rank holds: ``model.weight_bytes`` (or parameters x weight dtype bytes) / (tp x pp)."""
         weight_dtype = parse_dtype(self.model.weight_dtype, "model.weight_dtype") if self.model.weight_dtype else self.model_dtype
-        total = self.model.num_parameters * weight_dtype.itemsize
+        total = self.model.weight_bytes or self.model.num_parameters * weight_dtype.itemsize
         return math.ceil(total / (self.parallel.tp_size * self.parallel.pp_size))
 
 

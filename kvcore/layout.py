@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import attrs
 import torch
@@ -100,11 +101,15 @@ class PoolLayout:
     :param backend: the backend that declared it.
     :param buffers: the buffers, in allocation order.
     :param notes: short human-readable facts for plan reports (e.g. ``"fp8 stored as uint8"``).
+    :param min_sizes: the least size of a group that can serve one request, with why (e.g. a sliding window
+        plus a page: ``{"swa_tokens": (1088, "model.swa.sliding_window=1024 plus a page of 64")}``); the
+        planner refuses a plan below it and says which setting would reach it.
     """
 
     backend: str
     buffers: tuple[BufferLayout, ...] = attrs.field(converter=tuple)
     notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    min_sizes: Mapping[str, tuple[int, str]] = attrs.field(factory=dict, converter=lambda m: MappingProxyType(dict(m)))
 
     def __attrs_post_init__(self) -> None:
         names = [b.name for b in self.buffers]

@@ -70,7 +70,14 @@ class MemoryPlan:
 
     @property
     def swa_max_total_num_tokens(self) -> int | None:
+        """Tokens of the sliding-window sub-pool (SGLang's name); None without one."""
         return self.sizes.get("swa_tokens")
+
+    @property
+    def full_max_total_num_tokens(self) -> int | None:
+        """Tokens of the full-attention side of a hybrid sliding-window pool (SGLang's name; equal to
+        ``max_total_num_tokens``); None for a pool without a sliding-window sub-pool."""
+        return self.sizes["tokens"] if "swa_tokens" in self.sizes else None
 
 
 def memory_budget(
@@ -213,6 +220,7 @@ def plan_from_layouts(
     sizes = _sizes(layout, aligned, ratio)
     if "swa_tokens" in sizes:
         sizes["swa_tokens"] = sizes["swa_tokens"] // page_size * page_size
+    _check_min_sizes(cfg, layouts, budget, sizes)
     max_running_requests, request_warnings = resolve_max_running_requests(cfg, aligned)
     warnings.extend(request_warnings)
     return MemoryPlan(
@@ -231,6 +239,45 @@ def plan_from_layouts(
         pp_size=len(layouts),
         warnings=tuple(warnings),
     )
+
+
+def _check_min_sizes(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget: MemoryBudget, sizes: dict[str, int]) -> None:
+    """Refuse sizes below a layout's ``min_sizes``, naming the setting that would reach them."""
+    layout = layouts[cfg.parallel.pp_rank]
+    for group, (minimum, why) in layout.min_sizes.items():
+        got = sizes.get(group, 0)
+        if got >= minimum:
+            continue
+        fix = "raise memory.budget_gib or hardware.memory_gib, or lower kv_cache.page_size"
+        if group == "swa_tokens":
+            ratio = _ratio_reaching(cfg, layouts, budget.kv_budget_bytes, minimum)
+            if ratio is not None:
+                fix = f"set memory.swa_full_tokens_ratio={ratio:g} (now {cfg.memory.swa_full_tokens_ratio:g}), or {fix}"
+        raise PlanningError(
+            f"backend {layout.backend!r}: the plan gives {group} = {got}, fewer than the {minimum} one request needs "
+            f"({why}): {fix}"
+        )
+
+
+def _ratio_reaching(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget_bytes: int, minimum: int) -> float | None:
+    """The smallest ``swa_full_tokens_ratio`` (to 3 decimals) whose plan keeps at least ``minimum`` window
+    tokens, or None when no ratio up to 1000 does."""
+    page = cfg.kv_cache.page_size
+
+    def swa_tokens(ratio: float) -> int:
+        fits = [tokens_that_fit(layout, budget_bytes, ratio)["tokens"] for layout in layouts]
+        tokens = min(fits)
+        if cfg.memory.max_total_tokens is not None:
+            tokens = min(tokens, cfg.memory.max_total_tokens)
+        return int(tokens // page * page * ratio) // page * page
+
+    low, high = 0.0, 1000.0
+    if swa_tokens(high) < minimum:
+        return None
+    while high - low > 5e-4:
+        mid = (low + high) / 2
+        low, high = (low, mid) if swa_tokens(mid) >= minimum else (mid, high)
+    return math.ceil(high * 1000) / 1000
 
 
 def req_to_token_bytes(requests: int, context_length: int) -> int:

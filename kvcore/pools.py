@@ -200,6 +200,19 @@ class KVCache(abc.ABC):
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every stacked buffer by its layout name (``{"k": [L, rows, H, D], ...}``)."""
 
+    def size_groups(self) -> dict[str, int]:
+        """The size of every size group this pool was built with (its layout's groups: ``{"tokens": size}``,
+        plus ``"swa_tokens"`` for a sliding-window sub-pool, ...); the conformance kit checks each buffer
+        against its declared layout at these sizes."""
+        return {"tokens": self.size}
+
+    def layer_in_buffer(self, name: str, layer: int) -> int | None:
+        """Where global ``layer`` sits in the stacked buffer ``name`` (its index along dim 0), or None when that
+        buffer does not hold the layer.  Every buffer of a plain pool stacks all its layers
+        (``layer - start_layer``); a composite pool whose buffers each stack some of its layers (full and
+        sliding-window layers) overrides this."""
+        return layer - self.start_layer
+
     def token_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers indexed by token location (row = token), as transfer engines see them
         (:meth:`get_contiguous_buf_infos`)."""

@@ -57,6 +57,11 @@ def prev_pow2(n: int) -> int:
 
 
 def _check_same_layers(first: TokenRows, second: TokenRows | None) -> None:
+    if first.index_map is not None or (second is not None and second.index_map is not None):
+        raise ValueError(
+            "row moves address tokens by their rows; for token rows behind an index map, translate the tokens "
+            "first (index_map[tokens]) and move the buffer's own slots"
+        )
     if second is not None and first.rows.shape[0] != second.rows.shape[0]:
         raise ValueError(
             f"both buffers must stack the same layers, got {tuple(first.rows.shape)} and {tuple(second.rows.shape)}"

@@ -61,7 +61,7 @@ def run_self_check(pools: Pools, *, tokens: int = 64, seed: int = 0) -> list[Che
             expected = pool.self_test_write(layer, src, generator)
             token_rows = pool.token_rows()
             for name, rows in expected.items():
-                if not _same_bytes(token_rows[name].take(src, layer - pool.start_layer), rows):
+                if not _same_bytes(token_rows[name].take(src, pool.layer_in_buffer(name, layer)), rows):
                     return False, f"layer {layer}: buffer {name!r} rows read back differ from the rows written"
         return True, f"{tokens} tokens x {len(layers)} layers written by the pool's own write path, read back bit-exact"
 

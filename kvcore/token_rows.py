@@ -19,11 +19,15 @@ class TokenRows:
     For example a DSA indexer page of 64 keys of 128 bytes followed by 64 float32 scales is, viewed as
     128-byte rows, 66 rows long with the keys from row 0; viewed as 4-byte rows, 2112 rows long with the
     scales from row 2048.
+
+    ``index_map`` (a 1-D int tensor) puts a translation before that: the buffer's own slot of token ``t`` is
+    ``index_map[t]`` (a sliding-window sub-pool keeps the tokens of full-pool locations in its own slots).
     """
 
-    __slots__ = ("rows", "tokens_per_page", "rows_per_page", "first_row")
+    __slots__ = ("rows", "tokens_per_page", "rows_per_page", "first_row", "index_map")
 
-    def __init__(self, rows: torch.Tensor, tokens_per_page: int = 1, rows_per_page: int = 1, first_row: int = 0):
+    def __init__(self, rows: torch.Tensor, tokens_per_page: int = 1, rows_per_page: int = 1, first_row: int = 0,
+                 index_map: torch.Tensor | None = None):  # fmt: skip
         if rows.dim() < 2:
             raise ValueError(f"token rows need a stacked [layers, rows, ...] tensor, got {tuple(rows.shape)}")
         if tokens_per_page < 1 or rows_per_page < tokens_per_page + first_row or first_row < 0:
@@ -34,16 +38,19 @@ class TokenRows:
         self.tokens_per_page = tokens_per_page
         self.rows_per_page = rows_per_page
         self.first_row = first_row
+        self.index_map = index_map
 
     @property
     def is_identity(self) -> bool:
-        return self.tokens_per_page == self.rows_per_page and self.first_row == 0
+        return self.tokens_per_page == self.rows_per_page and self.first_row == 0 and self.index_map is None
 
     def row_of(self, tokens: torch.Tensor) -> torch.Tensor:
         """The rows of ``tokens`` (a few elementwise device ops; no host sync, so graph-safe)."""
         if self.is_identity:
             return tokens
-        t = tokens.long()
+        t = tokens.long() if self.index_map is None else self.index_map[tokens.long()].long()
+        if self.tokens_per_page == self.rows_per_page and self.first_row == 0:
+            return t
         pages = torch.div(t, self.tokens_per_page, rounding_mode="floor")
         return t + pages * (self.rows_per_page - self.tokens_per_page) + self.first_row
 

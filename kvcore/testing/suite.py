@@ -94,13 +94,16 @@ class BaseLayoutTests(_Base):
         buffers = kv_pool.buffers()
         declared = kv_layout.by_name()
         assert set(buffers) == set(declared), f"buffers {sorted(buffers)} != layout {sorted(declared)}"
-        size = kv_pool.size
+        sizes = kv_pool.size_groups()
+        missing = sorted(set(kv_layout.groups) - set(sizes))
+        assert not missing, f"size_groups() {sizes} gives no size for the layout's group(s) {missing}"
         for name, buf in buffers.items():
             spec = declared[name]
+            size = sizes[spec.sized_by]
             assert tuple(buf.shape) == spec.shape(size), f"buffer {name}: shape {tuple(buf.shape)} != {spec.shape(size)}"
             assert buf.dtype == spec.dtype, f"buffer {name}: dtype {buf.dtype} != layout {spec.dtype}"
             assert buf.nbytes == spec.total_bytes(size)
-        assert sum(b.nbytes for b in buffers.values()) == kv_layout.total_bytes({"tokens": size})
+        assert sum(b.nbytes for b in buffers.values()) == kv_layout.total_bytes(sizes)
 
     def test_kv_size_bytes_counts_every_buffer(self, kv_pool):
         reported = kv_pool.get_kv_size_bytes()
@@ -121,21 +124,21 @@ class BaseStoreTests(_Base):
         randomize(kv_pool, generator)
         before = {name: buf.clone() for name, buf in kv_pool.buffers().items()}
         layer = kv_pool.end_layer  # the last layer catches per-layer offset mistakes
-        local = layer - kv_pool.start_layer
         loc = self.free_slots(kv_pool, n, generator).to(index_dtype)
         token_rows = kv_pool.token_rows()
-        old_rows = {name: rows.take(loc, local) for name, rows in token_rows.items()}
+        local = {name: kv_pool.layer_in_buffer(name, layer) for name in token_rows}
+        old_rows = {name: rows.take(loc, local[name]) for name, rows in token_rows.items() if local[name] is not None}
         expected = kv_writer(kv_pool, layer, loc, generator)
         assert expected, "kv_writer returned no buffers"
-        unknown = sorted(set(expected) - set(token_rows))
-        assert not unknown, f"kv_writer returned rows of {unknown}, which token_rows() does not name"
+        unknown = sorted(set(expected) - set(old_rows))
+        assert not unknown, f"kv_writer returned rows of {unknown}, which token_rows() does not name for layer {layer}"
         what = f"writing {n} rows of layer {layer}"
         for name, rows in expected.items():
-            assert_same_bytes(token_rows[name].take(loc, local), rows, f"{name} rows after {what}")
+            assert_same_bytes(token_rows[name].take(loc, local[name]), rows, f"{name} rows after {what}")
         # Nothing else may change: with the old rows put back, every buffer is as before.
         for name in expected:
             rows = token_rows[name]
-            rows.rows[local, rows.row_of(loc).long()] = old_rows[name]
+            rows.rows[local[name], rows.row_of(loc).long()] = old_rows[name]
         for name, buf in kv_pool.buffers().items():
             assert_same_bytes(buf, before[name], f"buffer {name} outside the written rows after {what}")
 
@@ -156,7 +159,8 @@ class BaseStoreTests(_Base):
         expected = kv_writer(pool, pool.end_layer, loc, generator)
         token_rows = pool.token_rows()
         for name, rows in expected.items():
-            assert_same_bytes(token_rows[name].take(loc, pool.layer_num - 1), rows, f"buffer {name}, global layer {pool.end_layer}")
+            at = pool.layer_in_buffer(name, pool.end_layer)
+            assert_same_bytes(token_rows[name].take(loc, at), rows, f"buffer {name}, global layer {pool.end_layer}")
         with pytest.raises(IndexError, match="layer"):
             pool.get_key_buffer(pool.start_layer - 1)
         with pytest.raises(IndexError, match="layer"):

@@ -87,6 +87,7 @@ def _store_tile(
     src_ptr,
     loc_ptr,
     loc_stride,
+    map_ptr,
     n_tokens,
     pid_n,
     pid_c,
@@ -105,12 +106,15 @@ def _store_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HW_CVT: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_n = offs_n < n_tokens
     mask = mask_n[:, None] & (cols < HD)[None, :]
     rows = tl.load(loc_ptr + offs_n.to(tl.int64) * loc_stride, mask=mask_n, other=0).to(tl.int64)
+    if HAS_MAP:  # the rows are map[loc] (a sliding-window sub-pool's slots of full-pool locations)
+        rows = tl.load(map_ptr + rows, mask=mask_n, other=0).to(tl.int64)
 
     if SRC_PACKED:
         src_off = offs_n.to(tl.int64)[:, None] * src_sn + cols[None, :]
@@ -155,6 +159,7 @@ def _store_kv_kernel(
     v_src_ptr,
     loc_ptr,
     loc_stride,
+    map_ptr,
     n_tokens,
     k_src_sn,
     k_src_sh,
@@ -185,25 +190,27 @@ def _store_kv_kernel(
     BLOCK_CV: tl.constexpr,
     NUM_CB_K: tl.constexpr,
     HW_CVT: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_c = tl.program_id(1)
     if pid_c < NUM_CB_K:
         _store_tile(
-            k_cache_ptr + layer.to(tl.int64) * K_LAYER_STRIDE, k_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c,
-            k_src_sn, k_src_sh, k_src_sd, k_scale_ptr, k_scale_value,
-            DK, HDK, K_ROW_STRIDE, K_PACKED, OUT, SATURATE, K_SCALE_MODE, BLOCK_N, BLOCK_CK, HW_CVT,
+            k_cache_ptr + layer.to(tl.int64) * K_LAYER_STRIDE, k_src_ptr, loc_ptr, loc_stride, map_ptr, n_tokens, pid_n,
+            pid_c, k_src_sn, k_src_sh, k_src_sd, k_scale_ptr, k_scale_value,
+            DK, HDK, K_ROW_STRIDE, K_PACKED, OUT, SATURATE, K_SCALE_MODE, BLOCK_N, BLOCK_CK, HW_CVT, HAS_MAP,
         )  # fmt: skip
     else:
         _store_tile(
-            v_cache_ptr + layer.to(tl.int64) * V_LAYER_STRIDE, v_src_ptr, loc_ptr, loc_stride, n_tokens, pid_n, pid_c - NUM_CB_K,
-            v_src_sn, v_src_sh, v_src_sd, v_scale_ptr, v_scale_value,
-            DV, HDV, V_ROW_STRIDE, V_PACKED, OUT, SATURATE, V_SCALE_MODE, BLOCK_N, BLOCK_CV, HW_CVT,
+            v_cache_ptr + layer.to(tl.int64) * V_LAYER_STRIDE, v_src_ptr, loc_ptr, loc_stride, map_ptr, n_tokens, pid_n,
+            pid_c - NUM_CB_K, v_src_sn, v_src_sh, v_src_sd, v_scale_ptr, v_scale_value,
+            DV, HDV, V_ROW_STRIDE, V_PACKED, OUT, SATURATE, V_SCALE_MODE, BLOCK_N, BLOCK_CV, HW_CVT, HAS_MAP,
         )  # fmt: skip
 
 
 #: the store kernel's pointer parameters, passed as addresses (see :mod:`kvcore.launch`)
-_STORE_POINTERS = ("k_cache_ptr", "v_cache_ptr", "k_src_ptr", "v_src_ptr", "loc_ptr", "k_scale_ptr", "v_scale_ptr")
+_STORE_POINTERS = ("k_cache_ptr", "v_cache_ptr", "k_src_ptr", "v_src_ptr", "loc_ptr", "map_ptr", "k_scale_ptr",
+                   "v_scale_ptr")
 
 
 def _scale_args(scale, dummy: torch.Tensor):
@@ -268,17 +275,22 @@ class KVStore:
     def _spec(self, key: tuple) -> tuple:
         """(BLOCK_N, column blocks, the kernel's arguments from ``DK`` on) of a launch key."""
         n_pad, out, kss, vss, k_mode, v_mode = key[0], key[1], key[3], key[4], key[-2], key[-1]
+        # key[-3]: the index map's (dtype, alignment), or None without a map
         block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(
             self.heads * self.dk, self.heads * self.dv, n_pad, out == dtypes.SAME
         )
         f = self._fixed
         tail = (*f[:8], kss[2] == 1 and kss[1] == self.dk, vss[2] == 1 and vss[1] == self.dv, out, f[8], k_mode,
-                v_mode, block_n, block_ck, block_cv, num_cb_k, f[9])  # fmt: skip
+                v_mode, block_n, block_ck, block_cv, num_cb_k, f[9], key[-3] is not None)  # fmt: skip
         return block_n, num_cb, tail
 
     def __call__(self, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                 k_scale=None, v_scale=None) -> None:  # fmt: skip
-        """Store ``cache_k`` / ``cache_v`` at rows ``loc`` of layer ``layer_index``; see :func:`store_kv_triton`."""
+                 k_scale=None, v_scale=None, index_map: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Store ``cache_k`` / ``cache_v`` at rows ``loc`` of layer ``layer_index`` (rows ``index_map[loc]`` when
+        an index map is given: a 1-D int32/int64 tensor on the cache's device, read in the kernel); see
+        :func:`store_kv_triton`."""
+        if index_map is not None and (index_map.dim() != 1 or index_map.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"index_map must be a 1-D int32/int64 tensor, got {index_map.dtype} {tuple(index_map.shape)}")
         if not 0 <= layer_index < self.layers:
             raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
         loc_dtype = loc.dtype
@@ -296,7 +308,7 @@ class KVStore:
         if n == 0:
             return
         if not self.use_triton:
-            idx = loc.long()
+            idx = loc.long() if index_map is None else index_map[loc.long()].long()
             self.k_cache[layer_index, idx] = _convert_native(cache_k, self.cache_dtype, k_scale)
             self.v_cache[layer_index, idx] = _convert_native(cache_v, self.cache_dtype, v_scale)
             return
@@ -304,6 +316,13 @@ class KVStore:
         if cache_k.get_device() != device or cache_v.get_device() != device or loc.get_device() != device:
             raise ValueError(f"loc, cache_k and cache_v must be on {self.k_cache.device}, got {loc.device}, "
                              f"{cache_k.device} and {cache_v.device}")  # fmt: skip
+        if index_map is None:
+            map_t, mp, map_key = loc, 0, None
+        else:
+            if index_map.get_device() != device:
+                raise ValueError(f"index_map must be on {self.k_cache.device}, got {index_map.device}")
+            map_t, mp = index_map, index_map.data_ptr()
+            map_key = (index_map.dtype, mp & 15)
         if out == dtypes.SAME:
             k_scale = v_scale = None  # SGLang's rule: scales apply only to inputs that are converted
             if src_dtype != self.k_cache.dtype:  # fp8 inputs into an fp8 cache: move their bytes
@@ -319,15 +338,15 @@ class KVStore:
         kss, vss = cache_k.stride(), cache_v.stride()
         kp, vp, lp = cache_k.data_ptr(), cache_v.data_ptr(), loc.data_ptr()
         key = (1 << (n - 1).bit_length(), out, src_dtype, kss, vss, kp & 15, vp & 15, loc_dtype, lp & 15,
-               k_sp & 15, v_sp & 15, k_mode, v_mode)  # fmt: skip
+               k_sp & 15, v_sp & 15, map_key, k_mode, v_mode)  # fmt: skip
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = self._spec(key)
         block_n, num_cb, tail = spec
         self.launch(key, -(-n // block_n), num_cb, (
-            k_ptr, v_ptr, layer_index, kp, vp, lp, loc.stride(0), n, kss[0], kss[1], kss[2], vss[0], vss[1], vss[2],
-            k_sp, v_sp, k_scale_value, v_scale_value, *tail,
-        ), (self.k_cache, self.v_cache, cache_k, cache_v, loc, k_scale_t, v_scale_t), _STORE_NUM_WARPS)  # fmt: skip
+            k_ptr, v_ptr, layer_index, kp, vp, lp, loc.stride(0), mp or lp, n, kss[0], kss[1], kss[2], vss[0], vss[1],
+            vss[2], k_sp, v_sp, k_scale_value, v_scale_value, *tail,
+        ), (self.k_cache, self.v_cache, cache_k, cache_v, loc, map_t, k_scale_t, v_scale_t), _STORE_NUM_WARPS)  # fmt: skip
 
 
 def store_kv_triton(
@@ -341,6 +360,7 @@ def store_kv_triton(
     k_scale=None,
     v_scale=None,
     cache_dtype: torch.dtype,
+    index_map: torch.Tensor | None = None,
 ) -> None:
     """Write ``cache_k`` [N, H, Dk] and ``cache_v`` [N, H, Dv] into rows ``loc`` of layer ``layer_index``
     (one launch; pools keep a :class:`KVStore` instead of calling this).
@@ -360,8 +380,10 @@ def store_kv_triton(
     :param cache_dtype: the cache's logical dtype.  Same as the input: plain copy; float casts round to
         nearest even; fp8 bytes are bit-exact with ``(x.float() / scale).to(cache_dtype)`` of the torch
         running the process (see ``kvcore.fp8`` for e4m3fn overflow).
+    :param index_map: when given, the rows written are ``index_map[loc]`` (1-D int32/int64 on the cache's
+        device, read in the kernel: no separate gather of the indices).
     """
-    KVStore(k_cache, v_cache, cache_dtype)(layer_index, loc, cache_k, cache_v, k_scale, v_scale)
+    KVStore(k_cache, v_cache, cache_dtype)(layer_index, loc, cache_k, cache_v, k_scale, v_scale, index_map)
 
 
 def store_kv_native(
@@ -375,9 +397,11 @@ def store_kv_native(
     k_scale=None,
     v_scale=None,
     cache_dtype: torch.dtype,
+    index_map: torch.Tensor | None = None,
 ) -> None:
     """Torch reference of :func:`store_kv_triton` (same signature and semantics)."""
-    KVStore(k_cache, v_cache, cache_dtype, use_triton=False)(layer_index, loc, cache_k, cache_v, k_scale, v_scale)
+    KVStore(k_cache, v_cache, cache_dtype, use_triton=False)(layer_index, loc, cache_k, cache_v, k_scale, v_scale,
+                                                            index_map)  # fmt: skip
 
 
 def _store_plan(hdk: int, hdv: int, n_pad: int, copy: bool) -> tuple[int, int, int, int, int]:

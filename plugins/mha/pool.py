@@ -88,6 +88,7 @@ class MHATokenToKVPool(KVCache):
         k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
         layer_id_override: int | None = None,
+        index_map: torch.Tensor | None = None,
     ) -> None:
         """Store K and V of ``loc.numel()`` tokens into ``layer`` (an int, anything with ``layer_id``, or None
         with ``layer_id_override``).
@@ -95,13 +96,16 @@ class MHATokenToKVPool(KVCache):
         Inputs of another dtype than the cache are divided by ``k_scale`` / ``v_scale`` (when given; float32
         division, one rounding) and converted inside the kernel; inputs already in the cache dtype are copied
         and the scales ignored, as in SGLang.  Unlike SGLang, the inputs themselves are never modified.
+
+        :param index_map: write rows ``index_map[loc]`` instead of ``loc``, translated inside the same launch
+            (a sliding-window sub-pool stores full-pool locations this way; kvcore's extension).
         """
         local = self.local_layer(layer, layer_id_override)
         if cache_k.dim() == 2:  # [N, H * D], as some attention backends hand them over
             cache_k = cache_k.view(-1, self.head_num, self.head_dim)
             cache_v = cache_v.view(-1, self.head_num, self.v_head_dim)
         try:
-            self._store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k, cache_v, k_scale, v_scale)
+            self._store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k, cache_v, k_scale, v_scale, index_map)
         except ValueError as exc:
             raise ValueError(f"layer {self.start_layer + local}: {exc}") from None
 

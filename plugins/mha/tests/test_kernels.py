@@ -233,6 +233,31 @@ def test_store_kv_small_rows_and_empty():
     assert _bits_equal(k_cache, ref_k)
 
 
+@pytest.mark.parametrize("map_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3fn"])
+def test_store_kv_through_an_index_map(map_dtype, cache_dtype):
+    """Rows ``index_map[loc]`` (a sliding-window sub-pool's slots of full-pool locations), translated inside the
+    store: the same bytes as storing at the translated rows directly, and nothing else written."""
+    gen = torch.Generator().manual_seed(7)
+    n, full_slots = 23, 200
+    store = dtypes.storage_dtype(cache_dtype)
+    k_cache, v_cache = _poison((L, ROWS, H, DK), store, gen), _poison((L, ROWS, H, DV), store, gen)
+    index_map = torch.zeros(full_slots, dtype=map_dtype)
+    loc = torch.randperm(full_slots - 1, generator=gen)[:n] + 1
+    index_map[loc] = (torch.randperm(ROWS - 1, generator=gen)[:n] + 1).to(map_dtype)
+    loc, index_map = loc.to(DEVICE), index_map.to(DEVICE)
+    cache_k, cache_v = _make_inputs(n, torch.float32, "qkv_split", gen, 20.0)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    kernels.store_kv_native(want_k, want_v, 2, index_map[loc].long(), cache_k, cache_v, cache_dtype=cache_dtype)
+    for store_kv in (kernels.store_kv_triton, kernels.store_kv_native):
+        got_k, got_v = k_cache.clone(), v_cache.clone()
+        store_kv(got_k, got_v, 2, loc, cache_k, cache_v, cache_dtype=cache_dtype, index_map=index_map)
+        assert _bits_equal(got_k, want_k) and _bits_equal(got_v, want_v), store_kv.__name__
+    with pytest.raises(ValueError, match="index_map"):
+        kernels.store_kv_triton(k_cache, v_cache, 0, loc, cache_k, cache_v, cache_dtype=cache_dtype,
+                                index_map=index_map.float())  # fmt: skip
+
+
 def test_store_kv_rejects_bad_arguments():
     k_cache = torch.zeros(2, 8, 1, 8, dtype=torch.bfloat16, device=DEVICE)
     v_cache = torch.zeros(2, 8, 1, 8, dtype=torch.bfloat16, device=DEVICE)

@@ -1,0 +1,165 @@
+"""SWATokenToKVPoolAllocator: full-attention and sliding-window slot allocators in step, and the map between them."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from kvcore.allocators import BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+
+class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
+    """Hands out *full* locations (what engines index requests with) and, with each, a sliding-window slot.
+
+    Two sub-allocators move in step: ``full_attn_allocator`` over ``size`` tokens and ``swa_attn_allocator``
+    over ``size_swa``, both token allocators for ``page_size == 1`` and paged ones otherwise (a token keeps its
+    offset within its page on both sides).  ``full_to_swa_index_mapping[t]`` is the window slot of full
+    location ``t``; entry 0 stays 0, so a padding or absent location maps to the padding slot.  Tokens that
+    slid out of every window give their window slots back early with :meth:`free_swa` (their full slots stay
+    until :meth:`free`).  A model whose layers all slide uses the full side only as location space.
+
+    Every call has the signature of :class:`~kvcore.allocators.PagedTokenToKVPoolAllocator`'s; an allocation
+    that does not fit on either side returns None and leaves both sides as they were.
+
+    :param kvcache: the :class:`~kvcore_swa.pool.SWAKVPool`; the mapping is registered with it.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        size_swa: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kvcache: Any,
+        need_sort: bool,
+        kernels: str = "auto",
+    ):
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort, kernels)
+        self.size_swa = int(size_swa)
+
+        def side(tokens: int) -> BaseTokenToKVPoolAllocator:
+            if self.page_size == 1:
+                return TokenToKVPoolAllocator(tokens, dtype, device, kvcache, need_sort, kernels)
+            return PagedTokenToKVPoolAllocator(tokens, page_size, dtype, device, kvcache, need_sort, kernels)
+
+        self.full_attn_allocator = side(self.size)
+        self.swa_attn_allocator = side(self.size_swa)
+        self.full_to_swa_index_mapping = torch.zeros(self.size + self.page_size, dtype=torch.int64, device=self.device)
+        register = getattr(kvcache, "register_mapping", None)
+        if register is not None:
+            register(self.full_to_swa_index_mapping)
+
+    # -- queries ------------------------------------------------------------------------------------------
+
+    def available_size(self) -> int:
+        """Tokens that can be allocated: the smaller side."""
+        return min(self.full_available_size(), self.swa_available_size())
+
+    def full_available_size(self) -> int:
+        return self.full_attn_allocator.available_size()
+
+    def swa_available_size(self) -> int:
+        return self.swa_attn_allocator.available_size()
+
+    def debug_print(self) -> str:
+        return (f"SWATokenToKVPoolAllocator: full {self.full_available_size()} of {self.size}, "
+                f"sliding-window {self.swa_available_size()} of {self.size_swa} tokens available")  # fmt: skip
+
+    def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor) -> torch.Tensor:
+        """Window slots of full locations (negative locations, ``-1`` for "none", stay as they are)."""
+        idx = kv_indices.long()
+        return torch.where(idx >= 0, self.full_to_swa_index_mapping[idx.clamp(min=0)], idx)
+
+    # -- state --------------------------------------------------------------------------------------------
+
+    def backup_state(self):
+        return self.full_attn_allocator.backup_state(), self.swa_attn_allocator.backup_state()
+
+    def restore_state(self, state) -> None:
+        full, swa = state
+        self.full_attn_allocator.restore_state(full)
+        self.swa_attn_allocator.restore_state(swa)
+
+    def clear(self) -> None:
+        self.full_attn_allocator.clear()
+        self.swa_attn_allocator.clear()
+        self.full_to_swa_index_mapping.zero_()
+        self.is_not_in_free_group = True
+        self.free_group = []
+
+    def merge_and_sort_free(self) -> None:
+        self.full_attn_allocator.merge_and_sort_free()
+        self.swa_attn_allocator.merge_and_sort_free()
+
+    # -- allocation ---------------------------------------------------------------------------------------
+
+    def _pair(self, full: Optional[torch.Tensor], state, swa_call) -> Optional[torch.Tensor]:
+        """Finish an allocation: the window side's, or roll the full side back when it does not fit."""
+        if full is None:
+            return None
+        swa = swa_call()
+        if swa is None:
+            self.full_attn_allocator.restore_state(state)
+            return None
+        self.full_to_swa_index_mapping[full] = swa
+        return full
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """``need_size`` full locations (whole pages when paged), each with a window slot."""
+        if need_size > self.available_size():
+            return None
+        state = self.full_attn_allocator.backup_state()
+        return self._pair(self.full_attn_allocator.alloc(need_size), state, lambda: self.swa_attn_allocator.alloc(need_size))
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: Optional[torch.Tensor] = None,
+        seq_lens: Optional[torch.Tensor] = None,
+        seq_lens_cpu: Optional[torch.Tensor] = None,
+        last_loc: Optional[torch.Tensor] = None,
+        extend_num_tokens: Optional[int] = None,
+    ) -> Optional[torch.Tensor]:
+        """As :meth:`PagedTokenToKVPoolAllocator.alloc_extend`, on both sides (the window side continues each
+        request's last window page, found through the mapping)."""
+        state = self.full_attn_allocator.backup_state()
+        full = self.full_attn_allocator.alloc_extend(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens
+        )  # fmt: skip
+        return self._pair(full, state, lambda: self.swa_attn_allocator.alloc_extend(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, self.translate_loc_from_full_to_swa(last_loc),
+            extend_num_tokens,
+        ))  # fmt: skip
+
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, seq_lens_cpu: Optional[torch.Tensor] = None, last_loc: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
+        """As :meth:`PagedTokenToKVPoolAllocator.alloc_decode`, on both sides."""
+        state = self.full_attn_allocator.backup_state()
+        full = self.full_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        return self._pair(full, state, lambda: self.swa_attn_allocator.alloc_decode(
+            seq_lens, seq_lens_cpu, self.translate_loc_from_full_to_swa(last_loc)
+        ))  # fmt: skip
+
+    # -- freeing ------------------------------------------------------------------------------------------
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """Give back full locations and their window slots (held until :meth:`free_group_end` inside a group)."""
+        if free_index.numel() == 0 or self._hold_in_group(free_index):
+            return
+        self.full_attn_allocator.free(free_index)
+        self.free_swa(free_index)
+
+    def free_swa(self, free_index: torch.Tensor) -> None:
+        """Give back only the window slots of full locations ``free_index`` (tokens that slid out of every
+        window); their full slots stay allocated and now map to the padding slot."""
+        if free_index.numel() == 0:
+            return
+        idx = free_index.reshape(-1).long()
+        swa = self.full_to_swa_index_mapping[idx]
+        swa = swa[swa > 0]
+        if swa.numel():
+            self.swa_attn_allocator.free(swa)
+        self.full_to_swa_index_mapping[idx] = 0
