@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -61,13 +62,18 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
         f"= KV budget {_gib(b.kv_budget_bytes)}",
         f"backend    {plan.backend}",
         *(f"  buffer   {buf.describe()}" for buf in plan.layout.buffers),
-        f"per token  {plan.bytes_per_token} bytes per token per rank",
+        f"per token  {plan.bytes_per_token} bytes per token per rank"
+        + (f" (full layers), {math.ceil(plan.layout.bytes_per_unit('swa_tokens'))} per sliding-window token"
+           if plan.swa_max_total_num_tokens is not None else ""),
         f"tokens     max_total_num_tokens = {plan.max_total_num_tokens} (page-aligned to {plan.page_size}"
         + (f"; pipeline rank {plan.limiting_pp_rank} limits" if plan.pp_size > 1 else "")
         + ")",
     ]
     if plan.swa_max_total_num_tokens is not None:
-        lines.append(f"swa tokens {plan.swa_max_total_num_tokens}")
+        lines += [
+            f"           = full_max_total_num_tokens; swa_max_total_num_tokens = {plan.swa_max_total_num_tokens} "
+            f"(memory.swa_full_tokens_ratio = {plan.swa_max_total_num_tokens / max(1, plan.max_total_num_tokens):.3f})"
+        ]
     lines += [
         f"requests   max_running_requests = {plan.max_running_requests} (context {plan.context_length})",
         f"memory     KV pools {_gib(plan.kv_cache_bytes)} + request table {_gib(plan.req_to_token_bytes)}",

@@ -140,9 +140,12 @@ def tokens_that_fit(layout: PoolLayout, budget_bytes: int, swa_full_tokens_ratio
     if per_token <= 0:
         raise PlanningError(f"backend {layout.backend!r} declares no per-token bytes")
     tokens = max(0, int((budget_bytes - fixed) // per_token))
-    # Page-granular rows round up, and the ratio rounds down: step back until the exact bytes fit.
+    # Page-granular rows round up and the ratio rounds down, so the estimate may be off by a few tokens either
+    # way: settle on the exact largest count whose bytes fit.
     while tokens > 0 and layout.total_bytes(_sizes(layout, tokens, ratio)) > budget_bytes:
         tokens -= 1
+    while layout.total_bytes(_sizes(layout, tokens + 1, ratio)) <= budget_bytes:
+        tokens += 1
     return _sizes(layout, tokens, ratio)
 
 
@@ -261,22 +264,24 @@ def _check_min_sizes(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget: M
 
 def _ratio_reaching(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget_bytes: int, minimum: int) -> float | None:
     """The smallest ``swa_full_tokens_ratio`` (to 3 decimals) whose plan keeps at least ``minimum`` window
-    tokens, or None when no ratio up to 1000 does."""
+    tokens, or None when no ratio does (raising it shrinks the full tokens below a page first)."""
     page = cfg.kv_cache.page_size
 
-    def swa_tokens(ratio: float) -> int:
-        fits = [tokens_that_fit(layout, budget_bytes, ratio)["tokens"] for layout in layouts]
-        tokens = min(fits)
+    def split(ratio: float) -> tuple[int, int]:
+        tokens = min(tokens_that_fit(layout, budget_bytes, ratio)["tokens"] for layout in layouts)
         if cfg.memory.max_total_tokens is not None:
             tokens = min(tokens, cfg.memory.max_total_tokens)
-        return int(tokens // page * page * ratio) // page * page
+        tokens = tokens // page * page
+        return tokens, int(tokens * ratio) // page * page
 
-    low, high = 0.0, 1000.0
-    if swa_tokens(high) < minimum:
-        return None
+    low = high = max(cfg.memory.swa_full_tokens_ratio, 1e-3)
+    while split(high)[1] < minimum:  # window tokens grow with the ratio until the full tokens drop below a page
+        low, high = high, high * 2
+        if split(high)[0] < page or high > 1e6:
+            return None
     while high - low > 5e-4:
         mid = (low + high) / 2
-        low, high = (low, mid) if swa_tokens(mid) >= minimum else (mid, high)
+        low, high = (low, mid) if split(mid)[1] >= minimum else (mid, high)
     return math.ceil(high * 1000) / 1000
 
 

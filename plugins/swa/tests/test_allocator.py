@@ -1,0 +1,166 @@
+"""SWATokenToKVPoolAllocator over realistic request lifetimes, checked after every step against a small
+Python model of both sides: which full and window slots are taken, what each live full location maps to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore.testing.tensors import test_device
+from kvcore_swa.allocator import SWATokenToKVPoolAllocator
+
+DEVICE = test_device()
+FULL, WINDOW = 96, 48
+
+
+class Model:
+    """What the allocator must hold: live full locations, each with its window slot (0 once freed early)."""
+
+    def __init__(self, alloc: SWATokenToKVPoolAllocator):
+        self.alloc, self.page = alloc, alloc.page_size
+        self.window_of: dict[int, int] = {}
+
+    def add(self, full: torch.Tensor) -> None:
+        mapping = self.alloc.full_to_swa_index_mapping
+        for f in full.tolist():
+            assert f not in self.window_of, f"full location {f} handed out twice"
+            self.window_of[f] = int(mapping[f])
+
+    def check(self) -> None:
+        a, page = self.alloc, self.page
+        full_pages = {f // page for f in self.window_of}
+        window_pages = {w // page for w in self.window_of.values() if w}
+        assert 0 not in full_pages and 0 not in window_pages, "the padding page was handed out"
+        assert a.full_available_size() == FULL - len(full_pages) * page
+        assert a.swa_available_size() == WINDOW - len(window_pages) * page
+        assert a.available_size() == min(a.full_available_size(), a.swa_available_size())
+        live_windows = [w for w in self.window_of.values() if w]
+        assert len(set(live_windows)) == len(live_windows), "two full locations share a window slot"
+        mapping = a.full_to_swa_index_mapping.cpu()
+        for f, w in self.window_of.items():
+            assert int(mapping[f]) == w
+            if w:  # a token keeps its offset within its page on both sides
+                assert f % page == w % page
+        assert int(mapping[0]) == 0
+
+    def drop(self, full: list[int], window_only: bool = False) -> None:
+        for f in full:
+            if window_only:
+                self.window_of[f] = 0
+            else:
+                del self.window_of[f]
+
+
+def _t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_request_lifetimes(page_size):
+    """Two requests: prefill, decode, slide out of the window, extend after a prefix, free; then a free group,
+    backup/restore, an allocation too big for the window side, and clear."""
+    a = SWATokenToKVPoolAllocator(FULL, WINDOW, page_size, torch.bfloat16, DEVICE, kvcache=None, need_sort=False)
+    m = Model(a)
+    m.check()
+
+    # prefill A (10 tokens) and B (6 tokens) in one extend
+    pre, seq = _t([0, 0]), _t([10, 6])
+    first = a.alloc_extend(pre, pre.cpu(), seq, seq.cpu(), _t([-1, -1]), 16)
+    assert first is not None and first.numel() == 16
+    m.add(first)
+    m.check()
+    a_locs, b_locs = first[:10].tolist(), first[10:].tolist()
+
+    # three decode steps for both
+    for step in range(3):
+        seq = _t([11 + step, 7 + step])
+        new = a.alloc_decode(seq, seq.cpu(), _t([a_locs[-1], b_locs[-1]]))
+        assert new is not None
+        if page_size > 1:  # a request continues its page on both sides while it has room
+            for last, loc, n in ((a_locs[-1], int(new[0]), 11 + step), (b_locs[-1], int(new[1]), 7 + step)):
+                if (n - 1) % page_size:
+                    assert loc == last + 1
+                    window = a.full_to_swa_index_mapping
+                    assert int(window[loc]) == int(window[last]) + 1
+        m.add(new)
+        a_locs.append(int(new[0]))
+        b_locs.append(int(new[1]))
+        m.check()
+
+    # A's first 8 tokens slid out of every window (whole pages when paged): window slots back, full kept
+    gone = a_locs[:8]
+    window_before = a.swa_available_size()
+    a.free_swa(_t(gone))
+    m.drop(gone, window_only=True)
+    m.check()
+    assert a.swa_available_size() == window_before + 8 and a.full_available_size() == FULL - len({f // page_size for f in m.window_of}) * page_size
+
+    # B extends by 5 after its 9-token prefix (ending inside a page when paged)
+    pre, seq = _t([9]), _t([14])
+    more = a.alloc_extend(pre, pre.cpu(), seq, seq.cpu(), _t([b_locs[-1]]), 5)
+    assert more is not None
+    if page_size > 1 and 9 % page_size:
+        assert int(more[0]) == b_locs[-1] + 1
+        assert int(a.full_to_swa_index_mapping[int(more[0])]) == int(a.full_to_swa_index_mapping[b_locs[-1]]) + 1
+    m.add(more)
+    b_locs += more.tolist()
+    m.check()
+
+    # backup, allocate, restore: both sides as before (as in SGLang, the map keeps the entries of the slots
+    # taken in between; they are free again, and whoever takes them next overwrites them)
+    state = a.backup_state()
+    extra = a.alloc(page_size * 2)
+    assert extra is not None
+    a.restore_state(state)
+    m.check()
+
+    # an allocation the window side cannot hold returns None and takes nothing from the full side
+    full_before = a.full_available_size()
+    assert a.alloc(a.swa_available_size() + page_size) is None
+    assert a.full_available_size() == full_before
+    m.check()
+
+    # free both requests inside a free group: nothing comes back until the group ends
+    a.free_group_begin()
+    a.free(_t(a_locs))
+    a.free(_t(b_locs))
+    assert a.full_available_size() == full_before
+    a.free_group_end()
+    m.drop(a_locs)
+    m.drop(b_locs)
+    m.check()
+    assert a.full_available_size() == FULL and a.swa_available_size() == WINDOW
+    freed = _t(a_locs + b_locs)
+    assert int(a.full_to_swa_index_mapping[freed].abs().sum()) == 0, "freed full locations still map to window slots"
+
+    again = a.alloc(4 * page_size)
+    m.add(again)
+    m.check()
+    a.clear()
+    m.drop(again.tolist())
+    m.check()
+
+
+def test_the_map_is_registered_with_the_pool_and_absent_locations_stay_absent():
+    registered = []
+
+    class Pool:
+        def register_mapping(self, mapping):
+            registered.append(mapping)
+
+    a = SWATokenToKVPoolAllocator(16, 8, 1, torch.bfloat16, DEVICE, kvcache=Pool(), need_sort=False)
+    assert registered == [a.full_to_swa_index_mapping] and a.full_to_swa_index_mapping.numel() == 16 + 1
+    loc = a.alloc(3)
+    assert a.translate_loc_from_full_to_swa(loc).tolist() == a.full_to_swa_index_mapping[loc].tolist()
+    assert a.translate_loc_from_full_to_swa(_t([-1, 0])).tolist() == [-1, 0]
+    a.free_swa(loc[:1])
+    assert int(a.translate_loc_from_full_to_swa(loc[:1])) == 0
+
+
+def test_window_side_smaller_than_a_batch_refuses_it_whole():
+    a = SWATokenToKVPoolAllocator(32, 8, 1, torch.bfloat16, DEVICE, kvcache=None, need_sort=False)
+    pre, seq = _t([0, 0]), _t([5, 5])
+    assert a.alloc_extend(pre, pre.cpu(), seq, seq.cpu(), _t([-1, -1]), 10) is None
+    assert a.full_available_size() == 32 and a.swa_available_size() == 8
+    assert a.alloc_decode(_t([1] * 9), None, _t([0] * 9)) is None
+    assert a.full_available_size() == 32
