@@ -11,8 +11,9 @@ of percent, ratios much less):
 * **device time** inside CUDA-graph replay (what a decode step costs on the GPU), for kvcore and the torch
   path, with the bytes moved over the measured device-copy ceiling.
 
-Sizes are the real models': Llama-3-8B's MHA rows (8 KV heads x 128), DeepSeek-V3's latent rows (512 + 64) and
-DeepSeek-V3.2's fp8 rows and indexer.  Every timed kvcore call is first checked against the torch path.
+Sizes are the real models': Llama-3-8B's MHA rows (8 KV heads x 128), DeepSeek-V3's latent rows (512 + 64),
+DeepSeek-V3.2's fp8 rows and indexer, and gpt-oss's sliding-window layers (8 KV heads x 64), written through a
+shuffled full -> window slot map as its allocator builds one.  Every timed kvcore call is first checked against the torch path.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 HEADS, HEAD_DIM = 8, 128  # Llama-3-8B
 RANK, ROPE = 512, 64  # DeepSeek-V3 / V3.2
+SWA_HEAD_DIM = 64  # gpt-oss (8 KV heads)
 POOL_TOKENS = 1 << 16  # of every pool timed; locations are drawn among them
 
 
@@ -112,6 +114,7 @@ def _pools(kernels: str) -> dict[str, object]:
     from kvcore_dsa.pool import DSATokenToKVPool
     from kvcore_mha.pool import MHATokenToKVPool
     from kvcore_mla.pool import MLATokenToKVPool
+    from kvcore_swa.pool import SWAKVPool
 
     common = dict(size=POOL_TOKENS, device="cuda", enable_memory_saver=False, kernels=kernels)
     return {
@@ -122,7 +125,18 @@ def _pools(kernels: str) -> dict[str, object]:
                                 **common),
         "dsa": DSATokenToKVPool(page_size=64, dtype=torch.float8_e4m3fn, kv_lora_rank=RANK, qk_rope_head_dim=ROPE,
                                 layer_num=2, index_head_dim=128, **common),
+        "swa": _mapped(SWAKVPool(size_swa=POOL_TOKENS, page_size=1, dtype=torch.bfloat16, head_num=HEADS,
+                                 head_dim=SWA_HEAD_DIM, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
+                                 **common)),
     }  # fmt: skip
+
+
+def _mapped(pool):
+    """The SWA pool with a full -> window slot map, shuffled (the same in every process: a fixed seed)."""
+    g = torch.Generator().manual_seed(7)
+    mapping = torch.cat([torch.zeros(1, dtype=torch.int64), torch.randperm(pool.size_swa, generator=g) + 1])
+    pool.register_mapping(mapping.to(pool.device))
+    return pool
 
 
 def _same(a, b) -> bool:
@@ -142,6 +156,7 @@ def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch
     loc = (torch.randperm(POOL_TOKENS - 64, generator=gen)[:n] + 64).cuda()
     k, v = rand(n, HEADS, HEAD_DIM), rand(n, HEADS, HEAD_DIM)
     nope, rope, latent = rand(n, 1, RANK), rand(n, 1, ROPE), rand(n, 1, RANK + ROPE)
+    swa_k, swa_v = rand(n, HEADS, SWA_HEAD_DIM), rand(n, HEADS, SWA_HEAD_DIM)
     half = max(1, n // 2)
     tgt, src = loc[:half], loc[n - half :]
     keys = rand(n, 128).to(torch.float8_e4m3fn)
@@ -158,6 +173,7 @@ def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch
         "dsa get_mla_kv_buffer (dequantize)": ("dsa", lambda p: lambda: p.get_mla_kv_buffer(0, loc), None),
         "dsa set_index_k_scale_buffer": ("dsa", lambda p: lambda: p.set_index_k_scale_buffer(0, loc, keys, scales), loc),
         "dsa get_index_k_scale_buffer": ("dsa", lambda p: lambda: p.get_index_k_scale_buffer(0, n, pages), None),
+        "swa set_kv_buffer (window, mapped)": ("swa", lambda p: lambda: p.set_kv_buffer(0, loc, swa_k, swa_v), loc),
     }
 
 
@@ -165,6 +181,7 @@ def _bytes_moved(op: str, n: int) -> int | None:
     """Bytes a call must read + write (for the copy-ceiling ratio), where that is plain to count."""
     per_token = {
         "mha set_kv_buffer bf16": 2 * 2 * HEADS * HEAD_DIM * 2,
+        "swa set_kv_buffer (window, mapped)": 2 * 2 * HEADS * SWA_HEAD_DIM * 2 + 8,  # + the map entry read
         "mla set_mla_kv_buffer": 2 * (RANK + ROPE) * 2,
         "mla set_kv_buffer (concatenated)": 2 * (RANK + ROPE) * 2,
         "mla get_mla_kv_buffer": 2 * (RANK + ROPE) * 2,
