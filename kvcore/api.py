@@ -142,7 +142,8 @@ def build_pools(
         backend=selection.backend, request=request, layout=plan.layout, sizes=plan.sizes
     )
     req_to_token_pool = hook.kvcore_create_req_to_token_pool(
-        backend=selection.backend, request=request, size=plan.max_running_requests, max_context_len=plan.context_length
+        backend=selection.backend, request=request, size=plan.max_running_requests, max_context_len=plan.context_length,
+        sizes=plan.sizes, pool=token_to_kv_pool,
     )
     allocator = hook.kvcore_choose_allocator(
         backend=selection.backend, request=request, pool=token_to_kv_pool, sizes=plan.sizes

@@ -74,6 +74,10 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
             f"           = full_max_total_num_tokens; swa_max_total_num_tokens = {plan.swa_max_total_num_tokens} "
             f"(memory.swa_full_tokens_ratio = {plan.swa_max_total_num_tokens / max(1, plan.max_total_num_tokens):.3f})"
         ]
+    if plan.max_mamba_cache_size is not None:
+        state = sum(b.total_bytes(plan.max_mamba_cache_size) for b in plan.layout.group("requests"))
+        lines.append(f"state      max_mamba_cache_size = {plan.max_mamba_cache_size} slots of per-request state, "
+                     f"{_gib(state)} (reserved before the KV tokens: {_gib(plan.kv_cache_bytes - state)})")
     lines += [
         f"requests   max_running_requests = {plan.max_running_requests} (context {plan.context_length})",
         f"memory     KV pools {_gib(plan.kv_cache_bytes)} + request table {_gib(plan.req_to_token_bytes)}",
@@ -112,8 +116,7 @@ def cmd_up(args: argparse.Namespace) -> int:
           flush=True)
     started = time.perf_counter()
     pools = api.build_pools(cfg, registry=registry, plan=plan)
-    allocated = pools.token_to_kv_pool.get_kv_size_bytes()
-    allocated = sum(allocated) if isinstance(allocated, tuple) else allocated
+    allocated = sum(buf.nbytes for buf in pools.token_to_kv_pool.buffers().values())
     print(f"  allocated {_gib(allocated)} of KV pools in {time.perf_counter() - started:.2f} s "
           f"({type(pools.token_to_kv_pool).__name__}, {type(pools.token_to_kv_pool_allocator).__name__})")
     if allocated != plan.kv_cache_bytes:

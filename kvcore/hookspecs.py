@@ -87,11 +87,15 @@ def kvcore_create_pool(
 
 @hookspec(firstresult=True)
 def kvcore_create_req_to_token_pool(
-    backend: BackendSpec, request: PoolRequest, size: int, max_context_len: int
+    backend: BackendSpec, request: PoolRequest, size: int, max_context_len: int, sizes: Mapping[str, int], pool: Any
 ) -> Any | None:
     """Allocate the request-to-token pool (``size`` request slots of ``max_context_len`` token indices).
 
-    Families with per-request state (hybrid Mamba) return their own pool here.
+    Families with per-request state (hybrid Mamba) return their own pool here, with ``sizes["requests"]``
+    state slots (sharing the state the token pool was built with).
+
+    :param sizes: the planned size of every size group (as ``kvcore_create_pool`` gets them).
+    :param pool: the token-to-KV pool, built just before.
 
     :returns: the pool, or None for the next implementation.  Stops at the first non-None result.  The
         core's default returns :class:`kvcore.pools.ReqToTokenPool`.

@@ -39,6 +39,11 @@ def _check_shape(instance, attribute, value: tuple[int, ...]) -> None:
         raise ValueError(f"buffer {instance.name!r}: every dimension of row_shape must be positive, got {value}")
 
 
+def _amount(value: float) -> str:
+    """Whole numbers in full (37748736, not 3.77487e+07), fractions as they come."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 @attrs.frozen
 class BufferLayout:
     """One named buffer of a pool: ``layers`` stacked copies of ``[rows, *row_shape]`` of ``dtype``.
@@ -90,8 +95,30 @@ class BufferLayout:
         group = "" if self.sized_by in ("tokens", "requests") else f" ({self.sized_by})"
         return (
             f"{self.name} {list(self.row_shape)} {str(self.dtype).removeprefix('torch.')} {per} x {self.layers} layers"
-            f" = {self.bytes_per_unit:g} B/{unit}{group}"
+            f" = {_amount(self.bytes_per_unit)} B/{unit}{group}"
         )
+
+
+@attrs.frozen
+class RequestStateSizing:
+    """How the planner sizes a layout's ``requests`` group: per-request state (recurrent / linear-attention
+    state) reserved before the token groups, by SGLang's rules for hybrid Mamba models.
+
+    :param slots: an explicit number of state slots (whole over data-parallel workers; the planner divides),
+        or None to size them from memory.
+    :param from_running_requests: with ``slots`` None and ``memory.max_running_requests`` set, use that many
+        slots (what SGLang does when no prefix cache keeps states of finished requests).
+    :param memory_ratio: otherwise the state gets ``memory_ratio / (1 + memory_ratio)`` of the KV budget.
+    :param slots_per_request: state slots one running request may hold (kept prefixes, ping-pong buffers);
+        ``max_running_requests`` is capped at ``slots // slots_per_request``.
+    :param keys: the config keys behind ``slots`` and ``memory_ratio``, for error messages.
+    """
+
+    slots: int | None = None
+    from_running_requests: bool = False
+    memory_ratio: float = 0.9
+    slots_per_request: int = 1
+    keys: tuple[str, str] = ("", "")
 
 
 @attrs.frozen
@@ -110,6 +137,12 @@ class PoolLayout:
     buffers: tuple[BufferLayout, ...] = attrs.field(converter=tuple)
     notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     min_sizes: Mapping[str, tuple[int, str]] = attrs.field(factory=dict, converter=lambda m: MappingProxyType(dict(m)))
+    request_state: RequestStateSizing | None = None
+
+    def without(self, sized_by: str) -> PoolLayout:
+        """This layout less the buffers of one size group (the planner sizes the token groups apart from the
+        per-request state)."""
+        return attrs.evolve(self, buffers=[b for b in self.buffers if b.sized_by != sized_by])
 
     def __attrs_post_init__(self) -> None:
         names = [b.name for b in self.buffers]

@@ -30,7 +30,7 @@ import attrs
 
 from kvcore.config import EngineConfig
 from kvcore.errors import PlanningError
-from kvcore.layout import PoolLayout
+from kvcore.layout import PoolLayout, RequestStateSizing
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,11 @@ class MemoryPlan:
     def swa_max_total_num_tokens(self) -> int | None:
         """Tokens of the sliding-window sub-pool (SGLang's name); None without one."""
         return self.sizes.get("swa_tokens")
+
+    @property
+    def max_mamba_cache_size(self) -> int | None:
+        """Per-request state slots (SGLang's name, for hybrid Mamba / linear-attention models); None without."""
+        return self.sizes.get("requests")
 
     @property
     def full_max_total_num_tokens(self) -> int | None:
@@ -194,7 +199,11 @@ def plan_from_layouts(
     warnings: list[str] = []
     page_size = cfg.kv_cache.page_size
     ratio = cfg.memory.swa_full_tokens_ratio
-    per_rank = [tokens_that_fit(layout, budget.kv_budget_bytes, ratio)["tokens"] for layout in layouts]
+    slots, kv_budgets = _request_slots(cfg, layouts, budget.kv_budget_bytes)
+    per_rank = [
+        tokens_that_fit(layout.without("requests"), kv_budget, ratio)["tokens"]
+        for layout, kv_budget in zip(layouts, kv_budgets)
+    ]
     limiting = min(range(len(per_rank)), key=per_rank.__getitem__)
     tokens = per_rank[limiting]
     layout = layouts[cfg.parallel.pp_rank]
@@ -210,7 +219,7 @@ def plan_from_layouts(
         logger.warning(message)
         warnings.append(message)
     if aligned <= 0:
-        needed = layout.total_bytes(_sizes(layout, page_size, ratio)) + budget.weight_bytes
+        needed = layout.without("requests").total_bytes(_sizes(layout, page_size, ratio)) + budget.weight_bytes
         hint = ""
         if budget.pre_model_load_bytes and budget.source != "memory.budget_gib":
             fraction = math.ceil(needed / budget.pre_model_load_bytes * 1000) / 1000
@@ -226,6 +235,9 @@ def plan_from_layouts(
     _check_min_sizes(cfg, layouts, budget, sizes)
     max_running_requests, request_warnings = resolve_max_running_requests(cfg, aligned)
     warnings.extend(request_warnings)
+    if slots is not None:
+        sizes["requests"] = slots
+        max_running_requests = _cap_by_state_slots(cfg, layout, slots, max_running_requests, warnings)
     return MemoryPlan(
         backend=layout.backend,
         layout=layout,
@@ -236,12 +248,70 @@ def plan_from_layouts(
         max_running_requests=max_running_requests,
         context_length=cfg.model.context_length,
         sizes=sizes,
-        kv_cache_bytes=layout.total_bytes(sizes),
+        kv_cache_bytes=layout.total_bytes({group: sizes[group] for group in layout.groups}),
         req_to_token_bytes=req_to_token_bytes(max_running_requests, cfg.model.context_length),
         limiting_pp_rank=limiting,
         pp_size=len(layouts),
         warnings=tuple(warnings),
     )
+
+
+def _request_slots(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget_bytes: int) -> tuple[int | None, list[int]]:
+    """SGLang's reservation of per-request state before the KV tokens (``_handle_max_mamba_cache``): the
+    state slots every rank keeps (None without a ``requests`` group), and each rank's budget left for tokens.
+
+    Slots come from the layout's :class:`~kvcore.layout.RequestStateSizing`: explicit, or
+    ``memory.max_running_requests`` when the family asks for it, or the state's share ``r / (1 + r)`` of the
+    budget; all divided over data-parallel workers.  Every rank keeps the fewest slots any rank can afford.
+    """
+    sizing = [layout.request_state for layout in layouts if "requests" in layout.groups]
+    if not sizing:
+        return None, [budget_bytes] * len(layouts)
+    first = sizing[0] or RequestStateSizing()
+    dp = cfg.parallel.dp_size
+    slots_key, ratio_key = first.keys
+    if first.slots is not None:
+        slots = first.slots // dp
+        source = f"{slots_key}={first.slots}"
+    elif first.from_running_requests and cfg.memory.max_running_requests is not None:
+        slots = cfg.memory.max_running_requests // dp
+        source = f"memory.max_running_requests={cfg.memory.max_running_requests}"
+    else:
+        share = budget_bytes * first.memory_ratio / (1 + first.memory_ratio)
+        slots = min(
+            int((share - layout.fixed_bytes("requests")) // layout.bytes_per_unit("requests"))
+            for layout in layouts if "requests" in layout.groups
+        )  # fmt: skip
+        source = f"{ratio_key}={first.memory_ratio:g} of a {budget_bytes / GiB:.3f} GiB KV budget"
+    state_bytes = [sum(b.total_bytes(max(slots, 0)) for b in layout.group("requests")) for layout in layouts]
+    per_slot = max(layout.bytes_per_unit("requests") for layout in layouts)
+    if slots <= 0 or any(state >= budget_bytes for state in state_bytes):
+        raise PlanningError(
+            f"per-request state of {per_slot / 2**20:.2f} MiB per slot leaves no memory for the KV cache or gets "
+            f"no slot ({source}: {slots} slots): lower {slots_key} or memory.max_running_requests, raise "
+            f"memory.mem_fraction_static or memory.budget_gib, or use more tensor-parallel ranks (parallel.tp_size)"
+        )
+    return slots, [budget_bytes - state for state in state_bytes]
+
+
+def _cap_by_state_slots(cfg: EngineConfig, layout: PoolLayout, slots: int, requests: int, warnings: list[str]) -> int:
+    """``max_running_requests`` no larger than the state slots allow (SGLang's ``resolve_max_num_reqs``)."""
+    sizing = layout.request_state or RequestStateSizing()
+    per_request = max(1, sizing.slots_per_request)
+    capped = min(requests, slots // per_request)
+    if capped <= 0:
+        raise PlanningError(
+            f"{slots} per-request state slots serve no request at {per_request} slots per running request: raise "
+            f"{sizing.keys[0] or 'the state slots'}, memory.mem_fraction_static or memory.budget_gib"
+        )
+    if capped < requests:
+        message = (
+            f"max_running_requests reduced from {requests} to {capped}: {slots} state slots at {per_request} per "
+            "running request"
+        )
+        logger.warning(message)
+        warnings.append(message)
+    return capped
 
 
 def _check_min_sizes(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget: MemoryBudget, sizes: dict[str, int]) -> None:

@@ -213,6 +213,13 @@ class KVCache(abc.ABC):
         sliding-window layers) overrides this."""
         return layer - self.start_layer
 
+    def token_layers(self) -> list[int]:
+        """The global layers whose tokens some :meth:`token_rows` buffer keeps (every layer of a plain pool; a
+        hybrid pool's linear-attention layers keep none)."""
+        names = list(self.token_rows())
+        return [layer for layer in range(self.start_layer, self.end_layer + 1)
+                if any(self.layer_in_buffer(name, layer) is not None for name in names)]  # fmt: skip
+
     def token_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers indexed by token location (row = token), as transfer engines see them
         (:meth:`get_contiguous_buf_infos`)."""

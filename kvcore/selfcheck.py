@@ -56,7 +56,7 @@ def run_self_check(pools: Pools, *, tokens: int = 64, seed: int = 0) -> list[Che
     src, dst = loc[:tokens], loc[tokens:]
 
     def write_read() -> tuple[bool, str]:
-        layers = range(pool.start_layer, pool.end_layer + 1)
+        layers = pool.token_layers()
         for layer in layers:
             expected = pool.self_test_write(layer, src, generator)
             token_rows = pool.token_rows()

@@ -123,7 +123,7 @@ class BaseStoreTests(_Base):
     def test_round_trip_only_target_rows_change(self, kv_pool, kv_writer, generator, n, index_dtype):
         randomize(kv_pool, generator)
         before = {name: buf.clone() for name, buf in kv_pool.buffers().items()}
-        layer = kv_pool.end_layer  # the last layer catches per-layer offset mistakes
+        layer = kv_pool.token_layers()[-1]  # the last layer catches per-layer offset mistakes
         loc = self.free_slots(kv_pool, n, generator).to(index_dtype)
         token_rows = kv_pool.token_rows()
         local = {name: kv_pool.layer_in_buffer(name, layer) for name in token_rows}
@@ -146,7 +146,7 @@ class BaseStoreTests(_Base):
         randomize(kv_pool, generator)
         padding_tokens = torch.arange(kv_pool.page_size, device=kv_pool.device)
         padding = {name: rows.take(padding_tokens) for name, rows in kv_pool.token_rows().items()}
-        for layer in range(kv_pool.start_layer, kv_pool.end_layer + 1):
+        for layer in kv_pool.token_layers():
             kv_writer(kv_pool, layer, self.free_slots(kv_pool, 8, generator), generator)
         for name, rows in kv_pool.token_rows().items():
             assert_same_bytes(rows.take(padding_tokens), padding[name], f"padding page of buffer {name}")
@@ -156,11 +156,12 @@ class BaseStoreTests(_Base):
         assert pool.start_layer == 5 and pool.end_layer == 5 + pool.layer_num - 1
         randomize(pool, generator)
         loc = self.free_slots(pool, 3, generator)
-        expected = kv_writer(pool, pool.end_layer, loc, generator)
+        last = pool.token_layers()[-1]
+        expected = kv_writer(pool, last, loc, generator)
         token_rows = pool.token_rows()
         for name, rows in expected.items():
-            at = pool.layer_in_buffer(name, pool.end_layer)
-            assert_same_bytes(token_rows[name].take(loc, at), rows, f"buffer {name}, global layer {pool.end_layer}")
+            at = pool.layer_in_buffer(name, last)
+            assert_same_bytes(token_rows[name].take(loc, at), rows, f"buffer {name}, global layer {last}")
         with pytest.raises(IndexError, match="layer"):
             pool.get_key_buffer(pool.start_layer - 1)
         with pytest.raises(IndexError, match="layer"):

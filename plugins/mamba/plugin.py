@@ -1,0 +1,64 @@
+"""The hybrid linear-attention family as a kvcore plugin (entry point ``mamba``): its backend, and the
+request-pool hook that pairs its KV pool with a :class:`~kvcore_mamba.pool.HybridReqToTokenPool`."""
+
+from __future__ import annotations
+
+from kvcore.backend import BackendSpec, PoolRequest
+from kvcore.hookspecs import hookimpl
+from kvcore.layout import PoolLayout
+from kvcore_mamba.layout import LinearAttentionDims, MambaOptions
+
+BACKEND = "mamba"
+
+
+def layout(request: PoolRequest) -> PoolLayout:
+    from kvcore_mamba.layout import mamba_layout
+
+    return mamba_layout(backend=BACKEND, request=request)
+
+
+def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
+    from kvcore_mamba.layout import rank_layers, rank_state_params
+    from kvcore_mamba.pool import HybridLinearKVPool, MambaPool
+
+    full, _ = rank_layers(request)
+    mamba_pool = MambaPool(size=sizes["requests"], cache_params=rank_state_params(request), device=request.device,
+                           kernels=request.kernels)  # fmt: skip
+    return HybridLinearKVPool(
+        size=sizes["tokens"], dtype=request.kv_dtype, page_size=request.page_size, head_num=request.head_num,
+        head_dim=request.head_dim, v_head_dim=request.v_head_dim, full_attention_layer_ids=full,
+        device=request.device, mamba_pool=mamba_pool, start_layer=request.start_layer, end_layer=request.end_layer,
+        kernels=request.kernels,
+    )  # fmt: skip
+
+
+@hookimpl
+def kvcore_register_backends():
+    return [
+        BackendSpec(
+            name=BACKEND,
+            attention=("mamba",),
+            layout=layout,
+            create_pool=create_pool,
+            model_sections={"mamba": LinearAttentionDims},
+            options_schema=MambaOptions,
+            description="hybrid linear-attention pool: full-attention K/V in an MHA pool, Mamba2 / gated DeltaNet "
+            "states per request slot, reserved before the tokens",
+        )
+    ]
+
+
+@hookimpl
+def kvcore_create_req_to_token_pool(backend, request, size, max_context_len, sizes, pool):
+    """The request table with state slots, sharing the KV pool's :class:`MambaPool`."""
+    if backend.name != BACKEND:
+        return None
+    from kvcore_mamba.layout import rank_state_params
+    from kvcore_mamba.pool import HybridReqToTokenPool
+
+    options: MambaOptions = request.options
+    return HybridReqToTokenPool(
+        size=size, mamba_size=sizes["requests"], max_context_len=max_context_len, device=request.device,
+        cache_params=rank_state_params(request), enable_mamba_extra_buffer=options.mamba_extra_buffer != "off",
+        mamba_pool=pool.mamba_pool, kernels=request.kernels,
+    )  # fmt: skip

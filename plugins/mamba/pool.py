@@ -1,0 +1,421 @@
+"""Per-request state pools of hybrid linear-attention models: MambaPool, HybridReqToTokenPool and
+HybridLinearKVPool (SGLang's names and keywords)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import attrs
+import torch
+
+from kvcore.kernel_mode import use_triton
+from kvcore.pools import GB, KVCache, ReqToTokenPool, check_memory_saver, host_buffer, layer_id_of
+from kvcore.row_move import RowMover, move_token_rows_native
+from kvcore.sample import random_nonzero
+from kvcore.token_rows import TokenRows
+from kvcore_mha.pool import MHATokenToKVPool
+
+#: the keys that give a hybrid model more state slots, for the errors that say so.
+MORE_SLOTS = ("raise kv_cache.options.max_mamba_cache_size (or kv_cache.options.mamba_full_memory_ratio), or lower "
+              "memory.max_running_requests")  # fmt: skip
+
+
+@attrs.frozen(kw_only=True)
+class MambaState:
+    """The states of every linear layer: ``conv`` (a list of ``[layers, slots + 1, ...]`` windows) and
+    ``temporal`` (``[layers, slots + 1, ...]``), slot 0 padding (SGLang's ``MambaPool.State``)."""
+
+    conv: list[torch.Tensor]
+    temporal: torch.Tensor
+
+    def at_layer_idx(self, layer: int) -> MambaState:
+        """One layer's views (``conv[i][layer]``, ``temporal[layer]``)."""
+        return MambaState(conv=[c[layer] for c in self.conv], temporal=self.temporal[layer])
+
+    def mem_usage_bytes(self) -> int:
+        return sum(c.nbytes for c in self.conv) + self.temporal.nbytes
+
+
+class MambaPool:
+    """Fixed-size states for ``size`` request slots (``1 .. size``; slot 0 is padding) of every linear layer of
+    ``cache_params`` (duck-typed: ``.layers``, ``.shape.conv``, ``.shape.temporal``, ``.dtype.conv``,
+    ``.dtype.temporal``; :class:`~kvcore_mamba.layout.LinearStateParams` is kvcore's).
+
+    States are zeroed when a slot is allocated.  :meth:`copy_from` (and :meth:`fork_from`) copy slots across all
+    layers and all state tensors in one launch of the row move (:mod:`kvcore.row_move`), or its torch reference.
+
+    :param spec_state_size: request slots of the per-draft-token states of speculative decoding; kvcore does
+        not keep those yet, so ``speculative_num_draft_tokens`` must be None.
+    """
+
+    def __init__(
+        self,
+        *,
+        size: int,
+        spec_state_size: int = 0,
+        cache_params: Any,
+        device: str,
+        enable_memory_saver: bool = False,
+        speculative_num_draft_tokens: Optional[int] = None,
+        kernels: str = "auto",
+    ):
+        check_memory_saver(enable_memory_saver)
+        if speculative_num_draft_tokens is not None:
+            raise ValueError(
+                "MambaPool: per-draft-token states for speculative decoding (speculative_num_draft_tokens) are not "
+                "kept by kvcore yet; build the pool without speculative decoding"
+            )
+        if size <= 0:
+            raise ValueError(f"MambaPool needs a positive number of slots, got size={size}")
+        layers = len(cache_params.layers)
+        if layers == 0:
+            raise ValueError("cache_params lists no linear-attention layers")
+        self.size, self.device, self.num_mamba_layers = size, device, layers
+        conv = [torch.zeros((layers, size + 1, *shape), dtype=cache_params.dtype.conv, device=device)
+                for shape in cache_params.shape.conv]  # fmt: skip
+        temporal = torch.zeros((layers, size + 1, *cache_params.shape.temporal), dtype=cache_params.dtype.temporal,
+                               device=device)  # fmt: skip
+        self.mamba_cache = MambaState(conv=conv, temporal=temporal)
+        self._use_triton = use_triton(kernels, device)
+        self._movers: list[RowMover] | None = None
+        self.mem_usage = self.mamba_cache.mem_usage_bytes() / GB
+        self.clear()
+
+    # -- buffers ------------------------------------------------------------------------------------------
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every state tensor by its layout name (``conv``, ``conv1``, ..., ``temporal``)."""
+        named = {(f"conv{i}" if i else "conv"): c for i, c in enumerate(self.mamba_cache.conv)}
+        named["temporal"] = self.mamba_cache.temporal
+        return named
+
+    def state_rows(self) -> list[TokenRows]:
+        return [TokenRows(t) for t in self.buffers().values()]
+
+    def mamba2_layer_cache(self, layer_id: int) -> MambaState:
+        """The states of linear layer ``layer_id`` (its index among the linear layers)."""
+        if not 0 <= layer_id < self.num_mamba_layers:
+            raise IndexError(f"linear layer index {layer_id} out of range for {self.num_mamba_layers} linear layers")
+        return self.mamba_cache.at_layer_idx(layer_id)
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """Per state tensor and layer: (data pointer, bytes, bytes of one slot)."""
+        ptrs, lens, items = [], [], []
+        for stacked in self.buffers().values():
+            for layer in stacked.unbind(0):
+                ptrs.append(layer.data_ptr())
+                lens.append(layer.nbytes)
+                items.append(layer[0].nbytes)
+        return ptrs, lens, items
+
+    # -- slots --------------------------------------------------------------------------------------------
+
+    def available_size(self) -> int:
+        return int(self.free_slots.numel())
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """``need_size`` slots (int64), their states zeroed; None (nothing taken) when fewer are free."""
+        if need_size > self.free_slots.numel():
+            return None
+        select, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        for stacked in self.buffers().values():
+            stacked.index_fill_(1, select, 0)
+        return select
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        self.free_slots = torch.cat((self.free_slots, free_index.reshape(-1).to(torch.int64).to(self.free_slots.device)))
+
+    def clear(self) -> None:
+        """Zero every state and free every slot but the padding one."""
+        for stacked in self.buffers().values():
+            stacked.zero_()
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+
+    def copy_from(self, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
+        """States of slots ``dst_index[i]`` <- those of ``src_index[i]``, every layer and state tensor, as if all
+        sources were read first; one launch per pair of state tensors (one for a DeltaNet's or Mamba2's)."""
+        src = src_index.reshape(-1).to(device=self.device, dtype=torch.int64)
+        dst = dst_index.reshape(-1).to(device=self.device, dtype=torch.int64)
+        if src.numel() != dst.numel():
+            raise ValueError(f"copy_from: {src.numel()} sources but {dst.numel()} targets")
+        if src.numel() == 0:
+            return
+        rows = self.state_rows()
+        pairs = [(rows[i], rows[i + 1] if i + 1 < len(rows) else None) for i in range(0, len(rows), 2)]
+        if not self._use_triton:
+            for first, second in pairs:
+                move_token_rows_native(first, second, dst, src)
+            return
+        if self._movers is None:
+            self._movers = [RowMover(first, second) for first, second in pairs]
+        for mover in self._movers:
+            mover(dst, src)
+
+    def fork_from(self, src_index: torch.Tensor) -> Optional[torch.Tensor]:
+        """A new slot holding a copy of slot ``src_index``'s states, or None when no slot is free."""
+        dst = self.alloc(1)
+        if dst is None:
+            return None
+        self.copy_from(src_index, dst)
+        return dst
+
+
+class HybridReqToTokenPool(ReqToTokenPool):
+    """The request table of a hybrid model, plus each request's state slot(s) in a :class:`MambaPool`.
+
+    Requests are duck-typed objects carrying ``mamba_pool_idx`` (a kept state slot, reused by :meth:`alloc`),
+    and with ``enable_mamba_extra_buffer`` ``mamba_ping_pong_track_buffer`` / ``mamba_next_track_idx``.
+    ``req_index_to_mamba_index_mapping[r]`` is request slot ``r``'s state slot (row 0, the padding request,
+    maps to state slot 0).
+
+    :param mamba_pool: kvcore's extension: an existing :class:`MambaPool` to use (the one the KV pool was
+        built with) instead of building one of ``mamba_size`` slots.
+    """
+
+    def __init__(
+        self,
+        *,
+        size: int,
+        mamba_size: int,
+        mamba_spec_state_size: int = 0,
+        max_context_len: int,
+        device: str,
+        enable_memory_saver: bool = False,
+        cache_params: Any,
+        enable_mamba_extra_buffer: bool = False,
+        speculative_num_draft_tokens: Optional[int] = None,
+        mamba_pool: MambaPool | None = None,
+        kernels: str = "auto",
+    ):
+        super().__init__(size=size, max_context_len=max_context_len, device=device, enable_memory_saver=enable_memory_saver)
+        self.mamba_ping_pong_track_buffer_size = 2 if speculative_num_draft_tokens is None else 1
+        self.enable_mamba_extra_buffer = enable_mamba_extra_buffer
+        self.mamba_pool = mamba_pool or MambaPool(
+            size=mamba_size, spec_state_size=mamba_spec_state_size, cache_params=cache_params, device=device,
+            speculative_num_draft_tokens=speculative_num_draft_tokens, kernels=kernels,
+        )  # fmt: skip
+        self.mamba_map = {layer_id: i for i, layer_id in enumerate(cache_params.layers)}
+        self.req_index_to_mamba_index_mapping = torch.zeros(size + 1, dtype=torch.int32, device=device)
+        if enable_mamba_extra_buffer:
+            self.req_index_to_mamba_ping_pong_track_buffer_mapping = torch.zeros(
+                (size + 1, self.mamba_ping_pong_track_buffer_size), dtype=torch.int32, device=device
+            )
+
+    def alloc(self, need_size: int, reqs: Sequence[Any] | None = None) -> list[int] | None:
+        """Request slots for ``reqs`` (one each) and their state slots (a request's kept ``mamba_pool_idx`` is
+        reused); None when too few request slots are free.
+
+        :raises RuntimeError: naming the keys to change when the state slots run out (nothing is taken then).
+        """
+        if reqs is None or len(reqs) != need_size:
+            raise ValueError(f"HybridReqToTokenPool.alloc needs one request per slot: need_size={need_size}, "
+                             f"{0 if reqs is None else len(reqs)} requests")  # fmt: skip
+        select = super().alloc(need_size)
+        if select is None:
+            return None
+        taken: list[torch.Tensor] = []
+        updates: list[tuple[Any, str, Any]] = []
+        mamba_index, track = [], []
+        pool = self.mamba_pool
+        for req in reqs:
+            mid = getattr(req, "mamba_pool_idx", None)
+            if mid is None:
+                new = pool.alloc(1)
+                if new is None:
+                    return self._refuse(select, taken, "state slot")
+                taken.append(new)
+                mid = int(new[0])
+                updates.append((req, "mamba_pool_idx", mid))
+            mamba_index.append(int(mid))
+            if self.enable_mamba_extra_buffer:
+                buffers = getattr(req, "mamba_ping_pong_track_buffer", None)
+                if buffers is None:
+                    new = pool.alloc(self.mamba_ping_pong_track_buffer_size)
+                    if new is None:
+                        return self._refuse(select, taken, "ping-pong track buffer")
+                    taken.append(new)
+                    buffers = new
+                    updates += [(req, "mamba_ping_pong_track_buffer", new), (req, "mamba_next_track_idx", 0)]
+                track.append([int(b) for b in buffers.tolist()])
+        for req, name, value in updates:
+            setattr(req, name, value)
+        rows = torch.tensor(select, dtype=torch.int64, device=self.device)
+        self.req_index_to_mamba_index_mapping[rows] = torch.tensor(mamba_index, dtype=torch.int32, device=self.device)
+        if self.enable_mamba_extra_buffer:
+            self.req_index_to_mamba_ping_pong_track_buffer_mapping[rows] = torch.tensor(
+                track, dtype=torch.int32, device=self.device
+            )
+        return select
+
+    def _refuse(self, select: list[int], taken: list[torch.Tensor], what: str):
+        ReqToTokenPool.free(self, select)
+        for slots in taken:
+            self.mamba_pool.free(slots)
+        raise RuntimeError(
+            f"out of hybrid-model state slots: no {what} left for a new request ({self.mamba_pool.size} slots, "
+            f"{self.mamba_pool.available_size()} free): {MORE_SLOTS}"
+        )
+
+    def get_mamba_indices(self, req_indices: torch.Tensor) -> torch.Tensor:
+        return self.req_index_to_mamba_index_mapping[req_indices]
+
+    def mamba2_layer_cache(self, layer_id: int) -> MambaState:
+        """The states of global layer ``layer_id`` (a linear-attention layer)."""
+        index = self.mamba_map.get(layer_id)
+        if index is None:
+            raise IndexError(f"layer {layer_id} keeps no linear-attention state; those layers are {sorted(self.mamba_map)}")
+        return self.mamba_pool.mamba2_layer_cache(index)
+
+    def get_mamba_ping_pong_other_idx(self, mamba_next_track_idx: int) -> int:
+        return 1 - mamba_next_track_idx if self.mamba_ping_pong_track_buffer_size == 2 else mamba_next_track_idx
+
+    def free(self, free_index, free_mamba_cache: bool = True, mamba_ping_pong_track_buffer_to_keep: int | None = None):
+        """Give back request slots; with ``free_mamba_cache`` their state slots too (a chunked prefill keeps
+        them), and their ping-pong buffers but ``mamba_ping_pong_track_buffer_to_keep`` (0 or 1)."""
+        rows = [free_index] if isinstance(free_index, int) else [int(i) for i in free_index]
+        super().free(rows)
+        if not free_mamba_cache or not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self.mamba_pool.free(self.req_index_to_mamba_index_mapping[index].to(torch.int64))
+        if self.enable_mamba_extra_buffer:
+            track = self.req_index_to_mamba_ping_pong_track_buffer_mapping[index]
+            if mamba_ping_pong_track_buffer_to_keep is not None:
+                if mamba_ping_pong_track_buffer_to_keep not in (0, 1):
+                    raise ValueError(f"mamba_ping_pong_track_buffer_to_keep must be 0 or 1, got {mamba_ping_pong_track_buffer_to_keep}")
+                keep = [i for i in range(self.mamba_ping_pong_track_buffer_size) if i != mamba_ping_pong_track_buffer_to_keep]
+                track = track[:, keep]
+            self.mamba_pool.free(track.reshape(-1).to(torch.int64))
+
+    def clear(self) -> None:
+        super().clear()
+        if hasattr(self, "mamba_pool"):
+            self.mamba_pool.clear()
+            self.req_index_to_mamba_index_mapping.zero_()
+            if self.enable_mamba_extra_buffer:
+                self.req_index_to_mamba_ping_pong_track_buffer_mapping.zero_()
+
+
+class HybridLinearKVPool(KVCache):
+    """K/V of a hybrid model's full-attention layers only (an MHA pool inside), beside the linear layers'
+    states in ``mamba_pool``.  Layers are this rank's global ids; a linear layer has no K/V, and asking for one
+    is an error that lists the attention layers.
+
+    ``buffers()`` names the K/V and the state tensors (the layout declares both); moves, CPU offload and buffer
+    infos cover the per-token K/V, and CPU offload also copies the states of ``mamba_indices`` when given
+    (SGLang's retraction keywords).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        page_size: int,
+        head_num: int,
+        head_dim: int,
+        full_attention_layer_ids: Sequence[int],
+        device: str,
+        mamba_pool: MambaPool,
+        enable_memory_saver: bool = False,
+        v_head_dim: int | None = None,
+        start_layer: int | None = None,
+        end_layer: int | None = None,
+        kernels: str = "auto",
+        **kwargs: Any,
+    ):
+        full = [int(i) for i in full_attention_layer_ids]
+        if not full:
+            raise ValueError("HybridLinearKVPool needs at least one full-attention layer")
+        start = min(full) if start_layer is None else start_layer
+        end = max(full) if end_layer is None else end_layer
+        super().__init__(size, page_size, dtype, end - start + 1, device, enable_memory_saver, start, end, kernels)
+        self.full_attention_layer_ids = full
+        self.full_attention_layer_id_mapping = {gid: i for i, gid in enumerate(full)}
+        self.head_num, self.head_dim = head_num, head_dim
+        self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
+        self.full_kv_pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=dtype, head_num=head_num,
+                                             head_dim=head_dim, v_head_dim=v_head_dim, layer_num=len(full),
+                                             device=device, enable_memory_saver=enable_memory_saver, kernels=kernels)  # fmt: skip
+        self.mamba_pool = mamba_pool
+        self._finalize_allocation()
+
+    def _route(self, layer: Any, layer_id_override: int | None = None) -> int:
+        layer_id = layer_id_of(layer) if layer_id_override is None else layer_id_override
+        index = self.full_attention_layer_id_mapping.get(layer_id)
+        if index is None:
+            raise IndexError(
+                f"layer {layer_id} has no K/V in this HybridLinearKVPool: it is a linear-attention layer or not on "
+                f"this rank; the full-attention layers are {self.full_attention_layer_ids}"
+            )
+        self._wait_for_layer(layer_id - self.start_layer)
+        return index
+
+    def layer_in_buffer(self, name: str, layer: int) -> int | None:
+        if name in self.full_kv_pool.buffers():
+            return self.full_attention_layer_id_mapping.get(layer)
+        return None
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {**self.full_kv_pool.buffers(), **self.mamba_pool.buffers()}
+
+    def token_buffers(self) -> dict[str, torch.Tensor]:
+        return self.full_kv_pool.buffers()
+
+    def size_groups(self) -> dict[str, int]:
+        return {"tokens": self.size, "requests": self.mamba_pool.size}
+
+    def get_kv_size_bytes(self) -> int:
+        """Bytes of every buffer: the attention layers' K/V and the per-request states (one number, as for the
+        MLA pool: K and V are not the only buffers)."""
+        return sum(buf.nbytes for buf in self.buffers().values())
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.full_kv_pool.get_key_buffer(self._route(layer_id))
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.full_kv_pool.get_value_buffer(self._route(layer_id))
+
+    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale=None,
+                      v_scale=None, layer_id_override: int | None = None) -> None:  # fmt: skip
+        index = self._route(layer, layer_id_override)
+        self.full_kv_pool.set_kv_buffer(None, loc, cache_k, cache_v, k_scale, v_scale, layer_id_override=index)
+
+    def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Random K/V rows through :meth:`set_kv_buffer` of a full-attention layer (from bf16 for fp8 caches)."""
+        self._route(layer)
+        source_dtype = torch.bfloat16 if self.dtype.itemsize == 1 else self.dtype
+        rows = {
+            name: random_nonzero((loc.numel(), self.head_num, width), source_dtype, generator, 2.0, self.device)
+            for name, width in (("k", self.head_dim), ("v", self.v_head_dim))
+        }
+        self.set_kv_buffer(layer, loc, rows["k"], rows["v"])
+        return {name: x.to(self.dtype).view(self.store_dtype) for name, x in rows.items()}
+
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
+        """K/V rows of tokens ``indices`` and, when ``mamba_indices`` is given, those state slots too."""
+        kv = super().get_cpu_copy(indices)
+        if mamba_indices is None:
+            return kv
+        slots = torch.as_tensor(mamba_indices, device=self.device).long().reshape(-1)
+        states = {}
+        for name, stacked in self.mamba_pool.buffers().items():
+            host = host_buffer((stacked.shape[0], slots.numel(), *stacked.shape[2:]), stacked.dtype)
+            host.copy_(stacked.index_select(1, slots))
+            states[name] = host
+        return {"kv": kv, "mamba": states}
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None) -> None:
+        """Write back a :meth:`get_cpu_copy` result (its states at ``mamba_indices``, required when it has them)."""
+        if "mamba" not in kv_cache_cpu:
+            super().load_cpu_copy(kv_cache_cpu, indices)
+            return
+        if mamba_indices is None:
+            raise ValueError("this CPU copy holds request states: pass mamba_indices= for the slots to load them into")
+        super().load_cpu_copy(kv_cache_cpu["kv"], indices)
+        slots = torch.as_tensor(mamba_indices, device=self.device).long().reshape(-1)
+        for name, stacked in self.mamba_pool.buffers().items():
+            stacked.index_copy_(1, slots, kv_cache_cpu["mamba"][name].to(stacked.device))
+

@@ -1,0 +1,13 @@
+"""The hybrid linear-attention backend against kvcore's conformance kit, as a vendor would run it: K/V of the
+full-attention layers checked per token, the per-request states declared and allocated as the layout says."""
+
+from kvcore.testing import KVCacheConformance, Variant
+
+
+class TestHybridLinearConformance(KVCacheConformance):
+    backend = "mamba"
+    # tiny-qwen3-next with odd head sizes: layers 3 and 7 keep K/V, the six others a DeltaNet state each.
+    config = ["model=tiny-qwen3-next", "model.num_attention_heads=3", "model.num_key_value_heads=3",
+              "model.head_dim=24", "model.v_head_dim=16", "model.mamba.num_heads=3", "model.mamba.head_dim=5"]  # fmt: skip
+    variants = [Variant("bfloat16", "triton", 1), Variant("float8_e4m3fn", "triton", 4),
+                Variant("float32", "native", 1), Variant("bfloat16", "native", 16)]  # fmt: skip
