@@ -12,12 +12,14 @@ of percent, ratios much less):
   path, with the bytes moved over the measured device-copy ceiling.
 
 Sizes are the real models': Llama-3-8B's MHA rows (8 KV heads x 128), DeepSeek-V3's latent rows (512 + 64),
-DeepSeek-V3.2's fp8 rows and indexer, and gpt-oss's sliding-window layers (8 KV heads x 64), written through a
-shuffled full -> window slot map as its allocator builds one.  Every timed kvcore call is first checked against the torch path.
+DeepSeek-V3.2's fp8 rows and indexer, gpt-oss's sliding-window layers (8 KV heads x 64), written through a
+shuffled full -> window slot map as its allocator builds one, and Qwen3-Next's per-request states on a tp-2
+rank (36 gated DeltaNet layers, 36.8 MiB a slot), copied between slots (at 8 and 256 slots only).  Every timed kvcore call is first checked against the torch path.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -27,6 +29,10 @@ import torch
 HEADS, HEAD_DIM = 8, 128  # Llama-3-8B
 RANK, ROPE = 512, 64  # DeepSeek-V3 / V3.2
 SWA_HEAD_DIM = 64  # gpt-oss (8 KV heads)
+STATE_SLOTS = (8, 256)  # sizes of the state copy; its pool holds twice the larger
+#: Qwen3-Next's DeltaNet state on one of two tensor-parallel ranks: conv window [4096, 3] bf16, temporal
+#: [16, 128, 128] float32, 36 layers.
+QWEN3_NEXT_STATE = dict(layers=36, conv=(4096, 3), temporal=(16, 128, 128))
 POOL_TOKENS = 1 << 16  # of every pool timed; locations are drawn among them
 
 
@@ -114,6 +120,8 @@ def _pools(kernels: str) -> dict[str, object]:
     from kvcore_dsa.pool import DSATokenToKVPool
     from kvcore_mha.pool import MHATokenToKVPool
     from kvcore_mla.pool import MLATokenToKVPool
+    from kvcore_mamba.layout import LinearStateParams, StateDtype, StateShape
+    from kvcore_mamba.pool import MambaPool
     from kvcore_swa.pool import SWAKVPool
 
     common = dict(size=POOL_TOKENS, device="cuda", enable_memory_saver=False, kernels=kernels)
@@ -128,6 +136,10 @@ def _pools(kernels: str) -> dict[str, object]:
         "swa": _mapped(SWAKVPool(size_swa=POOL_TOKENS, page_size=1, dtype=torch.bfloat16, head_num=HEADS,
                                  head_dim=SWA_HEAD_DIM, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
                                  **common)),
+        "mamba": MambaPool(size=2 * max(STATE_SLOTS), device="cuda", kernels=kernels, cache_params=LinearStateParams(
+            layers=list(range(QWEN3_NEXT_STATE["layers"])),
+            shape=StateShape(conv=[QWEN3_NEXT_STATE["conv"]], temporal=QWEN3_NEXT_STATE["temporal"]),
+            dtype=StateDtype(conv=torch.bfloat16, temporal=torch.float32))),
     }  # fmt: skip
 
 
@@ -157,6 +169,7 @@ def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch
     k, v = rand(n, HEADS, HEAD_DIM), rand(n, HEADS, HEAD_DIM)
     nope, rope, latent = rand(n, 1, RANK), rand(n, 1, ROPE), rand(n, 1, RANK + ROPE)
     swa_k, swa_v = rand(n, HEADS, SWA_HEAD_DIM), rand(n, HEADS, SWA_HEAD_DIM)
+    slots = (torch.randperm(2 * max(STATE_SLOTS), generator=gen)[: 2 * n] + 1).cuda()
     half = max(1, n // 2)
     tgt, src = loc[:half], loc[n - half :]
     keys = rand(n, 128).to(torch.float8_e4m3fn)
@@ -174,7 +187,13 @@ def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch
         "dsa set_index_k_scale_buffer": ("dsa", lambda p: lambda: p.set_index_k_scale_buffer(0, loc, keys, scales), loc),
         "dsa get_index_k_scale_buffer": ("dsa", lambda p: lambda: p.get_index_k_scale_buffer(0, n, pages), None),
         "swa set_kv_buffer (window, mapped)": ("swa", lambda p: lambda: p.set_kv_buffer(0, loc, swa_k, swa_v), loc),
+        **({"mamba copy_from (36 layers)": ("mamba", lambda p: lambda: p.copy_from(slots[:n], slots[n:]), STATE)}
+           if n in STATE_SLOTS else {}),
     }
+
+
+#: the ``written`` of a case whose call writes per-request state: every state buffer is compared.
+STATE = "state"
 
 
 def _bytes_moved(op: str, n: int) -> int | None:
@@ -182,6 +201,8 @@ def _bytes_moved(op: str, n: int) -> int | None:
     per_token = {
         "mha set_kv_buffer bf16": 2 * 2 * HEADS * HEAD_DIM * 2,
         "swa set_kv_buffer (window, mapped)": 2 * 2 * HEADS * SWA_HEAD_DIM * 2 + 8,  # + the map entry read
+        "mamba copy_from (36 layers)": 2 * QWEN3_NEXT_STATE["layers"] * (
+            math.prod(QWEN3_NEXT_STATE["conv"]) * 2 + math.prod(QWEN3_NEXT_STATE["temporal"]) * 4),
         "mla set_mla_kv_buffer": 2 * (RANK + ROPE) * 2,
         "mla set_kv_buffer (concatenated)": 2 * (RANK + ROPE) * 2,
         "mla get_mla_kv_buffer": 2 * (RANK + ROPE) * 2,
@@ -200,7 +221,7 @@ def format_tables(rows: list[Row]) -> list[str]:
     return lines
 
 
-def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 64, 32768), reps: int = 2000, out=print) -> list[Row]:
+def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 8, 64, 256, 32768), reps: int = 2000, out=print) -> list[Row]:
     """Check, then time every case; print both tables with ``out`` and return the rows."""
     if not torch.cuda.is_available():
         raise RuntimeError("kvcore bench times kernels on a CUDA GPU and this machine has none")
@@ -221,12 +242,15 @@ def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 64, 32768), reps: int = 200
             got, want = ours(), theirs()
             if written is None:
                 ok = _same(got, want)
+            elif written is STATE:
+                mine, reference = fast[pool].buffers(), ref[pool].buffers()
+                ok = all(_same(mine[b], reference[b]) for b in mine)
             else:  # a write: the rows it wrote, in every buffer, must be the torch path's
                 mine, reference = fast[pool].token_rows(), ref[pool].token_rows()
                 ok = all(_same(mine[b].take(written), reference[b].take(written)) for b in mine)
             if not ok:
                 raise AssertionError(f"kvcore bench: {op} at N={n} differs from the torch path")
-            if n in host_sizes:
+            if n in host_sizes and written is not STATE:  # a state copy's GPU time would stall the host loop
                 fns = [ours, theirs, lambda: x.add_(0)] + ([lambda: x.index_select(0, one)] if written is None else [])
                 times = host_us(*fns, reps=reps)
                 rows.append(Row("host", op, n, *times[:3], alloc_us=times[3] if written is None else None))
