@@ -81,9 +81,10 @@ def test_explain_says_why_swa_serves_gpt_oss(capsys):
     assert "selected backend 'swa'" in out and "skipped 'mha' (plugin mha): serves attention mha, model needs swa" in out
 
 
-@pytest.mark.parametrize("overrides", [[], ["kv_cache.page_size=16", "model.swa.full_attention_interval=0"]],
-                         ids=["hybrid", "all-sliding-paged"])
-def test_up_is_ready_on_the_cpu(capsys, overrides):
-    assert main(["up", "model=tiny-swa", "hardware=cpu", "memory.budget_gib=0.02", *overrides]) == 0
+@pytest.mark.parametrize("model, overrides", [("tiny-swa", []), ("tiny-gemma-3", ["kv_cache.page_size=16"]),
+                                              ("tiny-swa", ["kv_cache.page_size=16", "model.swa.full_attention_interval=0"])],
+                         ids=["gpt-oss-like", "gemma-3-like-paged", "all-sliding-paged"])  # fmt: skip
+def test_up_is_ready_on_the_cpu(capsys, model, overrides):
+    assert main(["up", f"model={model}", "hardware=cpu", "memory.budget_gib=0.02", *overrides]) == 0
     out = capsys.readouterr().out
     assert "SWAKVPool, SWATokenToKVPoolAllocator" in out and "kvcore up: ready" in out
