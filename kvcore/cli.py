@@ -75,7 +75,8 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
             f"(memory.swa_full_tokens_ratio = {plan.swa_max_total_num_tokens / max(1, plan.max_total_num_tokens):.3f})"
         ]
     if plan.max_mamba_cache_size is not None:
-        state = sum(b.total_bytes(plan.max_mamba_cache_size) for b in plan.layout.group("requests"))
+        state = sum(b.total_bytes(plan.sizes[b.sized_by]) for b in plan.layout.buffers
+                    if b.sized_by in ("requests", "running_requests"))  # fmt: skip
         lines.append(f"state      max_mamba_cache_size = {plan.max_mamba_cache_size} slots of per-request state, "
                      f"{_gib(state)} (reserved before the KV tokens: {_gib(plan.kv_cache_bytes - state)})")
     lines += [

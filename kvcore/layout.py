@@ -11,10 +11,13 @@ given size needs depends on what a row holds:
   padding is the reserved page 0 (``pad_tokens = page_size``) that padded tokens write into;
 * a whole page per row (``tokens_per_row=page_size``, e.g. an indexer page of keys plus scales):
   ``rows = (size + pad_tokens) // tokens_per_row``;
-* one request's state per row (``sized_by="requests"``, recurrent state): ``rows = requests + pad``.
+* one request's state per row (``sized_by="requests"``, recurrent state): ``rows = requests + pad``;
+* one running request's per-draft-token states per row (``sized_by="running_requests"``, speculative
+  decoding of recurrent layers): ``rows = max_running_requests + pad``.
 
 ``sized_by`` names the size a buffer scales with: ``"tokens"`` (the main pool), ``"swa_tokens"``
-(a sliding-window sub-pool) or ``"requests"`` (per-request state).  The planner turns a byte budget into
+(a sliding-window sub-pool), ``"requests"`` (per-request state slots) or ``"running_requests"`` (state
+per running request).  The planner turns a byte budget into
 one number per group; family plugins only declare which group each buffer belongs to.
 """
 
@@ -27,7 +30,7 @@ from types import MappingProxyType
 import attrs
 import torch
 
-SIZE_GROUPS = ("tokens", "swa_tokens", "requests")
+SIZE_GROUPS = ("tokens", "swa_tokens", "requests", "running_requests")
 
 
 def _as_shape(value) -> tuple[int, ...]:
@@ -90,7 +93,7 @@ class BufferLayout:
     def describe(self) -> str:
         """One line for reports, from the declaration alone: ``kv [1, 656] uint8 per token x 61 layers
         = 40016 B/token``."""
-        unit = "request" if self.sized_by == "requests" else "token"
+        unit = "request" if self.sized_by in ("requests", "running_requests") else "token"
         per = f"per {self.tokens_per_row} {unit}s" if self.tokens_per_row > 1 else f"per {unit}"
         group = "" if self.sized_by in ("tokens", "requests") else f" ({self.sized_by})"
         return (
@@ -111,14 +114,19 @@ class RequestStateSizing:
     :param memory_ratio: otherwise the state gets ``memory_ratio / (1 + memory_ratio)`` of the KV budget.
     :param slots_per_request: state slots one running request may hold (kept prefixes, ping-pong buffers);
         ``max_running_requests`` is capped at ``slots // slots_per_request``.
-    :param keys: the config keys behind ``slots`` and ``memory_ratio``, for error messages.
+    :param draft_tokens: speculative decoding's draft tokens: each running request also keeps as many
+        intermediate states (the ``running_requests`` buffers), reserved with the slots (SGLang's joint solve:
+        ``slots x (1 + draft_tokens / slots_per_request)`` states from the share; ``memory.max_running_requests``
+        must be set).
+    :param keys: the config keys behind ``slots``, ``memory_ratio`` and ``draft_tokens``, for error messages.
     """
 
     slots: int | None = None
     from_running_requests: bool = False
     memory_ratio: float = 0.9
     slots_per_request: int = 1
-    keys: tuple[str, str] = ("", "")
+    draft_tokens: int = 0
+    keys: tuple[str, ...] = ("", "", "")
 
 
 @attrs.frozen

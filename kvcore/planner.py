@@ -201,7 +201,7 @@ def plan_from_layouts(
     ratio = cfg.memory.swa_full_tokens_ratio
     slots, kv_budgets = _request_slots(cfg, layouts, budget.kv_budget_bytes)
     per_rank = [
-        tokens_that_fit(layout.without("requests"), kv_budget, ratio)["tokens"]
+        tokens_that_fit(layout.without("requests").without("running_requests"), kv_budget, ratio)["tokens"]
         for layout, kv_budget in zip(layouts, kv_budgets)
     ]
     limiting = min(range(len(per_rank)), key=per_rank.__getitem__)
@@ -219,7 +219,8 @@ def plan_from_layouts(
         logger.warning(message)
         warnings.append(message)
     if aligned <= 0:
-        needed = layout.without("requests").total_bytes(_sizes(layout, page_size, ratio)) + budget.weight_bytes
+        tokens_only = layout.without("requests").without("running_requests")
+        needed = tokens_only.total_bytes(_sizes(layout, page_size, ratio)) + budget.weight_bytes
         hint = ""
         if budget.pre_model_load_bytes and budget.source != "memory.budget_gib":
             fraction = math.ceil(needed / budget.pre_model_load_bytes * 1000) / 1000
@@ -238,6 +239,8 @@ def plan_from_layouts(
     if slots is not None:
         sizes["requests"] = slots
         max_running_requests = _cap_by_state_slots(cfg, layout, slots, max_running_requests, warnings)
+        if "running_requests" in layout.groups:
+            sizes["running_requests"] = max_running_requests
     return MemoryPlan(
         backend=layout.backend,
         layout=layout,
@@ -262,34 +265,53 @@ def _request_slots(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget_byte
 
     Slots come from the layout's :class:`~kvcore.layout.RequestStateSizing`: explicit, or
     ``memory.max_running_requests`` when the family asks for it, or the state's share ``r / (1 + r)`` of the
-    budget; all divided over data-parallel workers.  Every rank keeps the fewest slots any rank can afford.
+    budget (shared with the draft tokens' states under speculative decoding); all divided over data-parallel
+    workers.  Every rank keeps the fewest slots any rank can afford.
     """
-    sizing = [layout.request_state for layout in layouts if "requests" in layout.groups]
-    if not sizing:
+    stateful = [layout for layout in layouts if "requests" in layout.groups]
+    if not stateful:
         return None, [budget_bytes] * len(layouts)
-    first = sizing[0] or RequestStateSizing()
-    dp = cfg.parallel.dp_size
-    slots_key, ratio_key = first.keys
+    first = stateful[0].request_state or RequestStateSizing()
+    dp, running = cfg.parallel.dp_size, cfg.memory.max_running_requests
+    slots_key, ratio_key, draft_key = (*first.keys, "", "", "")[:3]
+    per_request = max(1, first.slots_per_request)
+    if first.draft_tokens and running is None:
+        raise PlanningError(
+            f"speculative decoding ({draft_key}={first.draft_tokens}) keeps states per running request: set "
+            "memory.max_running_requests"
+        )
     if first.slots is not None:
         slots = first.slots // dp
         source = f"{slots_key}={first.slots}"
-    elif first.from_running_requests and cfg.memory.max_running_requests is not None:
-        slots = cfg.memory.max_running_requests // dp
-        source = f"memory.max_running_requests={cfg.memory.max_running_requests}"
+    elif first.from_running_requests and running is not None:
+        slots = running // dp
+        source = f"memory.max_running_requests={running}"
     else:
         share = budget_bytes * first.memory_ratio / (1 + first.memory_ratio)
+        # each slot brings 1 / slots_per_request of a running request's draft-token states along
         slots = min(
-            int((share - layout.fixed_bytes("requests")) // layout.bytes_per_unit("requests"))
-            for layout in layouts if "requests" in layout.groups
+            int((share - layout.fixed_bytes("requests") - layout.fixed_bytes("running_requests"))
+                // (layout.bytes_per_unit("requests") + layout.bytes_per_unit("running_requests") / per_request))
+            for layout in stateful
         )  # fmt: skip
         source = f"{ratio_key}={first.memory_ratio:g} of a {budget_bytes / GiB:.3f} GiB KV budget"
-    state_bytes = [sum(b.total_bytes(max(slots, 0)) for b in layout.group("requests")) for layout in layouts]
-    per_slot = max(layout.bytes_per_unit("requests") for layout in layouts)
+    if first.from_running_requests and running is not None:
+        drafting = slots
+    else:
+        drafting = min(running // dp, slots // per_request) if running is not None else 0
+    state_bytes = [
+        sum(b.total_bytes(max(slots, 0)) for b in layout.group("requests"))
+        + sum(b.total_bytes(max(drafting, 0)) for b in layout.group("running_requests"))
+        for layout in layouts
+    ]
+    per_slot = max(layout.bytes_per_unit("requests") for layout in stateful)
     if slots <= 0 or any(state >= budget_bytes for state in state_bytes):
         raise PlanningError(
             f"per-request state of {per_slot / 2**20:.2f} MiB per slot leaves no memory for the KV cache or gets "
-            f"no slot ({source}: {slots} slots): lower {slots_key} or memory.max_running_requests, raise "
-            f"memory.mem_fraction_static or memory.budget_gib, or use more tensor-parallel ranks (parallel.tp_size)"
+            f"no slot ({source}: {slots} slots): lower {slots_key} or memory.max_running_requests"
+            + (f" or {draft_key}" if first.draft_tokens else "")
+            + ", raise memory.mem_fraction_static or memory.budget_gib, or use more tensor-parallel ranks "
+            "(parallel.tp_size)"
         )
     return slots, [budget_bytes - state for state in state_bytes]
 

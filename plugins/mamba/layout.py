@@ -61,6 +61,7 @@ class MambaOptions:
     mamba_full_memory_ratio: float = key(0.9, validator=positive, doc="state : KV memory; the states get ratio / (1 + ratio) of the KV budget")
     disable_radix_cache: bool = key(False, doc="no prefix cache keeps finished requests' states: one slot per running request, and memory.max_running_requests slots when it is set")
     mamba_extra_buffer: str = key("off", validator=_extra, doc="ping-pong track buffers per request: off, overlap (2), overlap_lazy (1) or no_overlap (1)")
+    speculative_num_draft_tokens: Optional[int] = key(None, validator=positive, doc="speculative decoding's draft tokens: every running request keeps that many intermediate states (needs memory.max_running_requests)")
 
 
 @attrs.frozen
@@ -142,15 +143,21 @@ def request_state_sizing(options: MambaOptions | None) -> RequestStateSizing:
     return RequestStateSizing(
         slots=options.max_mamba_cache_size, from_running_requests=options.disable_radix_cache,
         memory_ratio=options.mamba_full_memory_ratio, slots_per_request=per_request,
-        keys=("kv_cache.options.max_mamba_cache_size", "kv_cache.options.mamba_full_memory_ratio"),
+        draft_tokens=options.speculative_num_draft_tokens or 0,
+        keys=("kv_cache.options.max_mamba_cache_size", "kv_cache.options.mamba_full_memory_ratio",
+              "kv_cache.options.speculative_num_draft_tokens"),
     )  # fmt: skip
 
 
 def mamba_layout(*, backend: str, request: PoolRequest) -> PoolLayout:
-    """The full-attention layers' ``k`` / ``v`` (``tokens``) and the linear layers' ``conv`` / ``temporal``
-    states (``requests``: ``[linear layers, slots + 1, ...]``, slot 0 padding)."""
+    """The full-attention layers' ``k`` / ``v`` (``tokens``), the linear layers' ``conv`` / ``temporal``
+    states (``requests``: ``[linear layers, slots + 1, ...]``, slot 0 padding) and, under speculative
+    decoding, their ``intermediate_conv`` / ``intermediate_ssm`` states per draft token (``running_requests``:
+    ``[linear layers, max_running_requests + 1, draft tokens, ...]``)."""
     full, linear = rank_layers(request)
     params = rank_state_params(request)
+    options = request.options if isinstance(request.options, MambaOptions) else None
+    draft = (options.speculative_num_draft_tokens or 0) if options else 0
     buffers, notes = [], []
     if full:
         kv = mha_layout(backend=backend, page_size=request.page_size, dtype=request.kv_dtype, head_num=request.head_num,
@@ -162,8 +169,13 @@ def mamba_layout(*, backend: str, request: PoolRequest) -> PoolLayout:
         buffers += [BufferLayout(name=f"conv{i}" if i else "conv", row_shape=shape, dtype=params.dtype.conv, **common)
                     for i, shape in enumerate(params.shape.conv)]  # fmt: skip
         buffers.append(BufferLayout(name="temporal", row_shape=params.shape.temporal, dtype=params.dtype.temporal, **common))
+        if draft:
+            common = dict(layers=len(linear), sized_by="running_requests", pad_tokens=1)
+            buffers += [BufferLayout(name=f"intermediate_conv{i}" if i else "intermediate_conv", row_shape=(draft, *shape),
+                                     dtype=params.dtype.conv, **common) for i, shape in enumerate(params.shape.conv)]  # fmt: skip
+            buffers.append(BufferLayout(name="intermediate_ssm", row_shape=(draft, *params.shape.temporal),
+                                        dtype=params.dtype.temporal, **common))  # fmt: skip
     notes.append(f"{len(full)} full-attention and {len(linear)} linear-attention layers; "
                  f"{params.mamba_cache_per_req / 2**20:.2f} MiB of state per request")  # fmt: skip
-    options = request.options if isinstance(request.options, MambaOptions) else None
     return PoolLayout(backend=backend, buffers=buffers, notes=notes,
                       request_state=request_state_sizing(options) if linear else None)  # fmt: skip

@@ -22,8 +22,9 @@ def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
     from kvcore_mamba.pool import HybridLinearKVPool, MambaPool
 
     full, _ = rank_layers(request)
-    mamba_pool = MambaPool(size=sizes["requests"], cache_params=rank_state_params(request), device=request.device,
-                           kernels=request.kernels)  # fmt: skip
+    mamba_pool = MambaPool(size=sizes["requests"], spec_state_size=sizes.get("running_requests", 0),
+                           cache_params=rank_state_params(request), device=request.device, kernels=request.kernels,
+                           speculative_num_draft_tokens=request.options.speculative_num_draft_tokens)  # fmt: skip
     return HybridLinearKVPool(
         size=sizes["tokens"], dtype=request.kv_dtype, page_size=request.page_size, head_num=request.head_num,
         head_dim=request.head_dim, v_head_dim=request.v_head_dim, full_attention_layer_ids=full,
@@ -60,5 +61,7 @@ def kvcore_create_req_to_token_pool(backend, request, size, max_context_len, siz
     return HybridReqToTokenPool(
         size=size, mamba_size=sizes["requests"], max_context_len=max_context_len, device=request.device,
         cache_params=rank_state_params(request), enable_mamba_extra_buffer=options.mamba_extra_buffer != "off",
-        mamba_pool=pool.mamba_pool, kernels=request.kernels,
+        mamba_spec_state_size=sizes.get("running_requests", 0),
+        speculative_num_draft_tokens=options.speculative_num_draft_tokens, mamba_pool=pool.mamba_pool,
+        kernels=request.kernels,
     )  # fmt: skip

@@ -29,12 +29,24 @@ class MambaState:
     conv: list[torch.Tensor]
     temporal: torch.Tensor
 
-    def at_layer_idx(self, layer: int) -> MambaState:
-        """One layer's views (``conv[i][layer]``, ``temporal[layer]``)."""
-        return MambaState(conv=[c[layer] for c in self.conv], temporal=self.temporal[layer])
+    def at_layer_idx(self, layer: int):
+        """One layer's views (every field indexed by ``layer``, lists element by element)."""
+        return type(self)(**{f.name: [t[layer] for t in v] if isinstance(v, list) else v[layer]
+                             for f in attrs.fields(type(self)) for v in (getattr(self, f.name),)})  # fmt: skip
 
     def mem_usage_bytes(self) -> int:
-        return sum(c.nbytes for c in self.conv) + self.temporal.nbytes
+        return sum(sum(t.nbytes for t in v) if isinstance(v, list) else v.nbytes
+                   for v in (getattr(self, f.name) for f in attrs.fields(type(self))))  # fmt: skip
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativeMambaState(MambaState):
+    """With speculative decoding, also the states after each draft token of every running request:
+    ``intermediate_ssm`` ``[layers, spec slots + 1, draft tokens, ...]`` and the convolution windows
+    ``intermediate_conv_window`` likewise (SGLang's ``MambaPool.SpeculativeState``)."""
+
+    intermediate_ssm: torch.Tensor
+    intermediate_conv_window: list[torch.Tensor]
 
 
 class MambaPool:
@@ -45,8 +57,8 @@ class MambaPool:
     States are zeroed when a slot is allocated.  :meth:`copy_from` (and :meth:`fork_from`) copy slots across all
     layers and all state tensors in one launch of the row move (:mod:`kvcore.row_move`), or its torch reference.
 
-    :param spec_state_size: request slots of the per-draft-token states of speculative decoding; kvcore does
-        not keep those yet, so ``speculative_num_draft_tokens`` must be None.
+    :param spec_state_size: running requests whose per-draft-token states are kept when
+        ``speculative_num_draft_tokens`` is given (rows ``1 .. spec_state_size``; row 0 padding).
     """
 
     def __init__(
@@ -61,10 +73,10 @@ class MambaPool:
         kernels: str = "auto",
     ):
         check_memory_saver(enable_memory_saver)
-        if speculative_num_draft_tokens is not None:
+        if speculative_num_draft_tokens is not None and (speculative_num_draft_tokens <= 0 or spec_state_size <= 0):
             raise ValueError(
-                "MambaPool: per-draft-token states for speculative decoding (speculative_num_draft_tokens) are not "
-                "kept by kvcore yet; build the pool without speculative decoding"
+                f"speculative decoding needs positive speculative_num_draft_tokens and spec_state_size, got "
+                f"{speculative_num_draft_tokens} and {spec_state_size}"
             )
         if size <= 0:
             raise ValueError(f"MambaPool needs a positive number of slots, got size={size}")
@@ -76,7 +88,18 @@ class MambaPool:
                 for shape in cache_params.shape.conv]  # fmt: skip
         temporal = torch.zeros((layers, size + 1, *cache_params.shape.temporal), dtype=cache_params.dtype.temporal,
                                device=device)  # fmt: skip
-        self.mamba_cache = MambaState(conv=conv, temporal=temporal)
+        self.spec_state_size = spec_state_size if speculative_num_draft_tokens is not None else 0
+        if speculative_num_draft_tokens is None:
+            self.mamba_cache = MambaState(conv=conv, temporal=temporal)
+        else:
+            rows, draft = spec_state_size + 1, speculative_num_draft_tokens
+            self.mamba_cache = SpeculativeMambaState(
+                conv=conv, temporal=temporal,
+                intermediate_ssm=torch.zeros((layers, rows, draft, *cache_params.shape.temporal),
+                                             dtype=cache_params.dtype.temporal, device=device),
+                intermediate_conv_window=[torch.zeros((layers, rows, draft, *shape), dtype=cache_params.dtype.conv,
+                                                      device=device) for shape in cache_params.shape.conv],
+            )  # fmt: skip
         self._use_triton = use_triton(kernels, device)
         self._movers: list[RowMover] | None = None
         self.mem_usage = self.mamba_cache.mem_usage_bytes() / GB
@@ -85,13 +108,29 @@ class MambaPool:
     # -- buffers ------------------------------------------------------------------------------------------
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        """Every state tensor by its layout name (``conv``, ``conv1``, ..., ``temporal``)."""
+        """Every state tensor by its layout name (``conv``, ``conv1``, ..., ``temporal``, and with speculative
+        decoding ``intermediate_conv``, ... and ``intermediate_ssm``)."""
+        named = self.slot_buffers()
+        cache = self.mamba_cache
+        if isinstance(cache, SpeculativeMambaState):
+            named.update({(f"intermediate_conv{i}" if i else "intermediate_conv"): c
+                          for i, c in enumerate(cache.intermediate_conv_window)})  # fmt: skip
+            named["intermediate_ssm"] = cache.intermediate_ssm
+        return named
+
+    def slot_buffers(self) -> dict[str, torch.Tensor]:
+        """The state tensors indexed by slot (what alloc zeroes and copy_from copies)."""
         named = {(f"conv{i}" if i else "conv"): c for i, c in enumerate(self.mamba_cache.conv)}
         named["temporal"] = self.mamba_cache.temporal
         return named
 
+    def get_speculative_mamba2_params_all_layers(self) -> SpeculativeMambaState:
+        if not isinstance(self.mamba_cache, SpeculativeMambaState):
+            raise RuntimeError("this MambaPool keeps no speculative states (built without speculative_num_draft_tokens)")
+        return self.mamba_cache
+
     def state_rows(self) -> list[TokenRows]:
-        return [TokenRows(t) for t in self.buffers().values()]
+        return [TokenRows(t) for t in self.slot_buffers().values()]
 
     def mamba2_layer_cache(self, layer_id: int) -> MambaState:
         """The states of linear layer ``layer_id`` (its index among the linear layers)."""
@@ -100,9 +139,9 @@ class MambaPool:
         return self.mamba_cache.at_layer_idx(layer_id)
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
-        """Per state tensor and layer: (data pointer, bytes, bytes of one slot)."""
+        """Per slot-indexed state tensor and layer: (data pointer, bytes, bytes of one slot)."""
         ptrs, lens, items = [], [], []
-        for stacked in self.buffers().values():
+        for stacked in self.slot_buffers().values():
             for layer in stacked.unbind(0):
                 ptrs.append(layer.data_ptr())
                 lens.append(layer.nbytes)
@@ -119,7 +158,7 @@ class MambaPool:
         if need_size > self.free_slots.numel():
             return None
         select, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
-        for stacked in self.buffers().values():
+        for stacked in self.slot_buffers().values():
             stacked.index_fill_(1, select, 0)
         return select
 
@@ -365,7 +404,10 @@ class HybridLinearKVPool(KVCache):
         return self.full_kv_pool.buffers()
 
     def size_groups(self) -> dict[str, int]:
-        return {"tokens": self.size, "requests": self.mamba_pool.size}
+        sizes = {"tokens": self.size, "requests": self.mamba_pool.size}
+        if self.mamba_pool.spec_state_size:
+            sizes["running_requests"] = self.mamba_pool.spec_state_size
+        return sizes
 
     def get_kv_size_bytes(self) -> int:
         """Bytes of every buffer: the attention layers' K/V and the per-request states (one number, as for the
@@ -401,7 +443,7 @@ class HybridLinearKVPool(KVCache):
             return kv
         slots = torch.as_tensor(mamba_indices, device=self.device).long().reshape(-1)
         states = {}
-        for name, stacked in self.mamba_pool.buffers().items():
+        for name, stacked in self.mamba_pool.slot_buffers().items():
             host = host_buffer((stacked.shape[0], slots.numel(), *stacked.shape[2:]), stacked.dtype)
             host.copy_(stacked.index_select(1, slots))
             states[name] = host
@@ -416,6 +458,6 @@ class HybridLinearKVPool(KVCache):
             raise ValueError("this CPU copy holds request states: pass mamba_indices= for the slots to load them into")
         super().load_cpu_copy(kv_cache_cpu["kv"], indices)
         slots = torch.as_tensor(mamba_indices, device=self.device).long().reshape(-1)
-        for name, stacked in self.mamba_pool.buffers().items():
+        for name, stacked in self.mamba_pool.slot_buffers().items():
             stacked.index_copy_(1, slots, kv_cache_cpu["mamba"][name].to(stacked.device))
 

@@ -11,3 +11,11 @@ class TestHybridLinearConformance(KVCacheConformance):
               "model.head_dim=24", "model.v_head_dim=16", "model.mamba.num_heads=3", "model.mamba.head_dim=5"]  # fmt: skip
     variants = [Variant("bfloat16", "triton", 1), Variant("float8_e4m3fn", "triton", 4),
                 Variant("float32", "native", 1), Variant("bfloat16", "native", 16)]  # fmt: skip
+
+
+class TestHybridLinearSpeculativeConformance(KVCacheConformance):
+    """The same with speculative decoding: the draft tokens' states are declared and allocated too."""
+
+    backend = "mamba"
+    config = [*TestHybridLinearConformance.config, "kv_cache.options.speculative_num_draft_tokens=2"]
+    variants = [Variant("bfloat16", "triton", 1), Variant("float32", "native", 4)]

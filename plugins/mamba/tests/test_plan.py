@@ -89,3 +89,39 @@ def test_build_pools_shares_the_state_between_the_two_pools():
 def test_up_is_ready_on_the_cpu(capsys):
     assert main(["up", "model=tiny-qwen3-next", "hardware=cpu", "memory.budget_gib=0.02"]) == 0
     assert "kvcore up: ready" in capsys.readouterr().out
+
+
+def test_speculative_decoding_solves_slots_and_draft_states_jointly():
+    """The seed's joint solve: slots = share // (per request x (1 + D / ratio)); the draft states of
+    min(max_running_requests, slots // ratio) running requests come out of the same share."""
+    draft, running = 4, 64
+    plan = plan_memory(load_config("model=qwen3-next-80b", "hardware=h200", "memory.max_running_requests=64",
+                                   f"kv_cache.options.speculative_num_draft_tokens={draft}"))  # fmt: skip
+    per_req, per_token = qwen3_next_bytes(2)
+    rest = plan.budget.kv_budget_bytes
+    seed_slots = int(rest * 0.9 / 1.9 // (per_req * (1 + draft / 3)))
+    # kvcore also counts the padding slot and the padding row of the draft states: a few slots fewer
+    assert seed_slots - 3 <= plan.max_mamba_cache_size <= seed_slots
+    drafting = min(running, plan.max_mamba_cache_size // 3)
+    assert plan.max_running_requests == drafting == plan.sizes["running_requests"]
+    reserved = (plan.max_mamba_cache_size + 1) * per_req + (drafting + 1) * draft * per_req
+    assert plan.max_total_num_tokens == (rest - reserved - per_token) // per_token
+    assert plan.kv_cache_bytes == reserved + (plan.max_total_num_tokens + 1) * per_token
+
+
+def test_speculative_decoding_needs_the_running_requests():
+    with pytest.raises(PlanningError, match="speculative_num_draft_tokens=4.*set memory.max_running_requests"):
+        plan_memory(load_config("model=qwen3-next-80b", "hardware=h200", "kv_cache.options.speculative_num_draft_tokens=4"))
+
+
+def test_speculative_pools_keep_draft_states_per_running_request():
+    pools = build_pools(load_config("model=tiny-qwen3-next", "hardware=cpu", "memory.budget_gib=0.01",
+                                    "memory.max_running_requests=8", "kv_cache.options.speculative_num_draft_tokens=3"))  # fmt: skip
+    mamba = pools.token_to_kv_pool.mamba_pool
+    spec = mamba.get_speculative_mamba2_params_all_layers()
+    assert spec.intermediate_ssm.shape == (6, 8 + 1, 3, 4, 16, 32)  # [linear layers, running + 1, draft, ...]
+    assert spec.intermediate_conv_window[0].shape == (6, 8 + 1, 3, 2 * 2 * 16 + 4 * 32, 3)
+    assert pools.req_to_token_pool.mamba_ping_pong_track_buffer_size == 1
+    layer = mamba.mamba2_layer_cache(0)
+    assert layer.intermediate_ssm.data_ptr() == spec.intermediate_ssm[0].data_ptr()
+    assert sum(b.nbytes for b in pools.token_to_kv_pool.buffers().values()) == pools.plan.kv_cache_bytes

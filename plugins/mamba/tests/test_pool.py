@@ -99,9 +99,15 @@ def test_fork_copies_into_a_new_slot(kernels):
     assert pool.fork_from(src) is None
 
 
-def test_speculative_states_are_refused_clearly():
-    with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
+def test_speculative_states_need_their_sizes():
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens and spec_state_size"):
         MambaPool(size=3, cache_params=params(), device=DEVICE, speculative_num_draft_tokens=4)
+    pool = MambaPool(size=3, spec_state_size=2, cache_params=params(), device=DEVICE, speculative_num_draft_tokens=4)
+    assert sorted(pool.buffers()) == ["conv", "intermediate_conv", "intermediate_ssm", "temporal"]
+    assert sorted(pool.slot_buffers()) == ["conv", "temporal"]
+    plain = MambaPool(size=3, cache_params=params(), device=DEVICE)
+    with pytest.raises(RuntimeError, match="no speculative states"):
+        plain.get_speculative_mamba2_params_all_layers()
 
 
 def _req(**kw):
