@@ -160,8 +160,14 @@ def mamba_layout(*, backend: str, request: PoolRequest) -> PoolLayout:
     draft = (options.speculative_num_draft_tokens or 0) if options else 0
     buffers, notes = [], []
     if full:
-        kv = mha_layout(backend=backend, page_size=request.page_size, dtype=request.kv_dtype, head_num=request.head_num,
-                        head_dim=request.head_dim, v_head_dim=request.v_head_dim, layer_num=len(full))  # fmt: skip
+        common = dict(backend=backend, page_size=request.page_size, dtype=request.kv_dtype, layer_num=len(full))
+        if "mla" in request.sections:  # the mamba_mla backend: latent rows for the full-attention layers
+            from kvcore_mla.layout import mla_layout
+
+            mla = request.section("mla")
+            kv = mla_layout(kv_lora_rank=mla.kv_lora_rank, qk_rope_head_dim=mla.qk_rope_head_dim, **common)
+        else:
+            kv = mha_layout(head_num=request.head_num, head_dim=request.head_dim, v_head_dim=request.v_head_dim, **common)
         buffers += kv.buffers
         notes += kv.notes
     if linear:

@@ -9,12 +9,13 @@ from kvcore.layout import PoolLayout
 from kvcore_mamba.layout import LinearAttentionDims, MambaOptions
 
 BACKEND = "mamba"
+MLA_BACKEND = "mamba_mla"
 
 
 def layout(request: PoolRequest) -> PoolLayout:
     from kvcore_mamba.layout import mamba_layout
 
-    return mamba_layout(backend=BACKEND, request=request)
+    return mamba_layout(backend=MLA_BACKEND if "mla" in request.sections else BACKEND, request=request)
 
 
 def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
@@ -25,16 +26,20 @@ def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
     mamba_pool = MambaPool(size=sizes["requests"], spec_state_size=sizes.get("running_requests", 0),
                            cache_params=rank_state_params(request), device=request.device, kernels=request.kernels,
                            speculative_num_draft_tokens=request.options.speculative_num_draft_tokens)  # fmt: skip
+    mla = request.sections.get("mla")
     return HybridLinearKVPool(
         size=sizes["tokens"], dtype=request.kv_dtype, page_size=request.page_size, head_num=request.head_num,
         head_dim=request.head_dim, v_head_dim=request.v_head_dim, full_attention_layer_ids=full,
         device=request.device, mamba_pool=mamba_pool, start_layer=request.start_layer, end_layer=request.end_layer,
-        kernels=request.kernels,
+        kernels=request.kernels, use_mla=mla is not None, kv_lora_rank=mla and mla.kv_lora_rank,
+        qk_rope_head_dim=mla and mla.qk_rope_head_dim,
     )  # fmt: skip
 
 
 @hookimpl
 def kvcore_register_backends():
+    from kvcore_mla.layout import MLADims
+
     return [
         BackendSpec(
             name=BACKEND,
@@ -45,14 +50,23 @@ def kvcore_register_backends():
             options_schema=MambaOptions,
             description="hybrid linear-attention pool: full-attention K/V in an MHA pool, Mamba2 / gated DeltaNet "
             "states per request slot, reserved before the tokens",
-        )
+        ),
+        BackendSpec(
+            name=MLA_BACKEND,
+            attention=("mamba_mla",),
+            layout=layout,
+            create_pool=create_pool,
+            model_sections={"mamba": LinearAttentionDims, "mla": MLADims},
+            options_schema=MambaOptions,
+            description="hybrid linear-attention pool whose full-attention layers keep MLA latent rows",
+        ),
     ]
 
 
 @hookimpl
 def kvcore_create_req_to_token_pool(backend, request, size, max_context_len, sizes, pool):
     """The request table with state slots, sharing the KV pool's :class:`MambaPool`."""
-    if backend.name != BACKEND:
+    if backend.name not in (BACKEND, MLA_BACKEND):
         return None
     from kvcore_mamba.layout import rank_state_params
     from kvcore_mamba.pool import HybridReqToTokenPool

@@ -12,7 +12,6 @@ import torch
 from kvcore.kernel_mode import use_triton
 from kvcore.pools import GB, KVCache, ReqToTokenPool, check_memory_saver, host_buffer, layer_id_of
 from kvcore.row_move import RowMover, move_token_rows_native
-from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_mha.pool import MHATokenToKVPool
 
@@ -339,8 +338,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
 
 class HybridLinearKVPool(KVCache):
-    """K/V of a hybrid model's full-attention layers only (an MHA pool inside), beside the linear layers'
-    states in ``mamba_pool``.  Layers are this rank's global ids; a linear layer has no K/V, and asking for one
+    """K/V of a hybrid model's full-attention layers only (an MHA pool inside, or an MLA pool with ``use_mla``,
+    its latent rows of ``kv_lora_rank + qk_rope_head_dim``), beside the linear layers' states in ``mamba_pool``.  Layers are this rank's global ids; a linear layer has no K/V, and asking for one
     is an error that lists the attention layers.
 
     ``buffers()`` names the K/V and the state tensors (the layout declares both); moves, CPU offload and buffer
@@ -363,6 +362,9 @@ class HybridLinearKVPool(KVCache):
         start_layer: int | None = None,
         end_layer: int | None = None,
         kernels: str = "auto",
+        use_mla: bool = False,
+        kv_lora_rank: int | None = None,
+        qk_rope_head_dim: int | None = None,
         **kwargs: Any,
     ):
         full = [int(i) for i in full_attention_layer_ids]
@@ -375,9 +377,17 @@ class HybridLinearKVPool(KVCache):
         self.full_attention_layer_id_mapping = {gid: i for i, gid in enumerate(full)}
         self.head_num, self.head_dim = head_num, head_dim
         self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
-        self.full_kv_pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=dtype, head_num=head_num,
-                                             head_dim=head_dim, v_head_dim=v_head_dim, layer_num=len(full),
-                                             device=device, enable_memory_saver=enable_memory_saver, kernels=kernels)  # fmt: skip
+        self.use_mla = use_mla
+        common = dict(size=size, page_size=page_size, dtype=dtype, layer_num=len(full), device=device,
+                      enable_memory_saver=enable_memory_saver, kernels=kernels)  # fmt: skip
+        if use_mla:
+            from kvcore_mla.pool import MLATokenToKVPool
+
+            if kv_lora_rank is None or qk_rope_head_dim is None:
+                raise ValueError("use_mla=True needs kv_lora_rank and qk_rope_head_dim")
+            self.full_kv_pool = MLATokenToKVPool(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, **common)
+        else:
+            self.full_kv_pool = MHATokenToKVPool(head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim, **common)
         self.mamba_pool = mamba_pool
         self._finalize_allocation()
 
@@ -420,21 +430,28 @@ class HybridLinearKVPool(KVCache):
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.full_kv_pool.get_value_buffer(self._route(layer_id))
 
-    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale=None,
-                      v_scale=None, layer_id_override: int | None = None) -> None:  # fmt: skip
+    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor | None = None,
+                      k_scale=None, v_scale=None, layer_id_override: int | None = None) -> None:  # fmt: skip
         index = self._route(layer, layer_id_override)
         self.full_kv_pool.set_kv_buffer(None, loc, cache_k, cache_v, k_scale, v_scale, layer_id_override=index)
 
+    def set_mla_kv_buffer(self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor,
+                          layer_id_override: int | None = None) -> None:  # fmt: skip
+        """The MLA pool's split store (``use_mla`` only)."""
+        self._mla().set_mla_kv_buffer(None, loc, cache_k_nope, cache_k_rope, layer_id_override=self._route(layer, layer_id_override))
+
+    def get_mla_kv_buffer(self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None):
+        """The MLA pool's gather (``use_mla`` only)."""
+        return self._mla().get_mla_kv_buffer(self._route(layer), loc, dst_dtype)
+
+    def _mla(self):
+        if not self.use_mla:
+            raise TypeError("this HybridLinearKVPool keeps MHA K/V (use_mla=False): use set_kv_buffer / get_kv_buffer")
+        return self.full_kv_pool
+
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """Random K/V rows through :meth:`set_kv_buffer` of a full-attention layer (from bf16 for fp8 caches)."""
-        self._route(layer)
-        source_dtype = torch.bfloat16 if self.dtype.itemsize == 1 else self.dtype
-        rows = {
-            name: random_nonzero((loc.numel(), self.head_num, width), source_dtype, generator, 2.0, self.device)
-            for name, width in (("k", self.head_dim), ("v", self.v_head_dim))
-        }
-        self.set_kv_buffer(layer, loc, rows["k"], rows["v"])
-        return {name: x.to(self.dtype).view(self.store_dtype) for name, x in rows.items()}
+        """The inner pool's own random write, at the full-attention layer's index there."""
+        return self.full_kv_pool.self_test_write(self._route(layer), loc, generator)
 
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
         """K/V rows of tokens ``indices`` and, when ``mamba_indices`` is given, those state slots too."""

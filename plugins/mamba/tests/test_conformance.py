@@ -19,3 +19,12 @@ class TestHybridLinearSpeculativeConformance(KVCacheConformance):
     backend = "mamba"
     config = [*TestHybridLinearConformance.config, "kv_cache.options.speculative_num_draft_tokens=2"]
     variants = [Variant("bfloat16", "triton", 1), Variant("float32", "native", 4)]
+
+
+class TestHybridLinearMLAConformance(KVCacheConformance):
+    """Full-attention layers with MLA latent rows (the mamba_mla backend) beside DeltaNet states."""
+
+    backend = "mamba_mla"
+    config = [*TestHybridLinearConformance.config, "model.attention=mamba_mla", "model.mla.kv_lora_rank=48",
+              "model.mla.qk_rope_head_dim=16"]  # fmt: skip
+    variants = [Variant("bfloat16", "triton", 1), Variant("float8_e4m3fn", "native", 4)]

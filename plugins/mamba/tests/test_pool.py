@@ -172,3 +172,27 @@ def test_linear_layers_have_no_kv_and_offload_carries_states():
     assert bits_equal(pool.token_rows()["k"].take(torch.tensor([9, 11], device=DEVICE)), kv)
     for name, buf in mamba.buffers().items():
         assert bits_equal(buf[:, [4]], saved[name])
+
+
+def test_mla_inside_keeps_latent_rows_for_the_full_layers():
+    mamba = MambaPool(size=2, cache_params=params(), device=DEVICE)
+    pool = HybridLinearKVPool(size=16, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
+                              full_attention_layer_ids=[3, 7], device=DEVICE, mamba_pool=mamba, start_layer=0,
+                              end_layer=7, kernels="native", use_mla=True, kv_lora_rank=16, qk_rope_head_dim=8)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    nope = torch.randn(3, 1, 16, generator=g).to(torch.bfloat16).to(DEVICE)
+    rope = torch.randn(3, 1, 8, generator=g).to(torch.bfloat16).to(DEVICE)
+    loc = torch.tensor([2, 9, 4], device=DEVICE)
+    pool.set_mla_kv_buffer(7, loc, nope, rope)
+    got_nope, got_rope = pool.get_mla_kv_buffer(7, loc)
+    assert bits_equal(got_nope, nope) and bits_equal(got_rope, rope)
+    assert pool.get_key_buffer(7).data_ptr() == pool.full_kv_pool.kv_cache[1].data_ptr()
+    with pytest.raises(IndexError, match=r"\[3, 7\]"):
+        pool.set_mla_kv_buffer(5, loc, nope, rope)
+    mha = HybridLinearKVPool(size=16, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
+                             full_attention_layer_ids=[3], device=DEVICE, mamba_pool=mamba, kernels="native")  # fmt: skip
+    with pytest.raises(TypeError, match="use_mla=False"):
+        mha.get_mla_kv_buffer(3, loc)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        HybridLinearKVPool(size=16, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
+                           full_attention_layer_ids=[3], device=DEVICE, mamba_pool=mamba, use_mla=True)  # fmt: skip
