@@ -685,8 +685,10 @@ class IndexerPages:
                     or index_k_scale.stride(0) != 1 or index_k_scale.shape[0] != n):  # fmt: skip
                 return False
             scale, ss = index_k_scale, (INDEX_SCALE_BYTES, 1)
-        def as_bytes():  # noqa: E306 - what the dispatcher sees (only on its calls)
+
+        def as_bytes():  # what the dispatcher sees (made only on its calls)
             return self.index_buf, loc, index_k.view(torch.uint8), scale.view(torch.uint8)
+
         self._launch_set(layer_index, loc, n, index_k, (ks[0] * item, 1), scale, ss, as_bytes)
         return True
 
