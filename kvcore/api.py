@@ -42,6 +42,7 @@ def _core_request(cfg: EngineConfig, pp_rank: int | None = None) -> PoolRequest:
         backend=cfg.kv_cache.backend,
         model_name=model.name,
         tp_size=cfg.parallel.tp_size,
+        kv_format=cfg.kv_format,
         options=cfg.kv_cache.options,
         sections={name: getattr(model, name) for name in _section_names(type(model))},
     )

@@ -49,6 +49,8 @@ class PoolRequest:
         ``head_dim`` / ``v_head_dim``: what families with per-head rows (MHA/GQA) store; others ignore them.
     :param tp_size: the tensor-parallel size, for families that split more than ``head_num`` over the ranks
         (a sliding-window section's own head count, recurrent state).
+    :param kv_format: the block-scaled format ``kv_cache.dtype`` names (``kv_dtype`` is then ``torch.uint8``),
+        or None for a plain dtype.
     :param options: ``kv_cache.options``: the raw mapping until the selected backend resolves the request, then
         that backend's options object (None for a backend that takes no options).
     :param sections: the model's family sections by name (objects of the declaring plugin's schema); after
@@ -71,6 +73,7 @@ class PoolRequest:
     backend: str = "auto"
     model_name: str = ""
     tp_size: int = 1
+    kv_format: str | None = None
     options: Any = attrs.field(factory=dict, converter=lambda v: _frozen_mapping(v) if isinstance(v, Mapping) else v)
     sections: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
 
@@ -118,7 +121,8 @@ class BackendSpec:
     :param layout: ``layout(request) -> PoolLayout``: the buffers the pool will allocate; must not allocate.
     :param create_pool: ``create_pool(request, layout, sizes) -> KVCache``: builds the pool; ``sizes`` maps
         each size group of the layout (``"tokens"``, ...) to its planned size.
-    :param kv_dtypes: cache dtypes served, or None for any.
+    :param kv_dtypes: cache dtypes served, or None for any (plain dtypes only: block formats are ``kv_formats``).
+    :param kv_formats: block-scaled formats served (``kv_cache.dtype=fp4_e2m1``, ...); none by default.
     :param devices: device types served (``"cuda"``, ``"cpu"``), or ``("*",)``.
     :param vendors: hardware vendors served; ``("*",)`` for any.  A backend naming the requested vendor
         explicitly beats a generic one.
@@ -137,6 +141,7 @@ class BackendSpec:
     layout: LayoutFn = attrs.field(validator=attrs.validators.is_callable())
     create_pool: PoolFactory = attrs.field(validator=attrs.validators.is_callable())
     kv_dtypes: tuple[torch.dtype, ...] | None = attrs.field(default=None, converter=_dtypes)
+    kv_formats: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
     devices: tuple[str, ...] = attrs.field(default=(ANY,), converter=_tuple_of_str)
     vendors: tuple[str, ...] = attrs.field(default=(ANY,), converter=_tuple_of_str)
     page_sizes: tuple[int, ...] | None = attrs.field(default=None)
@@ -172,8 +177,12 @@ class BackendSpec:
         reasons = []
         if request.attention not in self.attention:
             reasons.append(f"serves attention {'/'.join(self.attention)}, model needs {request.attention}")
-        if self.kv_dtypes is not None and request.kv_dtype not in self.kv_dtypes:
-            names = ", ".join(str(d).removeprefix("torch.") for d in self.kv_dtypes)
+        if request.kv_format is not None:
+            if request.kv_format not in self.kv_formats:
+                served = ", ".join(self.kv_formats) or "none"
+                reasons.append(f"kv format {request.kv_format} not served (block formats: {served})")
+        elif self.kv_dtypes is not None and request.kv_dtype not in self.kv_dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.kv_dtypes) or "none: block formats only"
             reasons.append(f"kv dtype {str(request.kv_dtype).removeprefix('torch.')} not in [{names}]")
         if ANY not in self.devices and request.device_type not in self.devices:
             reasons.append(f"device {request.device_type} not in [{', '.join(self.devices)}]")

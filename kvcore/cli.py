@@ -16,11 +16,12 @@ import sys
 import time
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from kvcore import api
 from kvcore.config import EngineConfig, available_options, load_config
-from kvcore.errors import KVCoreError
+from kvcore.errors import KVCoreError, SelectionError
 from kvcore.planner import GiB, MemoryPlan
 from kvcore.plugins import get_registry
 
@@ -49,7 +50,7 @@ def _describe_config(cfg: EngineConfig) -> list[str]:
         f"hardware   {cfg.hardware.name}: {cfg.hardware.device} ({cfg.hardware.vendor}), "
         f"{cfg.hardware.memory_gib:g} GiB, kernels={cfg.hardware.kernels}",
         f"parallel   tp={cfg.parallel.tp_size} pp={cfg.parallel.pp_size} (this rank: layers {start}..{end - 1})",
-        f"kv cache   dtype={str(cfg.kv_dtype).removeprefix('torch.')} page_size={cfg.kv_cache.page_size} "
+        f"kv cache   dtype={cfg.kv_format or str(cfg.kv_dtype).removeprefix('torch.')} page_size={cfg.kv_cache.page_size} "
         f"backend={cfg.kv_cache.backend}",
     ]
 
@@ -93,10 +94,35 @@ def _print(lines: Sequence[str]) -> None:
         print(line, flush=True)
 
 
+#: the cache dtypes ``kvcore plan`` sets side by side
+COMPARED_DTYPES = ("bfloat16", "float8_e4m3fn", "mxfp8", "nvfp4", "fp4_e2m1")
+
+
+def _compare_dtypes(cfg: EngineConfig) -> list[str]:
+    """What the same budget holds at each of :data:`COMPARED_DTYPES` (a dtype no backend serves for this model
+    says why)."""
+    lines = ["by dtype   the same budget at each kv_cache.dtype:",
+             f"           {'dtype':<14} {'bytes/token':>12} {'tokens':>12} {'requests':>9}  backend"]  # fmt: skip
+    for name in COMPARED_DTYPES:
+        other = attrs.evolve(cfg, kv_cache=attrs.evolve(cfg.kv_cache, dtype=name))
+        try:
+            plan = api.plan_memory(other)
+        except SelectionError:
+            lines.append(f"           {name:<14} {'-':>12} {'-':>12} {'-':>9}  no backend serves {cfg.model.attention} at it")
+            continue
+        except KVCoreError as exc:
+            lines.append(f"           {name:<14} {'-':>12} {'-':>12} {'-':>9}  {str(exc).splitlines()[0][:100]}")
+            continue
+        lines.append(f"           {name:<14} {plan.bytes_per_token:>12} {plan.max_total_num_tokens:>12} "
+                     f"{plan.max_running_requests:>9}  {plan.backend}")  # fmt: skip
+    return lines
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _load(args.overrides)
     _print(_describe_config(cfg))
     _print(_describe_plan(api.plan_memory(cfg)))
+    _print(_compare_dtypes(cfg))
     return 0
 
 

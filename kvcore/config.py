@@ -120,7 +120,7 @@ class HardwareConfig:
 class KVCacheConfig:
     """The cache itself: element type, page size and (optionally) an explicit backend."""
 
-    dtype: str = key("auto", doc="cache dtype: auto (model.dtype), bfloat16, float16, float32, float8_e4m3fn, float8_e5m2 (fp8 is stored as uint8)")
+    dtype: str = key("auto", doc="cache dtype: auto (model.dtype), bfloat16, float16, float32, float8_e4m3fn, float8_e5m2 (fp8 is stored as uint8), or a block-scaled format a plugin serves (fp4_e2m1, nvfp4, mxfp8)")
     page_size: int = key(1, validator=positive, doc="tokens per page; 1 uses the token allocator, more the paged one")
     backend: str = key("auto", doc="auto (the best matching backend), or a backend name from `kvcore plugins`")
     options: dict[str, Any] = key(factory=dict, doc="the selected backend's own options (kv_cache.options.<name>; `kvcore config` lists each backend's)")
@@ -168,9 +168,19 @@ class EngineConfig:
         return parse_dtype(self.model.dtype, "model.dtype")
 
     @property
+    def kv_format(self) -> str | None:
+        """The block-scaled format named by ``kv_cache.dtype`` (``fp4_e2m1``, ...: what a plugin's backends
+        declare in ``kv_formats``), or None for a plain dtype."""
+        name = self.kv_cache.dtype.lower()
+        return None if name == "auto" or name in DTYPE_ALIASES else name
+
+    @property
     def kv_dtype(self) -> torch.dtype:
+        """The cache's element dtype; ``torch.uint8`` (bytes) for a block-scaled format."""
         if self.kv_cache.dtype.lower() == "auto":
             return self.model_dtype
+        if self.kv_format is not None:
+            return torch.uint8
         return parse_dtype(self.kv_cache.dtype, "kv_cache.dtype")
 
     @property
@@ -361,7 +371,14 @@ def load_config(*overrides: str, path: str | Path | None = None, registry=None) 
         sections = {field.name: _to_object(merged[field.name], field.name) for field in attrs.fields(schema)}
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe_omegaconf_error(exc)) from None
-    return validate(schema(**sections))
+    cfg = validate(schema(**sections))
+    if cfg.kv_format is not None and cfg.kv_format not in registry.kv_formats:
+        formats = f"; block formats: {', '.join(registry.kv_formats)}" if registry.kv_formats else ""
+        raise ConfigError(
+            f"kv_cache.dtype={cfg.kv_cache.dtype!r} is neither a dtype nor a block format a plugin serves; use one "
+            f"of: {', '.join(DTYPE_ALIASES)}{formats}"
+        )
+    return cfg
 
 
 def _to_object(node: DictConfig, path: str) -> Any:

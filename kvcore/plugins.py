@@ -83,6 +83,11 @@ class Registry:
         (what :func:`kvcore.config.load_config` adds to the schema)."""
         return tuple(sorted({n: t for b in self._backends.values() for n, t in b.model_sections.items()}.items()))
 
+    @property
+    def kv_formats(self) -> tuple[str, ...]:
+        """Every block-scaled cache format (``kv_cache.dtype`` names) the registered backends serve, sorted."""
+        return tuple(sorted({f for b in self._backends.values() for f in b.kv_formats}))
+
     def failure_of(self, plugin: str) -> PluginFailure | None:
         return next((f for f in self.failures if f.plugin == plugin), None)
 

@@ -86,7 +86,7 @@ def select_backend(registry: Registry, request: PoolRequest) -> Selection:
         lines = "".join(f"\n  - {c.backend.name} ({c.backend.plugin}): {'; '.join(c.reasons)}" for c in candidates)
         raise SelectionError(
             f"no registered backend serves attention={request.attention}, "
-            f"kv dtype={str(request.kv_dtype).removeprefix('torch.')}, device={request.device_type}, "
+            f"kv dtype={request.kv_format or str(request.kv_dtype).removeprefix('torch.')}, device={request.device_type}, "
             f"vendor={request.vendor}, page size={request.page_size}:{lines or ' (no backends registered)'}"
             + (f"\nplugins that failed to load:{failures}" if failures else "")
         )

@@ -1,10 +1,42 @@
-"""The block-scaled family as a kvcore plugin (entry point ``fp4``); its backends come with its pools."""
+"""The block-scaled family as a kvcore plugin (entry point ``fp4``): MHA pools of ``kv_cache.dtype=fp4_e2m1``,
+``nvfp4`` or ``mxfp8``."""
 
 from __future__ import annotations
 
+from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.hookspecs import hookimpl
+from kvcore.layout import PoolLayout
+
+BACKEND = "fp4"
+FORMATS = ("fp4_e2m1", "nvfp4", "mxfp8")
+
+
+def layout(request: PoolRequest) -> PoolLayout:
+    from kvcore_fp4.layout import fp4_mha_layout
+
+    return fp4_mha_layout(backend=BACKEND, request=request)
+
+
+def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
+    from kvcore_fp4.pool import MHATokenToKVPoolFP4
+
+    kwargs = request.pool_kwargs()
+    kwargs["dtype"] = request.model_dtype  # what reads return; the codes are bytes
+    return MHATokenToKVPoolFP4(size=sizes["tokens"], head_num=request.head_num, head_dim=request.head_dim,
+                               v_head_dim=request.v_head_dim, kv_format=request.kv_format, **kwargs)  # fmt: skip
 
 
 @hookimpl
 def kvcore_register_backends():
-    return []
+    return [
+        BackendSpec(
+            name=BACKEND,
+            attention=("mha",),
+            layout=layout,
+            create_pool=create_pool,
+            kv_dtypes=(),
+            kv_formats=FORMATS,
+            description="block-scaled MHA pool: fp4_e2m1 / nvfp4 / mxfp8 codes and scales per row, dequantized by "
+            "location (torch path; Triton kernels to come)",
+        )
+    ]
