@@ -36,7 +36,7 @@ def kvcore_register_backends():
             create_pool=create_pool,
             kv_dtypes=(),
             kv_formats=FORMATS,
-            description="block-scaled MHA pool: fp4_e2m1 / nvfp4 / mxfp8 codes and scales per row, dequantized by "
-            "location (torch path; Triton kernels to come)",
+            description="block-scaled MHA pool: fp4_e2m1 / nvfp4 / mxfp8 codes and scales per row, quantized in the "
+            "store, dequantized by location (Triton, one launch each)",
         )
     ]

@@ -8,6 +8,7 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.pools import KVCache
 from kvcore.sample import random_nonzero
+from kvcore_fp4 import kernels
 from kvcore_fp4.formats import RECIPES, dequantize, quantize
 
 
@@ -24,8 +25,8 @@ class MHATokenToKVPoolFP4(KVCache):
     :meth:`get_key_buffer` / :meth:`get_value_buffer` dequantize a whole layer, as the seed's pool does, for
     compatibility.  ``dtype`` is what reads return.
 
-    The kernels are the torch references of :mod:`kvcore_fp4.formats` (``hardware.kernels=native``); the Triton
-    kernels are still to come, so a Triton mode is refused at construction.
+    Stores and reads by location run one Triton launch each (:mod:`kvcore_fp4.kernels`), or the torch
+    references of :mod:`kvcore_fp4.formats` with ``kernels="native"``; both write the same bytes.
     """
 
     def __init__(
@@ -45,10 +46,6 @@ class MHATokenToKVPoolFP4(KVCache):
         kv_format: str = "fp4_e2m1",
     ):
         super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
-        if self._use_triton:
-            raise ConfigError(
-                f"the {kv_format} pool has no Triton kernels yet: use hardware.kernels=native (its torch path)"
-            )
         if kv_format not in RECIPES:
             raise ConfigError(f"kv_format={kv_format!r} is not one of {', '.join(RECIPES)}")
         self.kv_format, self.recipe = kv_format, RECIPES[kv_format]
@@ -111,6 +108,11 @@ class MHATokenToKVPoolFP4(KVCache):
         for what, x, width in (("cache_k", cache_k, self.head_dim), ("cache_v", cache_v, self.v_head_dim)):
             if tuple(x.shape) != (n, self.head_num, width) and tuple(x.shape) != (n, self.head_num * width):
                 raise ValueError(f"layer {layer}: {what} must be [N, H, D] = {(n, self.head_num, width)}, got {tuple(x.shape)}")
+        if self._use_triton:
+            if n:
+                kernels.store_kv(self, local, loc, cache_k.reshape(n, self.head_num, self.head_dim),
+                                 cache_v.reshape(n, self.head_num, self.v_head_dim))  # fmt: skip
+            return
         kg, vg = self._globals(local)
         for data, scales, x, g, width in ((self.k_data, self.k_scale, cache_k, kg, self.head_dim),
                                           (self.v_data, self.v_scale, cache_v, vg, self.v_head_dim)):  # fmt: skip
@@ -129,6 +131,11 @@ class MHATokenToKVPoolFP4(KVCache):
         loc = loc.reshape(-1).long()
         kg, vg = self._globals(local)
         dst = dst_dtype or self.dtype
+        if self._use_triton:
+            k = torch.empty((loc.numel(), self.head_num, self.head_dim), dtype=dst, device=self.k_data.device)
+            v = torch.empty((loc.numel(), self.head_num, self.v_head_dim), dtype=dst, device=self.k_data.device)
+            kernels.gather_kv(self, local, loc, k, v)
+            return k, v
         k = dequantize(self.k_data[local, loc], self.k_scale[local, loc], self.recipe, dst, kg)
         v = dequantize(self.v_data[local, loc], self.v_scale[local, loc], self.recipe, dst, vg)
         return k, v

@@ -1,0 +1,249 @@
+"""Triton kernels of the block-scaled MHA pool: quantize-and-store rows at their locations, and gather-and-
+dequantize rows by location; bit-exact with the torch references of :mod:`kvcore_fp4.formats` on the
+interpreter and on GPUs.
+
+Hopper has no e2m1 conversion, so codes are made with integer and comparison operations: exponents are read
+from float32 bits (``ceil``/``floor`` of ``log2`` exact), powers of two are built from bits, divisions are
+``div_rn`` (IEEE, like torch), e4m3 bytes come from :func:`kvcore.fp8.f32_to_e4m3fn_bits` (the interpreter's
+own float -> fp8 cast rounds wrongly) and are decoded by :func:`kvcore.fp8.e4m3fn_bits_to_f32`.
+
+One launch stores (or reads) K and V of ``N`` tokens: grid ``(token blocks, 2 x heads)``, one program per
+block of tokens and one head of K (``program_id(1) < H``) or V.  A program holds its tokens' whole head row:
+``[BLOCK_N, blocks, values per block]``.  NaN inputs are outside the contract.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore.fp8 import e4m3fn_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3fn_bits
+from kvcore.kernel_mode import triton_interpreting
+from kvcore.row_move import next_pow2
+from kvcore_fp4.formats import E2M1_BOUNDS, E2M1_MAX, E4M3_EMAX, E4M3_MAX, UE8M0_BIAS, Recipe
+
+__all__ = ["gather_kv", "store_kv"]
+
+_B0, _B1, _B2, _B3, _B4, _B5, _B6 = (tl.constexpr(b) for b in E2M1_BOUNDS)
+_E2M1_MAX = tl.constexpr(E2M1_MAX)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_EMAX = tl.constexpr(E4M3_EMAX)
+_BIAS = tl.constexpr(UE8M0_BIAS)
+#: tokens per program (their rows are held whole)
+BLOCK_N = 4
+
+
+@triton.jit
+def _pow2(k):
+    """2**k as float32 for integer ``k`` in [-126, 127], built from its bits (exact)."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _block_exponent(amax, VALUE_BITS: tl.constexpr):
+    """The UE8M0 exponent of blocks with largest magnitude ``amax``: ``ceil(log2(amax / 6))`` for e2m1 values,
+    ``floor(log2(amax)) - 8`` for e4m3 values; -127 for a zero block (and anything below 2**-127)."""
+    if VALUE_BITS == 4:
+        v = tl.math.div_rn(amax, tl.zeros_like(amax) + _E2M1_MAX)
+    else:
+        v = amax
+    bits = v.to(tl.int32, bitcast=True)
+    field = (bits >> 23) & 0xFF
+    if VALUE_BITS == 4:
+        e = tl.where((bits & 0x7FFFFF) == 0, field - 127, field - 126)
+    else:
+        e = field - 127 - _EMAX
+    e = tl.where(field == 0, -127, e)
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+@triton.jit
+def _e2m1_codes(x):
+    a = tl.abs(x)
+    code = ((a >= _B0).to(tl.int32) + (a >= _B1).to(tl.int32) + (a >= _B2).to(tl.int32) + (a >= _B3).to(tl.int32)
+            + (a >= _B4).to(tl.int32) + (a >= _B5).to(tl.int32) + (a >= _B6).to(tl.int32))  # fmt: skip
+    return code | ((x < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _e2m1_values(code):
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    magnitude = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * _pow2(e - 1))
+    return tl.where((c & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
+                   D: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                   VALUE_BITS: tl.constexpr, E4M3_SCALE: tl.constexpr, SATURATE: tl.constexpr,
+                   DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr):  # fmt: skip
+    """One head of ``BLOCK_N`` tokens: ``src`` points at the head of token 0 (tokens ``sn`` apart, values
+    ``sd``); ``data`` / ``scale`` at the head in cache row 0 (rows ``DATA_ROW`` / ``SCALE_ROW`` bytes apart)."""
+    blk = tl.arange(0, NB_PAD)
+    mask_b = mask_n[:, None] & (blk < NB)[None, :]
+    PER: tl.constexpr = BLOCK // (8 // VALUE_BITS)
+    i = tl.arange(0, PER)
+    mask = mask_b[:, :, None]
+    base = src + tok[:, None, None] * sn
+    if VALUE_BITS == 4:  # a block's even and odd elements apart: they fill a byte's low and high nibble
+        j = blk[:, None] * BLOCK + 2 * i[None, :]
+        xe = tl.load(base + (j * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
+        xo = tl.load(base + ((j + 1) * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))
+    else:
+        j = blk[:, None] * BLOCK + i[None, :]
+        xe = tl.load(base + (j * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
+        xo = xe
+        amax = tl.max(tl.abs(xe), axis=2)
+    if E4M3_SCALE:  # nvfp4: an e4m3 block scale of amax / 6 under the global scale g
+        s = tl.math.div_rn(tl.math.div_rn(amax, tl.zeros_like(amax) + _E2M1_MAX), tl.zeros_like(amax) + g)
+        scale_byte = f32_to_e4m3fn_bits(tl.minimum(s, _E4M3_MAX), SATURATE)
+        step = e4m3fn_bits_to_f32(scale_byte) * g
+        zero = (step == 0)[:, :, None]
+        safe = tl.where(zero, 1.0, step[:, :, None])
+        xe = tl.where(zero, 0.0, tl.math.div_rn(xe, safe))
+        xo = tl.where(zero, 0.0, tl.math.div_rn(xo, safe))
+    else:
+        e = tl.where(amax == 0, -127, _block_exponent(amax, VALUE_BITS))
+        up = _pow2(-e)[:, :, None]
+        xe = xe * up
+        xo = xo * up
+        scale_byte = e + _BIAS
+    tl.store(scale + rows[:, None] * SCALE_ROW + blk[None, :], scale_byte.to(tl.uint8), mask=mask_b)
+    if VALUE_BITS == 4:
+        byte = _e2m1_codes(xe) | (_e2m1_codes(xo) << 4)
+        k = blk[:, None] * PER + i[None, :]
+        tl.store(data + rows[:, None, None] * DATA_ROW + k[None, :, :], byte.to(tl.uint8), mask=mask)
+    else:
+        x = tl.minimum(tl.maximum(xe, -_E4M3_MAX), _E4M3_MAX)
+        byte = f32_to_e4m3fn_bits(x, SATURATE)
+        tl.store(data + rows[:, None, None] * DATA_ROW + j[None, :, :], byte.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _dequantize_head(dst, dn, dd, data, scale, rows, tok, mask_n, g,
+                     D: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                     VALUE_BITS: tl.constexpr, E4M3_SCALE: tl.constexpr, OUT: tl.constexpr, HW_CVT: tl.constexpr,
+                     DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr):  # fmt: skip
+    """:func:`_quantize_head`'s inverse into ``dst`` (``OUT``: 0 float32, 1 float16, 2 bfloat16)."""
+    blk = tl.arange(0, NB_PAD)
+    mask_b = mask_n[:, None] & (blk < NB)[None, :]
+    PER: tl.constexpr = BLOCK // (8 // VALUE_BITS)
+    i = tl.arange(0, PER)
+    mask = mask_b[:, :, None]
+    sb = tl.load(scale + rows[:, None] * SCALE_ROW + blk[None, :], mask=mask_b, other=0).to(tl.int32)
+    if E4M3_SCALE:
+        step = e4m3fn_bits_to_f32(sb) * g
+    else:
+        step = _pow2(sb - _BIAS)
+    step = step[:, :, None]
+    base = dst + tok[:, None, None] * dn
+    if VALUE_BITS == 4:
+        k = blk[:, None] * PER + i[None, :]
+        byte = tl.load(data + rows[:, None, None] * DATA_ROW + k[None, :, :], mask=mask, other=0).to(tl.int32)
+        j = blk[:, None] * BLOCK + 2 * i[None, :]
+        _store_out(base + (j * dd)[None, :, :], _e2m1_values(byte & 15) * step, mask, OUT, HW_CVT)
+        _store_out(base + ((j + 1) * dd)[None, :, :], _e2m1_values(byte >> 4) * step, mask, OUT, HW_CVT)
+    else:
+        j = blk[:, None] * BLOCK + i[None, :]
+        byte = tl.load(data + rows[:, None, None] * DATA_ROW + j[None, :, :], mask=mask, other=0)
+        _store_out(base + (j * dd)[None, :, :], e4m3fn_bits_to_f32(byte) * step, mask, OUT, HW_CVT)
+
+
+@triton.jit
+def _store_out(ptr, x, mask, OUT: tl.constexpr, HW_CVT: tl.constexpr):
+    if OUT == 0:
+        tl.store(ptr, x, mask=mask)
+    elif OUT == 1:
+        tl.store(ptr, x.to(tl.float16), mask=mask)
+    elif HW_CVT:
+        tl.store(ptr, x.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(ptr, f32_to_bf16_bits(x).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+
+
+@triton.jit(do_not_specialize=["layer", "n_tokens", "loc_stride"])
+def _rows_kernel(
+    k_data, k_scale, v_data, v_scale, g_ptr, layer, loc_ptr, loc_stride, n_tokens,
+    k_ptr, k_sn, k_sh, k_sd, v_ptr, v_sn, v_sh, v_sd,
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, NBK: tl.constexpr, NBK_PAD: tl.constexpr,
+    NBV: tl.constexpr, NBV_PAD: tl.constexpr, BLOCK: tl.constexpr, VALUE_BITS: tl.constexpr,
+    E4M3_SCALE: tl.constexpr, SATURATE: tl.constexpr, KD_LAYER: tl.constexpr, KS_LAYER: tl.constexpr,
+    VD_LAYER: tl.constexpr, VS_LAYER: tl.constexpr, GATHER: tl.constexpr, OUT: tl.constexpr,
+    HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Store (``GATHER`` False: ``k_ptr`` / ``v_ptr`` are the inputs) or gather (the outputs) ``n_tokens``
+    rows at ``loc``; grid ``(token blocks, 2 H)``."""
+    tok = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = tok < n_tokens
+    rows = tl.load(loc_ptr + tok.to(tl.int64) * loc_stride, mask=mask_n, other=0).to(tl.int64)
+    tok = tok.to(tl.int64)
+    hp = tl.program_id(1)
+    lay = layer.to(tl.int64)
+    KB: tl.constexpr = DK * VALUE_BITS // 8
+    VB: tl.constexpr = DV * VALUE_BITS // 8
+    if hp < H:
+        g = 1.0
+        if E4M3_SCALE:
+            g = tl.load(g_ptr + lay * 2)
+        data, scale = k_data + lay * KD_LAYER + hp * KB, k_scale + lay * KS_LAYER + hp * NBK
+        if GATHER:
+            _dequantize_head(k_ptr + hp * k_sh, k_sn, k_sd, data, scale, rows, tok, mask_n, g, DK, NBK, NBK_PAD,
+                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, H * KB, H * NBK)  # fmt: skip
+        else:
+            _quantize_head(k_ptr + hp * k_sh, k_sn, k_sd, data, scale, rows, tok, mask_n, g, DK, NBK, NBK_PAD,
+                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, H * KB, H * NBK)  # fmt: skip
+    else:
+        h = hp - H
+        g = 1.0
+        if E4M3_SCALE:
+            g = tl.load(g_ptr + lay * 2 + 1)
+        data, scale = v_data + lay * VD_LAYER + h * VB, v_scale + lay * VS_LAYER + h * NBV
+        if GATHER:
+            _dequantize_head(v_ptr + h * v_sh, v_sn, v_sd, data, scale, rows, tok, mask_n, g, DV, NBV, NBV_PAD,
+                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, H * VB, H * NBV)  # fmt: skip
+        else:
+            _quantize_head(v_ptr + h * v_sh, v_sn, v_sd, data, scale, rows, tok, mask_n, g, DV, NBV, NBV_PAD,
+                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, H * VB, H * NBV)  # fmt: skip
+
+
+_OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _launch(pool, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool) -> None:
+    from kvcore.fp8 import torch_e4m3fn_saturates
+
+    r: Recipe = pool.recipe
+    n = loc.shape[0]
+    if n == 0:
+        return
+    nbk, nbv = pool.head_dim // r.block, pool.v_head_dim // r.block
+    g = pool.global_scale if pool.global_scale is not None else pool.k_scale
+    grid = (triton.cdiv(n, BLOCK_N), 2 * pool.head_num)
+    _rows_kernel[grid](
+        pool.k_data, pool.k_scale, pool.v_data, pool.v_scale, g, layer, loc, loc.stride(0), n,
+        k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
+        H=pool.head_num, DK=pool.head_dim, DV=pool.v_head_dim, NBK=nbk, NBK_PAD=next_pow2(nbk), NBV=nbv,
+        NBV_PAD=next_pow2(nbv), BLOCK=r.block, VALUE_BITS=r.value_bits, E4M3_SCALE=r.scale_kind == "e4m3",
+        SATURATE=torch_e4m3fn_saturates(), KD_LAYER=pool.k_data.stride(0), KS_LAYER=pool.k_scale.stride(0),
+        VD_LAYER=pool.v_data.stride(0), VS_LAYER=pool.v_scale.stride(0), GATHER=gather,
+        OUT=_OUT.get(k.dtype, 0) if gather else 0, HW_CVT=not triton_interpreting(), BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+
+
+def store_kv(pool, layer: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+    """Quantize ``cache_k`` ``[N, H, Dk]`` / ``cache_v`` ``[N, H, Dv]`` (any strides, float32/float16/bfloat16)
+    into rows ``loc`` of local layer ``layer`` of ``pool`` (an :class:`~kvcore_fp4.pool.MHATokenToKVPoolFP4`):
+    one launch, the bytes of :func:`kvcore_fp4.formats.quantize`."""
+    _launch(pool, layer, loc, cache_k, cache_v, gather=False)
+
+
+def gather_kv(pool, layer: int, loc: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+    """Rows ``loc`` of local layer ``layer`` dequantized into ``out_k`` / ``out_v`` (float32/float16/bfloat16,
+    one dtype, any strides): one launch, the values of :func:`kvcore_fp4.formats.dequantize`."""
+    if out_k.dtype != out_v.dtype or out_k.dtype not in _OUT:
+        raise ValueError(f"outputs must share a float32/float16/bfloat16 dtype, got {out_k.dtype} and {out_v.dtype}")
+    _launch(pool, layer, loc, out_k, out_v, gather=True)

@@ -1,0 +1,80 @@
+"""The block-scaled store and gather kernels against the torch references, bit for bit: every format, odd
+head widths, strided inputs, zero and tiny blocks, every output dtype.  Interpreted on the CPU; compiled on
+CUDA with KVCORE_TEST_COMPILED=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore.testing.tensors import bits_equal, test_device
+from kvcore_fp4.formats import RECIPES, dequantize, quantize
+from kvcore_fp4.pool import MHATokenToKVPoolFP4
+
+DEVICE = test_device()
+
+
+def pools(kv_format, head_dim, v_head_dim):
+    args = dict(size=24, page_size=4, dtype=torch.bfloat16, head_num=3, head_dim=head_dim, v_head_dim=v_head_dim,
+                layer_num=2, device=DEVICE, enable_memory_saver=False, kv_format=kv_format)  # fmt: skip
+    return MHATokenToKVPoolFP4(kernels="triton", **args), MHATokenToKVPoolFP4(kernels="native", **args)
+
+
+def inputs(n, head_dim, v_head_dim, seed, dtype=torch.bfloat16):
+    """K and V as strided views of one projection, with a zero block, a tiny block and large values."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n, 3, head_dim + v_head_dim + 8, generator=g) * 4
+    qkv[0, 0, :32] = 0
+    qkv[1, 1, :32] *= 1e-30
+    qkv[-1, 2, :16] *= 1e4
+    qkv = qkv.to(dtype).to(DEVICE)
+    return qkv[..., :head_dim], qkv[..., head_dim : head_dim + v_head_dim]
+
+
+WIDTHS = {"fp4_e2m1": (48, 32), "nvfp4": (64, 16), "mxfp8": (96, 32)}
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("kv_format", sorted(RECIPES))
+def test_store_writes_the_reference_bytes(kv_format, src_dtype):
+    dk, dv = WIDTHS[kv_format]
+    fast, ref = pools(kv_format, dk, dv)
+    if fast.global_scale is not None:
+        for p in (fast, ref):
+            p.set_kv_global_scale(1, 0.03125, 3.0)
+    k, v = inputs(7, dk, dv, 1, src_dtype)
+    loc = torch.tensor([5, 27, 9, 4, 13, 22, 8], device=DEVICE)
+    for p in (fast, ref):
+        p.set_kv_buffer(1, loc, k, v)
+    for name, buf in fast.buffers().items():
+        assert bits_equal(buf, ref.buffers()[name]), name
+    # and those bytes are the format's codes
+    recipe = RECIPES[kv_format]
+    g = 0.03125 if recipe.global_scale else 1.0
+    data, scales = quantize(k, recipe, g)
+    assert bits_equal(fast.k_data[1, loc], data) and bits_equal(fast.k_scale[1, loc], scales)
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("kv_format", sorted(RECIPES))
+def test_gather_reads_the_reference_values(kv_format, dst_dtype):
+    dk, dv = WIDTHS[kv_format]
+    fast, ref = pools(kv_format, dk, dv)
+    k, v = inputs(6, dk, dv, 2)
+    loc = torch.tensor([5, 27, 9, 4, 13, 22], device=DEVICE)
+    for p in (fast, ref):
+        p.set_kv_buffer(0, loc, k, v)
+    read = torch.tensor([9, 27, 9, 0], device=DEVICE)  # a row twice and the padding row
+    got, want = fast.get_kv_buffer_by_loc(0, read, dst_dtype), ref.get_kv_buffer_by_loc(0, read, dst_dtype)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+    recipe = RECIPES[kv_format]
+    assert bits_equal(want[0], dequantize(ref.k_data[0, read], ref.k_scale[0, read], recipe, dst_dtype))
+
+
+def test_empty_store_and_read():
+    fast, _ = pools("fp4_e2m1", 48, 32)
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    fast.set_kv_buffer(0, empty, torch.empty(0, 3, 48, device=DEVICE), torch.empty(0, 3, 32, device=DEVICE))
+    k, v = fast.get_kv_buffer_by_loc(0, empty)
+    assert k.shape == (0, 3, 48) and v.shape == (0, 3, 32)
+    assert int(fast.k_data.count_nonzero()) == 0
