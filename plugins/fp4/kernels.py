@@ -14,6 +14,7 @@ block of tokens and one head of K (``program_id(1) < H``) or V.  A program holds
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +24,7 @@ from kvcore.kernel_mode import triton_interpreting
 from kvcore.row_move import next_pow2
 from kvcore_fp4.formats import E2M1_BOUNDS, E2M1_MAX, E4M3_EMAX, E4M3_MAX, UE8M0_BIAS, Recipe
 
-__all__ = ["gather_kv", "store_kv"]
+__all__ = ["Parts", "gather_parts", "store_parts"]
 
 _B0, _B1, _B2, _B3, _B4, _B5, _B6 = (tl.constexpr(b) for b in E2M1_BOUNDS)
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
@@ -172,11 +173,14 @@ def _rows_kernel(
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, NBK: tl.constexpr, NBK_PAD: tl.constexpr,
     NBV: tl.constexpr, NBV_PAD: tl.constexpr, BLOCK: tl.constexpr, VALUE_BITS: tl.constexpr,
     E4M3_SCALE: tl.constexpr, SATURATE: tl.constexpr, KD_LAYER: tl.constexpr, KS_LAYER: tl.constexpr,
-    VD_LAYER: tl.constexpr, VS_LAYER: tl.constexpr, GATHER: tl.constexpr, OUT: tl.constexpr,
+    VD_LAYER: tl.constexpr, VS_LAYER: tl.constexpr, KD_ROW: tl.constexpr, KS_ROW: tl.constexpr,
+    VD_ROW: tl.constexpr, VS_ROW: tl.constexpr, GATHER: tl.constexpr, OUT: tl.constexpr,
     HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Store (``GATHER`` False: ``k_ptr`` / ``v_ptr`` are the inputs) or gather (the outputs) ``n_tokens``
-    rows at ``loc``; grid ``(token blocks, 2 H)``."""
+    rows at ``loc``; grid ``(token blocks, 2 H)``.  The two parts (K and V of MHA; nope and rope of an MLA
+    latent row, H = 1) start at ``k_data`` / ``v_data`` (and their scales), rows ``*_ROW`` bytes apart, heads
+    one head's bytes apart."""
     tok = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = tok < n_tokens
     rows = tl.load(loc_ptr + tok.to(tl.int64) * loc_stride, mask=mask_n, other=0).to(tl.int64)
@@ -192,10 +196,10 @@ def _rows_kernel(
         data, scale = k_data + lay * KD_LAYER + hp * KB, k_scale + lay * KS_LAYER + hp * NBK
         if GATHER:
             _dequantize_head(k_ptr + hp * k_sh, k_sn, k_sd, data, scale, rows, tok, mask_n, g, DK, NBK, NBK_PAD,
-                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, H * KB, H * NBK)  # fmt: skip
+                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, KD_ROW, KS_ROW)  # fmt: skip
         else:
             _quantize_head(k_ptr + hp * k_sh, k_sn, k_sd, data, scale, rows, tok, mask_n, g, DK, NBK, NBK_PAD,
-                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, H * KB, H * NBK)  # fmt: skip
+                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, KD_ROW, KS_ROW)  # fmt: skip
     else:
         h = hp - H
         g = 1.0
@@ -204,46 +208,64 @@ def _rows_kernel(
         data, scale = v_data + lay * VD_LAYER + h * VB, v_scale + lay * VS_LAYER + h * NBV
         if GATHER:
             _dequantize_head(v_ptr + h * v_sh, v_sn, v_sd, data, scale, rows, tok, mask_n, g, DV, NBV, NBV_PAD,
-                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, H * VB, H * NBV)  # fmt: skip
+                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, VD_ROW, VS_ROW)  # fmt: skip
         else:
             _quantize_head(v_ptr + h * v_sh, v_sn, v_sd, data, scale, rows, tok, mask_n, g, DV, NBV, NBV_PAD,
-                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, H * VB, H * NBV)  # fmt: skip
+                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, VD_ROW, VS_ROW)  # fmt: skip
 
 
 _OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def _launch(pool, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool) -> None:
+@attrs.frozen
+class Parts:
+    """Where one pool keeps its two parts, for :func:`store_parts` / :func:`gather_parts`: per part the codes
+    and scales (stacked ``[L, R, ...]`` uint8 tensors, or views of one at a byte offset) and the part's width;
+    ``heads`` heads per part, each ``width`` values; ``global_scale`` a float32 ``[L, 1, 2]`` (nvfp4) or None."""
+
+    recipe: Recipe
+    heads: int
+    k_data: torch.Tensor
+    k_scale: torch.Tensor
+    k_width: int
+    v_data: torch.Tensor
+    v_scale: torch.Tensor
+    v_width: int
+    global_scale: torch.Tensor | None = None
+
+
+def _launch(parts: Parts, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool) -> None:
     from kvcore.fp8 import torch_e4m3fn_saturates
 
-    r: Recipe = pool.recipe
+    r = parts.recipe
     n = loc.shape[0]
     if n == 0:
         return
-    nbk, nbv = pool.head_dim // r.block, pool.v_head_dim // r.block
-    g = pool.global_scale if pool.global_scale is not None else pool.k_scale
-    grid = (triton.cdiv(n, BLOCK_N), 2 * pool.head_num)
+    nbk, nbv = parts.k_width // r.block, parts.v_width // r.block
+    g = parts.global_scale if parts.global_scale is not None else parts.k_scale
+    grid = (triton.cdiv(n, BLOCK_N), 2 * parts.heads)
+    kd, ks, vd, vs = parts.k_data, parts.k_scale, parts.v_data, parts.v_scale
     _rows_kernel[grid](
-        pool.k_data, pool.k_scale, pool.v_data, pool.v_scale, g, layer, loc, loc.stride(0), n,
+        kd, ks, vd, vs, g, layer, loc, loc.stride(0), n,
         k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
-        H=pool.head_num, DK=pool.head_dim, DV=pool.v_head_dim, NBK=nbk, NBK_PAD=next_pow2(nbk), NBV=nbv,
+        H=parts.heads, DK=parts.k_width, DV=parts.v_width, NBK=nbk, NBK_PAD=next_pow2(nbk), NBV=nbv,
         NBV_PAD=next_pow2(nbv), BLOCK=r.block, VALUE_BITS=r.value_bits, E4M3_SCALE=r.scale_kind == "e4m3",
-        SATURATE=torch_e4m3fn_saturates(), KD_LAYER=pool.k_data.stride(0), KS_LAYER=pool.k_scale.stride(0),
-        VD_LAYER=pool.v_data.stride(0), VS_LAYER=pool.v_scale.stride(0), GATHER=gather,
-        OUT=_OUT.get(k.dtype, 0) if gather else 0, HW_CVT=not triton_interpreting(), BLOCK_N=BLOCK_N,
+        SATURATE=torch_e4m3fn_saturates(), KD_LAYER=kd.stride(0), KS_LAYER=ks.stride(0), VD_LAYER=vd.stride(0),
+        VS_LAYER=vs.stride(0), KD_ROW=kd.stride(1), KS_ROW=ks.stride(1), VD_ROW=vd.stride(1), VS_ROW=vs.stride(1),
+        GATHER=gather, OUT=_OUT.get(k.dtype, 0) if gather else 0, HW_CVT=not triton_interpreting(), BLOCK_N=BLOCK_N,
     )  # fmt: skip
 
 
-def store_kv(pool, layer: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
-    """Quantize ``cache_k`` ``[N, H, Dk]`` / ``cache_v`` ``[N, H, Dv]`` (any strides, float32/float16/bfloat16)
-    into rows ``loc`` of local layer ``layer`` of ``pool`` (an :class:`~kvcore_fp4.pool.MHATokenToKVPoolFP4`):
-    one launch, the bytes of :func:`kvcore_fp4.formats.quantize`."""
-    _launch(pool, layer, loc, cache_k, cache_v, gather=False)
+def store_parts(parts: Parts, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Quantize ``k`` ``[N, heads, k_width]`` and ``v`` ``[N, heads, v_width]`` (any strides, float32 / float16
+    / bfloat16) into rows ``loc`` of local layer ``layer``: one launch, the bytes of
+    :func:`kvcore_fp4.formats.quantize` of each part."""
+    _launch(parts, layer, loc, k, v, gather=False)
 
 
-def gather_kv(pool, layer: int, loc: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+def gather_parts(parts: Parts, layer: int, loc: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
     """Rows ``loc`` of local layer ``layer`` dequantized into ``out_k`` / ``out_v`` (float32/float16/bfloat16,
     one dtype, any strides): one launch, the values of :func:`kvcore_fp4.formats.dequantize`."""
     if out_k.dtype != out_v.dtype or out_k.dtype not in _OUT:
         raise ValueError(f"outputs must share a float32/float16/bfloat16 dtype, got {out_k.dtype} and {out_v.dtype}")
-    _launch(pool, layer, loc, out_k, out_v, gather=True)
+    _launch(parts, layer, loc, out_k, out_v, gather=True)

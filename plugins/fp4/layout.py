@@ -39,3 +39,22 @@ def fp4_mha_layout(*, backend: str, request: PoolRequest) -> PoolLayout:
     if recipe.global_scale:
         note += ", a float32 global scale per layer for K and for V"
     return PoolLayout(backend=backend, buffers=buffers, notes=(note,))
+
+
+def fp4_mla_layout(*, backend: str, request: PoolRequest) -> PoolLayout:
+    """The buffers of an :class:`~kvcore_fp4.pool.MLATokenToKVPoolFP4`: latent codes and block scales."""
+    recipe = recipe_of(request)
+    mla = request.section("mla")
+    recipe.check_width(mla.kv_lora_rank, "model.mla.kv_lora_rank")
+    recipe.check_width(mla.qk_rope_head_dim, "model.mla.qk_rope_head_dim")
+    width = mla.kv_lora_rank + mla.qk_rope_head_dim
+    common = dict(layers=request.layer_num, dtype=torch.uint8, pad_tokens=request.page_size)
+    buffers = [
+        BufferLayout(name="kv_data", row_shape=(1, recipe.data_bytes(width)), **common),
+        BufferLayout(name="kv_scale", row_shape=(1, recipe.scale_bytes(width)), **common),
+    ]
+    if recipe.global_scale:
+        buffers.append(BufferLayout(name="global_scale", layers=request.layer_num, row_shape=(2,), dtype=torch.float32,
+                                    fixed_rows=1))  # fmt: skip
+    note = f"{recipe.name} latent rows: nope and rope quantized apart, a scale per {recipe.block} values"
+    return PoolLayout(backend=backend, buffers=buffers, notes=(note,))

@@ -8,7 +8,7 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.pools import KVCache
 from kvcore.sample import random_nonzero
-from kvcore_fp4 import kernels
+from kvcore_fp4 import kernels as block_kernels
 from kvcore_fp4.formats import RECIPES, dequantize, quantize
 
 
@@ -63,6 +63,8 @@ class MHATokenToKVPoolFP4(KVCache):
         self.v_data = zeros(layer_num, rows, head_num, r.data_bytes(self.v_head_dim))
         self.v_scale = zeros(layer_num, rows, head_num, r.scale_bytes(self.v_head_dim))
         self.global_scale = torch.ones(layer_num, 1, 2, dtype=torch.float32, device=device) if r.global_scale else None
+        self._parts = block_kernels.Parts(r, head_num, self.k_data, self.k_scale, self.head_dim, self.v_data,
+                                          self.v_scale, self.v_head_dim, self.global_scale)  # fmt: skip
         self._finalize_allocation()
 
     # -- buffers ------------------------------------------------------------------------------------------
@@ -110,8 +112,8 @@ class MHATokenToKVPoolFP4(KVCache):
                 raise ValueError(f"layer {layer}: {what} must be [N, H, D] = {(n, self.head_num, width)}, got {tuple(x.shape)}")
         if self._use_triton:
             if n:
-                kernels.store_kv(self, local, loc, cache_k.reshape(n, self.head_num, self.head_dim),
-                                 cache_v.reshape(n, self.head_num, self.v_head_dim))  # fmt: skip
+                k = cache_k.reshape(n, self.head_num, self.head_dim)
+                block_kernels.store_parts(self._parts, local, loc, k, cache_v.reshape(n, self.head_num, self.v_head_dim))
             return
         kg, vg = self._globals(local)
         for data, scales, x, g, width in ((self.k_data, self.k_scale, cache_k, kg, self.head_dim),
@@ -134,7 +136,7 @@ class MHATokenToKVPoolFP4(KVCache):
         if self._use_triton:
             k = torch.empty((loc.numel(), self.head_num, self.head_dim), dtype=dst, device=self.k_data.device)
             v = torch.empty((loc.numel(), self.head_num, self.v_head_dim), dtype=dst, device=self.k_data.device)
-            kernels.gather_kv(self, local, loc, k, v)
+            block_kernels.gather_parts(self._parts, local, loc, k, v)
             return k, v
         k = dequantize(self.k_data[local, loc], self.k_scale[local, loc], self.recipe, dst, kg)
         v = dequantize(self.v_data[local, loc], self.v_scale[local, loc], self.recipe, dst, vg)
@@ -166,3 +168,137 @@ class MHATokenToKVPoolFP4(KVCache):
         for name, g in (("k", kg), ("v", vg)):
             expected[f"{name}_data"], expected[f"{name}_scale"] = quantize(rows[name], self.recipe, g)
         return expected
+
+
+class MLATokenToKVPoolFP4(KVCache):
+    """MLA latent rows (``kv_lora_rank`` nope values, then ``qk_rope_head_dim`` rope values) in a block-scaled
+    format; nope and rope are quantized separately (no block straddles them: both widths are whole blocks).
+
+    Buffers: ``kv_data`` ``[L, R, 1, row codes]``, ``kv_scale`` ``[L, R, 1, row blocks]`` and, for nvfp4,
+    ``global_scale[layer, 0, 0 | 1]`` for nope / rope.  :meth:`get_mla_kv_buffer` dequantizes only the rows
+    asked for; :meth:`get_key_buffer` a whole layer (the seed's accessor).  ``dtype`` is what reads return.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str,
+        enable_memory_saver: bool,
+        start_layer: int | None = None,
+        end_layer: int | None = None,
+        kernels: str = "auto",
+        kv_format: str = "fp4_e2m1",
+    ):
+        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
+        if kv_format not in RECIPES:
+            raise ConfigError(f"kv_format={kv_format!r} is not one of {', '.join(RECIPES)}")
+        r = self.recipe = RECIPES[kv_format]
+        self.kv_format, self.kv_lora_rank, self.qk_rope_head_dim = kv_format, kv_lora_rank, qk_rope_head_dim
+        r.check_width(kv_lora_rank, "kv_lora_rank")
+        r.check_width(qk_rope_head_dim, "qk_rope_head_dim")
+        width, rows = kv_lora_rank + qk_rope_head_dim, size + page_size
+        self.kv_data = torch.zeros((layer_num, rows, 1, r.data_bytes(width)), dtype=torch.uint8, device=device)
+        self.kv_scale = torch.zeros((layer_num, rows, 1, r.scale_bytes(width)), dtype=torch.uint8, device=device)
+        self.global_scale = torch.ones(layer_num, 1, 2, dtype=torch.float32, device=device) if r.global_scale else None
+        nd, ns = r.data_bytes(kv_lora_rank), r.scale_bytes(kv_lora_rank)
+        self._split = (nd, ns)
+        self._parts = block_kernels.Parts(r, 1, self.kv_data[..., :nd], self.kv_scale[..., :ns], kv_lora_rank,
+                                          self.kv_data[..., nd:], self.kv_scale[..., ns:], qk_rope_head_dim,
+                                          self.global_scale)  # fmt: skip
+        self._finalize_allocation()
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        named = {"kv_data": self.kv_data, "kv_scale": self.kv_scale}
+        if self.global_scale is not None:
+            named["global_scale"] = self.global_scale
+        return named
+
+    def token_buffers(self) -> dict[str, torch.Tensor]:
+        return {"kv_data": self.kv_data, "kv_scale": self.kv_scale}
+
+    def _globals(self, local: int):
+        if self.global_scale is None:
+            return 1.0, 1.0
+        return self.global_scale[local, 0, 0], self.global_scale[local, 0, 1]
+
+    # -- writes -------------------------------------------------------------------------------------------
+
+    def set_mla_kv_buffer(self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor,
+                          layer_id_override: int | None = None) -> None:  # fmt: skip
+        """Quantize nope ``[N, 1, kv_lora_rank]`` and rope ``[N, 1, qk_rope_head_dim]`` (or ``[N, W]``) into rows
+        ``loc``, each part with its own block scales (one launch)."""
+        local = self.local_layer(layer, layer_id_override)
+        loc = loc.reshape(-1).long()
+        n = loc.numel()
+        parts = []
+        for what, x, width in (("cache_k_nope", cache_k_nope, self.kv_lora_rank), ("cache_k_rope", cache_k_rope,
+                                                                                   self.qk_rope_head_dim)):  # fmt: skip
+            if x.numel() != n * width or x.shape[0] != n:
+                raise ValueError(f"layer {layer}: {what} must be [N, 1, {width}] with N = {n}, got {tuple(x.shape)}")
+            parts.append(x.reshape(n, 1, width))
+        if n == 0:
+            return
+        if self._use_triton:
+            block_kernels.store_parts(self._parts, local, loc, *parts)
+            return
+        nd, ns = self._split
+        for (data, scales), x, g in zip(((slice(0, nd), slice(0, ns)), (slice(nd, None), slice(ns, None))), parts,
+                                        self._globals(local)):  # fmt: skip
+            codes, block_scales = quantize(x, self.recipe, g)
+            self.kv_data[local, loc, :, data] = codes
+            self.kv_scale[local, loc, :, scales] = block_scales
+
+    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v=None, k_scale=None, v_scale=None,
+                      layer_id_override: int | None = None) -> None:  # fmt: skip
+        """Store already concatenated latent rows ``[N, 1, kv_lora_rank + qk_rope_head_dim]`` (``cache_v`` is
+        ignored, as in SGLang; block-scaled rows take no ``k_scale`` / ``v_scale``)."""
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{self.kv_format} rows carry their own block scales; pass k_scale=None, v_scale=None")
+        flat = cache_k.reshape(cache_k.shape[0], -1)
+        r = self.kv_lora_rank
+        self.set_mla_kv_buffer(layer, loc, flat[:, :r], flat[:, r:], layer_id_override)
+
+    # -- reads --------------------------------------------------------------------------------------------
+
+    def get_mla_kv_buffer(self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None):
+        """``(cache_k_nope [N, 1, kv_lora_rank], cache_k_rope [N, 1, qk_rope_head_dim])`` of rows ``loc``,
+        dequantized to ``dst_dtype`` (default the pool's ``dtype``): only those rows are read."""
+        local = self.local_layer(layer)
+        self._wait_for_layer(local)
+        loc = loc.reshape(-1).long()
+        dst = dst_dtype or self.dtype
+        if self._use_triton:
+            nope = torch.empty((loc.numel(), 1, self.kv_lora_rank), dtype=dst, device=self.kv_data.device)
+            rope = torch.empty((loc.numel(), 1, self.qk_rope_head_dim), dtype=dst, device=self.kv_data.device)
+            block_kernels.gather_parts(self._parts, local, loc, nope, rope)
+            return nope, rope
+        nd, ns = self._split
+        gn, gr = self._globals(local)
+        data, scales = self.kv_data[local, loc], self.kv_scale[local, loc]
+        nope = dequantize(data[..., :nd], scales[..., :ns], self.recipe, dst, gn)
+        rope = dequantize(data[..., nd:], scales[..., ns:], self.recipe, dst, gr)
+        return nope, rope
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """A whole layer's latent rows dequantized ``[R, 1, kv_lora_rank + qk_rope_head_dim]`` (the seed's
+        accessor; reads every row: prefer :meth:`get_mla_kv_buffer`)."""
+        every = torch.arange(self.kv_data.shape[1], device=self.kv_data.device)
+        return torch.cat(self.get_mla_kv_buffer(layer_id, every), dim=-1)
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """The nope part of :meth:`get_key_buffer`."""
+        return self.get_key_buffer(layer_id)[..., : self.kv_lora_rank]
+
+    def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Random bf16 nope and rope through :meth:`set_mla_kv_buffer`; the expected bytes are their codes."""
+        nope = random_nonzero((loc.numel(), 1, self.kv_lora_rank), torch.bfloat16, generator, 2.0, self.device)
+        rope = random_nonzero((loc.numel(), 1, self.qk_rope_head_dim), torch.bfloat16, generator, 2.0, self.device)
+        self.set_mla_kv_buffer(layer, loc, nope, rope)
+        gn, gr = self._globals(self.local_layer(layer))
+        (nd, ns), (rd, rs) = quantize(nope, self.recipe, gn), quantize(rope, self.recipe, gr)
+        return {"kv_data": torch.cat((nd, rd), -1), "kv_scale": torch.cat((ns, rs), -1)}

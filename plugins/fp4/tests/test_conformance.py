@@ -11,3 +11,9 @@ class TestFP4Conformance(KVCacheConformance):
               "model.num_key_value_heads=3", "model.head_dim=64", "model.v_head_dim=32"]  # fmt: skip
     variants = [Variant("fp4_e2m1", "triton", 1), Variant("nvfp4", "triton", 4), Variant("mxfp8", "triton", 1),
                 Variant("fp4_e2m1", "native", 16), Variant("nvfp4", "native", 1), Variant("mxfp8", "native", 4)]  # fmt: skip
+
+
+class TestFP4MLAConformance(KVCacheConformance):
+    backend = "fp4_mla"
+    config = ["model=tiny-mla", "model.num_hidden_layers=3", "model.mla.kv_lora_rank=96", "model.mla.qk_rope_head_dim=32"]
+    variants = [Variant("fp4_e2m1", "triton", 1), Variant("nvfp4", "native", 4), Variant("mxfp8", "triton", 16)]

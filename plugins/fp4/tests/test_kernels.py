@@ -78,3 +78,24 @@ def test_empty_store_and_read():
     k, v = fast.get_kv_buffer_by_loc(0, empty)
     assert k.shape == (0, 3, 48) and v.shape == (0, 3, 32)
     assert int(fast.k_data.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("kv_format", sorted(RECIPES))
+def test_mla_rows_store_and_read_like_the_reference(kv_format):
+    from kvcore_fp4.pool import MLATokenToKVPoolFP4
+
+    args = dict(size=16, page_size=4, dtype=torch.bfloat16, kv_lora_rank=96, qk_rope_head_dim=32, layer_num=2,
+                device=DEVICE, enable_memory_saver=False, kv_format=kv_format)  # fmt: skip
+    fast, ref = MLATokenToKVPoolFP4(kernels="triton", **args), MLATokenToKVPoolFP4(kernels="native", **args)
+    g = torch.Generator().manual_seed(4)
+    proj = (torch.randn(5, 1, 140, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    nope, rope = proj[..., :96], proj[..., 100:132]  # strided views of one projection
+    loc = torch.tensor([3, 17, 8, 11, 4], device=DEVICE)
+    for p in (fast, ref):
+        p.set_mla_kv_buffer(1, loc, nope, rope)
+    assert bits_equal(fast.kv_data, ref.kv_data) and bits_equal(fast.kv_scale, ref.kv_scale)
+    got, want = fast.get_mla_kv_buffer(1, loc, torch.float32), ref.get_mla_kv_buffer(1, loc, torch.float32)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+    recipe = RECIPES[kv_format]
+    assert bits_equal(want[1], dequantize(*quantize(rope, recipe), recipe))  # rope quantized on its own
+    assert bits_equal(fast.get_key_buffer(1)[loc], torch.cat(fast.get_mla_kv_buffer(1, loc), -1))
