@@ -41,7 +41,9 @@ import pytest  # noqa: E402
 from kvcore.hookspecs import API_VERSION  # noqa: E402
 from kvcore.testing.suite import (  # noqa: E402
     CAPABILITIES,
+    LOSSY,
     BaseBufferInfoTests,
+    BaseLossyTests,
     BaseCpuCopyTests,
     BaseLayoutTests,
     BaseMoveTests,
@@ -58,6 +60,8 @@ KIT_VERSION = API_VERSION
 
 __all__ = [
     "CAPABILITIES",
+    "LOSSY",
+    "BaseLossyTests",
     "KIT_VERSION",
     "BaseBufferInfoTests",
     "BaseCpuCopyTests",

@@ -15,6 +15,8 @@ a capability the pool does not declare are skipped by capability, never by backe
 and ``kv_page_size``; ``kv_writer`` defaults to the pool's own ``self_test_write``.  Without the required
 fixtures every test fails with a message naming the fixture.
 
+A pool that stores values lossily declares :data:`LOSSY` as well (see :class:`BaseLossyTests`).
+
 Moves and CPU offload are checked on every row of :meth:`KVCache.token_rows` (by default the token buffers;
 a pool with per-token state inside pages reports it there, as :class:`kvcore.token_rows.TokenRows`), and a
 move must leave every other byte of :meth:`KVCache.buffers` unchanged.
@@ -28,8 +30,12 @@ from typing import Protocol
 import pytest
 import torch
 
-#: capability names a pool may declare through the ``kv_capabilities`` fixture.
+#: capability names a pool may declare through the ``kv_capabilities`` fixture (the default declares these).
 CAPABILITIES = frozenset({"move", "cpu_offload", "buffer_infos"})
+#: declared in addition by a pool that stores values lossily (quantized caches): its round trip is checked
+#: within ``pool.lossy_bound`` (relative RMS error) through ``pool.self_test_values`` and ``pool.read_values``
+#: (:class:`BaseLossyTests`), beside the byte checks that hold for the bytes its writer reports.
+LOSSY = "lossy"
 
 
 class KVWriter(Protocol):
@@ -60,9 +66,9 @@ def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str) -
         raise AssertionError(f"{what}: {bad.shape[0]} bytes differ, first at {bad[0].tolist()}")
 
 
-def randomize(pool, generator: torch.Generator) -> None:
-    """Fill every buffer with random bytes (tests never run on zeros)."""
-    for buf in pool.buffers().values():
+def randomize(pool, generator: torch.Generator, buffers: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Fill every buffer (or only ``buffers``) with random bytes (tests never run on zeros)."""
+    for buf in (pool.buffers() if buffers is None else buffers).values():
         raw = buf.view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator).to(raw.device))
 
@@ -253,6 +259,38 @@ class BaseBufferInfoTests(_Base):
             assert lens[i] % item_lens[i] == 0, "a layer must hold whole pages"
 
 
-class KVCacheConformance(BaseLayoutTests, BaseStoreTests, BaseMoveTests, BaseCpuCopyTests, BaseBufferInfoTests):
+class BaseLossyTests(_Base):
+    """For pools declaring :data:`LOSSY`: values written through the family's write path
+    (``pool.self_test_values(layer, loc, generator) -> {part: float values written}``) read back
+    (``pool.read_values(layer, loc) -> {part: float values}``) within ``pool.lossy_bound``, the relative RMS
+    error the pool states, and nothing else in its buffers changes."""
+
+    @pytest.mark.parametrize("n", [3, 17])
+    def test_round_trip_within_the_stated_bound(self, kv_pool, kv_capabilities, generator, n):
+        self.need(kv_capabilities, LOSSY)
+        bound = float(kv_pool.lossy_bound)
+        randomize(kv_pool, generator, kv_pool.token_buffers())  # per-layer constants (global scales) stay valid
+        before = {name: buf.clone() for name, buf in kv_pool.buffers().items()}
+        layer = kv_pool.token_layers()[-1]
+        loc = self.free_slots(kv_pool, n, generator)
+        written = kv_pool.self_test_values(layer, loc, generator)
+        read = kv_pool.read_values(layer, loc)
+        assert written and set(read) == set(written), f"read_values gave {sorted(read)}, the write {sorted(written)}"
+        for part, values in written.items():
+            got, want = read[part].float().cpu(), values.float().cpu()
+            assert got.shape == want.shape, f"{part}: read {tuple(got.shape)}, wrote {tuple(want.shape)}"
+            error = ((got - want).norm() / want.norm()).item()
+            assert error <= bound, f"{part}: relative RMS error {error:.4f} of a round trip exceeds the stated {bound}"
+        # Nothing else may change: with the written rows put back, every buffer is as before.
+        for name, rows in kv_pool.token_rows().items():
+            at = kv_pool.layer_in_buffer(name, layer)
+            if at is not None:
+                rows.rows[at, rows.row_of(loc).long()] = before[name][at, rows.row_of(loc).long()]
+        for name, buf in kv_pool.buffers().items():
+            assert_same_bytes(buf, before[name], f"buffer {name} outside the written rows after a lossy write")
+
+
+class KVCacheConformance(BaseLayoutTests, BaseStoreTests, BaseMoveTests, BaseCpuCopyTests, BaseBufferInfoTests,
+                         BaseLossyTests):  # fmt: skip
     """Every conformance test; subclass it and provide the fixtures named in the module docstring."""
 

@@ -11,8 +11,24 @@ from kvcore.sample import random_nonzero
 from kvcore_fp4 import kernels as block_kernels
 from kvcore_fp4.formats import RECIPES, dequantize, quantize
 
+#: the relative RMS error each format's round trip stays under on normal rows (kvcore.testing's lossy check;
+#: measured 0.112 / 0.095 / 0.030, README)
+LOSSY_BOUNDS = {"fp4_e2m1": 0.125, "nvfp4": 0.11, "mxfp8": 0.04}
 
-class MHATokenToKVPoolFP4(KVCache):
+
+class _Lossy:
+    """The conformance kit's lossy-storage protocol (``kvcore.testing.LOSSY``) for the block-scaled pools."""
+
+    @property
+    def lossy_bound(self) -> float:
+        return LOSSY_BOUNDS[self.kv_format]
+
+    def _random_parts(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        return {part: random_nonzero((n, heads, width), torch.float32, generator, 2.0, self.device)
+                for part, heads, width in self._value_parts()}  # fmt: skip
+
+
+class MHATokenToKVPoolFP4(_Lossy, KVCache):
     """Keys and values of MHA/GQA layers in a block-scaled format (``kv_format``: ``fp4_e2m1``, ``nvfp4`` or
     ``mxfp8``, see :mod:`kvcore_fp4.formats`).
 
@@ -156,6 +172,19 @@ class MHATokenToKVPoolFP4(KVCache):
         """A whole layer's values dequantized (see :meth:`get_key_buffer`)."""
         return self._whole_layer(layer_id, self.v_data, self.v_scale, 1)
 
+    def _value_parts(self):
+        return (("k", self.head_num, self.head_dim), ("v", self.head_num, self.v_head_dim))
+
+    def self_test_values(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Random float32 K/V through :meth:`set_kv_buffer`; returns them (the kit's lossy check)."""
+        values = self._random_parts(loc.numel(), generator)
+        self.set_kv_buffer(layer, loc, values["k"], values["v"])
+        return values
+
+    def read_values(self, layer: int, loc: torch.Tensor) -> dict[str, torch.Tensor]:
+        k, v = self.get_kv_buffer_by_loc(layer, loc, torch.float32)
+        return {"k": k, "v": v}
+
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Random bf16 K/V rows through :meth:`set_kv_buffer`; the expected bytes are the format's codes."""
         rows = {
@@ -170,7 +199,7 @@ class MHATokenToKVPoolFP4(KVCache):
         return expected
 
 
-class MLATokenToKVPoolFP4(KVCache):
+class MLATokenToKVPoolFP4(_Lossy, KVCache):
     """MLA latent rows (``kv_lora_rank`` nope values, then ``qk_rope_head_dim`` rope values) in a block-scaled
     format; nope and rope are quantized separately (no block straddles them: both widths are whole blocks).
 
@@ -293,6 +322,19 @@ class MLATokenToKVPoolFP4(KVCache):
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         """The nope part of :meth:`get_key_buffer`."""
         return self.get_key_buffer(layer_id)[..., : self.kv_lora_rank]
+
+    def _value_parts(self):
+        return (("nope", 1, self.kv_lora_rank), ("rope", 1, self.qk_rope_head_dim))
+
+    def self_test_values(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Random float32 nope and rope through :meth:`set_mla_kv_buffer`; returns them (the kit's lossy check)."""
+        values = self._random_parts(loc.numel(), generator)
+        self.set_mla_kv_buffer(layer, loc, values["nope"], values["rope"])
+        return values
+
+    def read_values(self, layer: int, loc: torch.Tensor) -> dict[str, torch.Tensor]:
+        nope, rope = self.get_mla_kv_buffer(layer, loc, torch.float32)
+        return {"nope": nope, "rope": rope}
 
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Random bf16 nope and rope through :meth:`set_mla_kv_buffer`; the expected bytes are their codes."""

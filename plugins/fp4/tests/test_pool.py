@@ -13,10 +13,10 @@ from kvcore_fp4.formats import RECIPES, dequantize, quantize
 from kvcore_fp4.pool import MHATokenToKVPoolFP4
 
 
-def make(kv_format="fp4_e2m1", **kw) -> MHATokenToKVPoolFP4:
+def make(kv_format="fp4_e2m1", cls=MHATokenToKVPoolFP4, **kw) -> MHATokenToKVPoolFP4:
     args = dict(size=40, page_size=4, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=3, device="cpu",
                 enable_memory_saver=False, kernels="native", kv_format=kv_format)  # fmt: skip
-    return MHATokenToKVPoolFP4(**{**args, **kw})
+    return cls(**{**args, **kw})
 
 
 def rows(n, seed, width=64):
@@ -91,3 +91,26 @@ def test_unknown_dtype_names_list_dtypes_and_formats(fresh_registry):
 
     with pytest.raises(ConfigError, match="kv_cache.dtype='int4'.*block formats: fp4_e2m1, mxfp8, nvfp4"):
         load_config("kv_cache.dtype=int4")
+
+
+def test_the_kits_lossy_check_catches_a_bad_round_trip():
+    """The kit's lossy-storage check fails a pool whose reads come back wrong, and one whose writes spill
+    outside their rows."""
+    from kvcore.testing import LOSSY, BaseLossyTests
+
+    class WrongReads(MHATokenToKVPoolFP4):
+        def read_values(self, layer, loc):
+            return {name: values * 1.5 for name, values in super().read_values(layer, loc).items()}
+
+    class Spills(MHATokenToKVPoolFP4):
+        def self_test_values(self, layer, loc, generator):
+            values = super().self_test_values(layer, loc, generator)
+            self.k_data[0, -1] ^= 1  # a byte of another row
+            return values
+
+    check = BaseLossyTests().test_round_trip_within_the_stated_bound
+    check(make(), {LOSSY}, torch.Generator().manual_seed(0), 3)  # a good pool passes
+    with pytest.raises(AssertionError, match="exceeds the stated"):
+        check(make(cls=WrongReads), {LOSSY}, torch.Generator().manual_seed(0), 3)
+    with pytest.raises(AssertionError, match="outside the written rows"):
+        check(make(cls=Spills), {LOSSY}, torch.Generator().manual_seed(0), 3)
