@@ -16,6 +16,13 @@ from kvcore_fp4.formats import RECIPES, dequantize, quantize
 LOSSY_BOUNDS = {"fp4_e2m1": 0.125, "nvfp4": 0.11, "mxfp8": 0.04}
 
 
+def _read_dtype(dtype: torch.dtype, kv_format: str) -> tuple[torch.dtype, str]:
+    """SGLang builds its FP4 pools with ``dtype=torch.float4_e2m1fn_x2``: that means block FP4, read as bf16."""
+    if dtype == getattr(torch, "float4_e2m1fn_x2", None):
+        return torch.bfloat16, "fp4_e2m1"
+    return dtype, kv_format
+
+
 class _Lossy:
     """The conformance kit's lossy-storage protocol (``kvcore.testing.LOSSY``) for the block-scaled pools."""
 
@@ -39,7 +46,8 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
 
     Reads: :meth:`get_kv_buffer_by_loc` dequantizes only the rows asked for (what attention backends call);
     :meth:`get_key_buffer` / :meth:`get_value_buffer` dequantize a whole layer, as the seed's pool does, for
-    compatibility.  ``dtype`` is what reads return.
+    compatibility.  ``dtype`` is what reads return (SGLang's ``torch.float4_e2m1fn_x2`` means block FP4 read as
+    bfloat16).
 
     Stores and reads by location run one Triton launch each (:mod:`kvcore_fp4.kernels`), or the torch
     references of :mod:`kvcore_fp4.formats` with ``kernels="native"``; both write the same bytes.
@@ -61,6 +69,7 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         kernels: str = "auto",
         kv_format: str = "fp4_e2m1",
     ):
+        dtype, kv_format = _read_dtype(dtype, kv_format)
         super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
         if kv_format not in RECIPES:
             raise ConfigError(f"kv_format={kv_format!r} is not one of {', '.join(RECIPES)}")
@@ -223,6 +232,7 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         kernels: str = "auto",
         kv_format: str = "fp4_e2m1",
     ):
+        dtype, kv_format = _read_dtype(dtype, kv_format)
         super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
         if kv_format not in RECIPES:
             raise ConfigError(f"kv_format={kv_format!r} is not one of {', '.join(RECIPES)}")

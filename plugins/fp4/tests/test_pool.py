@@ -114,3 +114,8 @@ def test_the_kits_lossy_check_catches_a_bad_round_trip():
         check(make(cls=WrongReads), {LOSSY}, torch.Generator().manual_seed(0), 3)
     with pytest.raises(AssertionError, match="outside the written rows"):
         check(make(cls=Spills), {LOSSY}, torch.Generator().manual_seed(0), 3)
+
+
+def test_sglangs_fp4_dtype_selects_block_fp4_read_as_bf16():
+    pool = make(dtype=torch.float4_e2m1fn_x2, kv_format="mxfp8")
+    assert pool.kv_format == "fp4_e2m1" and pool.dtype == torch.bfloat16
