@@ -21,10 +21,11 @@ import triton.language as tl
 
 from kvcore.fp8 import e4m3fn_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3fn_bits
 from kvcore.kernel_mode import triton_interpreting
+from kvcore.launch import Launcher
 from kvcore.row_move import next_pow2
 from kvcore_fp4.formats import E2M1_BOUNDS, E2M1_MAX, E4M3_EMAX, E4M3_MAX, UE8M0_BIAS, Recipe
 
-__all__ = ["Parts", "gather_parts", "store_parts"]
+__all__ = ["BlockRows", "Parts"]
 
 _B0, _B1, _B2, _B3, _B4, _B5, _B6 = (tl.constexpr(b) for b in E2M1_BOUNDS)
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
@@ -217,11 +218,11 @@ def _rows_kernel(
 _OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class Parts:
-    """Where one pool keeps its two parts, for :func:`store_parts` / :func:`gather_parts`: per part the codes
-    and scales (stacked ``[L, R, ...]`` uint8 tensors, or views of one at a byte offset) and the part's width;
-    ``heads`` heads per part, each ``width`` values; ``global_scale`` a float32 ``[L, 1, 2]`` (nvfp4) or None."""
+    """Where one pool keeps its two parts: per part the codes and scales (stacked ``[L, R, ...]`` uint8
+    tensors, or views of one at a byte offset) and the part's width; ``heads`` heads per part, each ``width``
+    values; ``global_scale`` a float32 ``[L, 1, 2]`` (nvfp4) or None.  Build one :class:`BlockRows` from it."""
 
     recipe: Recipe
     heads: int
@@ -234,38 +235,61 @@ class Parts:
     global_scale: torch.Tensor | None = None
 
 
-def _launch(parts: Parts, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool) -> None:
-    from kvcore.fp8 import torch_e4m3fn_saturates
-
-    r = parts.recipe
-    n = loc.shape[0]
-    if n == 0:
-        return
-    nbk, nbv = parts.k_width // r.block, parts.v_width // r.block
-    g = parts.global_scale if parts.global_scale is not None else parts.k_scale
-    grid = (triton.cdiv(n, BLOCK_N), 2 * parts.heads)
-    kd, ks, vd, vs = parts.k_data, parts.k_scale, parts.v_data, parts.v_scale
-    _rows_kernel[grid](
-        kd, ks, vd, vs, g, layer, loc, loc.stride(0), n,
-        k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
-        H=parts.heads, DK=parts.k_width, DV=parts.v_width, NBK=nbk, NBK_PAD=next_pow2(nbk), NBV=nbv,
-        NBV_PAD=next_pow2(nbv), BLOCK=r.block, VALUE_BITS=r.value_bits, E4M3_SCALE=r.scale_kind == "e4m3",
-        SATURATE=torch_e4m3fn_saturates(), KD_LAYER=kd.stride(0), KS_LAYER=ks.stride(0), VD_LAYER=vd.stride(0),
-        VS_LAYER=vs.stride(0), KD_ROW=kd.stride(1), KS_ROW=ks.stride(1), VD_ROW=vd.stride(1), VS_ROW=vs.stride(1),
-        GATHER=gather, OUT=_OUT.get(k.dtype, 0) if gather else 0, HW_CVT=not triton_interpreting(), BLOCK_N=BLOCK_N,
-    )  # fmt: skip
+#: the kernel's pointer parameters, passed as addresses (:mod:`kvcore.launch`)
+_POINTERS = ("k_data", "k_scale", "v_data", "v_scale", "g_ptr", "loc_ptr", "k_ptr", "v_ptr")
 
 
-def store_parts(parts: Parts, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Quantize ``k`` ``[N, heads, k_width]`` and ``v`` ``[N, heads, v_width]`` (any strides, float32 / float16
-    / bfloat16) into rows ``loc`` of local layer ``layer``: one launch, the bytes of
-    :func:`kvcore_fp4.formats.quantize` of each part."""
-    _launch(parts, layer, loc, k, v, gather=False)
+class BlockRows:
+    """The quantize-store and dequantize-gather of one pool's two parts, bound at pool creation: everything
+    the parts fix (widths, strides, constexprs, the buffers' addresses) is computed once, and each call checks
+    its tensors, names its launch key and launches directly (:mod:`kvcore.launch`)."""
 
+    def __init__(self, parts: Parts):
+        from kvcore.fp8 import torch_e4m3fn_saturates
 
-def gather_parts(parts: Parts, layer: int, loc: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
-    """Rows ``loc`` of local layer ``layer`` dequantized into ``out_k`` / ``out_v`` (float32/float16/bfloat16,
-    one dtype, any strides): one launch, the values of :func:`kvcore_fp4.formats.dequantize`."""
-    if out_k.dtype != out_v.dtype or out_k.dtype not in _OUT:
-        raise ValueError(f"outputs must share a float32/float16/bfloat16 dtype, got {out_k.dtype} and {out_v.dtype}")
-    _launch(parts, layer, loc, out_k, out_v, gather=True)
+        self.parts, r = parts, parts.recipe
+        kd, ks, vd, vs = parts.k_data, parts.k_scale, parts.v_data, parts.v_scale
+        g = parts.global_scale if parts.global_scale is not None else ks  # never read without a global scale
+        self._buffers = (kd, ks, vd, vs, g)
+        self._addresses = tuple(t.data_ptr() for t in self._buffers)
+        self.device, self._device_index = kd.device, kd.get_device()
+        nbk, nbv = parts.k_width // r.block, parts.v_width // r.block
+        # H, DK, DV, NBK, NBK_PAD, NBV, NBV_PAD, BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, then the layer and row
+        # strides of the four buffers (kernel order)
+        self._fixed = (parts.heads, parts.k_width, parts.v_width, nbk, next_pow2(nbk), nbv, next_pow2(nbv), r.block,
+                       r.value_bits, r.scale_kind == "e4m3", torch_e4m3fn_saturates(), kd.stride(0), ks.stride(0),
+                       vd.stride(0), vs.stride(0), kd.stride(1), ks.stride(1), vd.stride(1), vs.stride(1))  # fmt: skip
+        self._hw_cvt = not triton_interpreting()
+        self.launch = Launcher(_rows_kernel, kd.device, _POINTERS)
+
+    def _run(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool) -> None:
+        n = loc.shape[0]
+        if n == 0:
+            return
+        dev = self._device_index
+        if loc.get_device() != dev or k.get_device() != dev or v.get_device() != dev:
+            raise ValueError(f"loc and the rows must be on {self.device}, got {loc.device}, {k.device}, {v.device}")
+        kss, vss = k.stride(), v.stride()
+        kp, vp, lp = k.data_ptr(), v.data_ptr(), loc.data_ptr()
+        out = _OUT[k.dtype] if gather else 0
+        key = (gather, k.dtype, v.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, lp & 15)
+        self.launch(key, -(-n // BLOCK_N), 2 * self.parts.heads, (
+            *self._addresses, layer, lp, loc.stride(0), n, kp, kss[0], kss[1], kss[2], vp, vss[0], vss[1], vss[2],
+            *self._fixed, gather, out, self._hw_cvt, BLOCK_N,
+        ), (*self._buffers, loc, k, v))  # fmt: skip
+
+    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize ``k`` ``[N, heads, k_width]`` and ``v`` ``[N, heads, v_width]`` (any strides, float32 /
+        float16 / bfloat16) into rows ``loc`` of local layer ``layer``: one launch, the bytes of
+        :func:`kvcore_fp4.formats.quantize` of each part."""
+        for what, x in (("k", k), ("v", v)):
+            if x.dtype not in _OUT:
+                raise ValueError(f"{what} rows must be float32/float16/bfloat16 to be quantized, got {x.dtype}")
+        self._run(layer, loc, k, v, gather=False)
+
+    def gather(self, layer: int, loc: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+        """Rows ``loc`` of local layer ``layer`` dequantized into ``out_k`` / ``out_v`` (float32/float16/
+        bfloat16, one dtype, any strides): one launch, the values of :func:`kvcore_fp4.formats.dequantize`."""
+        if out_k.dtype != out_v.dtype or out_k.dtype not in _OUT:
+            raise ValueError(f"outputs must share a float32/float16/bfloat16 dtype, got {out_k.dtype} and {out_v.dtype}")
+        self._run(layer, loc, out_k, out_v, gather=True)

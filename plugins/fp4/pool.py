@@ -88,8 +88,10 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         self.v_data = zeros(layer_num, rows, head_num, r.data_bytes(self.v_head_dim))
         self.v_scale = zeros(layer_num, rows, head_num, r.scale_bytes(self.v_head_dim))
         self.global_scale = torch.ones(layer_num, 1, 2, dtype=torch.float32, device=device) if r.global_scale else None
-        self._parts = block_kernels.Parts(r, head_num, self.k_data, self.k_scale, self.head_dim, self.v_data,
-                                          self.v_scale, self.v_head_dim, self.global_scale)  # fmt: skip
+        self._rows = block_kernels.BlockRows(block_kernels.Parts(
+            r, head_num, self.k_data, self.k_scale, self.head_dim, self.v_data, self.v_scale, self.v_head_dim,
+            self.global_scale,
+        ))  # fmt: skip
         self._finalize_allocation()
 
     # -- buffers ------------------------------------------------------------------------------------------
@@ -138,7 +140,7 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         if self._use_triton:
             if n:
                 k = cache_k.reshape(n, self.head_num, self.head_dim)
-                block_kernels.store_parts(self._parts, local, loc, k, cache_v.reshape(n, self.head_num, self.v_head_dim))
+                self._rows.store(local, loc, k, cache_v.reshape(n, self.head_num, self.v_head_dim))
             return
         kg, vg = self._globals(local)
         for data, scales, x, g, width in ((self.k_data, self.k_scale, cache_k, kg, self.head_dim),
@@ -161,7 +163,7 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         if self._use_triton:
             k = torch.empty((loc.numel(), self.head_num, self.head_dim), dtype=dst, device=self.k_data.device)
             v = torch.empty((loc.numel(), self.head_num, self.v_head_dim), dtype=dst, device=self.k_data.device)
-            block_kernels.gather_parts(self._parts, local, loc, k, v)
+            self._rows.gather(local, loc, k, v)
             return k, v
         k = dequantize(self.k_data[local, loc], self.k_scale[local, loc], self.recipe, dst, kg)
         v = dequantize(self.v_data[local, loc], self.v_scale[local, loc], self.recipe, dst, vg)
@@ -246,9 +248,10 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         self.global_scale = torch.ones(layer_num, 1, 2, dtype=torch.float32, device=device) if r.global_scale else None
         nd, ns = r.data_bytes(kv_lora_rank), r.scale_bytes(kv_lora_rank)
         self._split = (nd, ns)
-        self._parts = block_kernels.Parts(r, 1, self.kv_data[..., :nd], self.kv_scale[..., :ns], kv_lora_rank,
-                                          self.kv_data[..., nd:], self.kv_scale[..., ns:], qk_rope_head_dim,
-                                          self.global_scale)  # fmt: skip
+        self._rows = block_kernels.BlockRows(block_kernels.Parts(
+            r, 1, self.kv_data[..., :nd], self.kv_scale[..., :ns], kv_lora_rank, self.kv_data[..., nd:],
+            self.kv_scale[..., ns:], qk_rope_head_dim, self.global_scale,
+        ))  # fmt: skip
         self._finalize_allocation()
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -283,7 +286,7 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         if n == 0:
             return
         if self._use_triton:
-            block_kernels.store_parts(self._parts, local, loc, *parts)
+            self._rows.store(local, loc, *parts)
             return
         nd, ns = self._split
         for (data, scales), x, g in zip(((slice(0, nd), slice(0, ns)), (slice(nd, None), slice(ns, None))), parts,
@@ -314,7 +317,7 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         if self._use_triton:
             nope = torch.empty((loc.numel(), 1, self.kv_lora_rank), dtype=dst, device=self.kv_data.device)
             rope = torch.empty((loc.numel(), 1, self.qk_rope_head_dim), dtype=dst, device=self.kv_data.device)
-            block_kernels.gather_parts(self._parts, local, loc, nope, rope)
+            self._rows.gather(local, loc, nope, rope)
             return nope, rope
         nd, ns = self._split
         gn, gr = self._globals(local)
