@@ -12,7 +12,7 @@ of percent, ratios much less):
   path, with the bytes moved over the measured device-copy ceiling.
 
 Sizes are the real models': Llama-3-8B's MHA rows (8 KV heads x 128), DeepSeek-V3's latent rows (512 + 64),
-DeepSeek-V3.2's fp8 rows and indexer, gpt-oss's sliding-window layers (8 KV heads x 64), written through a
+DeepSeek-V3.2's fp8 rows and indexer, Llama-3-8B's rows as nvfp4 codes, gpt-oss's sliding-window layers (8 KV heads x 64), written through a
 shuffled full -> window slot map as its allocator builds one, and Qwen3-Next's per-request states on a tp-2
 rank (36 gated DeltaNet layers, 36.8 MiB a slot), copied between slots (at 8 and 256 slots only).  Every timed kvcore call is first checked against the torch path.
 """
@@ -118,6 +118,7 @@ def copy_ceiling_gbps() -> float:
 
 def _pools(kernels: str) -> dict[str, object]:
     from kvcore_dsa.pool import DSATokenToKVPool
+    from kvcore_fp4.pool import MHATokenToKVPoolFP4
     from kvcore_mha.pool import MHATokenToKVPool
     from kvcore_mla.pool import MLATokenToKVPool
     from kvcore_mamba.layout import LinearStateParams, StateDtype, StateShape
@@ -136,6 +137,8 @@ def _pools(kernels: str) -> dict[str, object]:
         "swa": _mapped(SWAKVPool(size_swa=POOL_TOKENS, page_size=1, dtype=torch.bfloat16, head_num=HEADS,
                                  head_dim=SWA_HEAD_DIM, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
                                  **common)),
+        "nvfp4": MHATokenToKVPoolFP4(page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=2,
+                                     kv_format="nvfp4", **common),
         "mamba": MambaPool(size=2 * max(STATE_SLOTS), device="cuda", kernels=kernels, cache_params=LinearStateParams(
             layers=list(range(QWEN3_NEXT_STATE["layers"])),
             shape=StateShape(conv=[QWEN3_NEXT_STATE["conv"]], temporal=QWEN3_NEXT_STATE["temporal"]),
@@ -187,6 +190,8 @@ def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch
         "dsa set_index_k_scale_buffer": ("dsa", lambda p: lambda: p.set_index_k_scale_buffer(0, loc, keys, scales), loc),
         "dsa get_index_k_scale_buffer": ("dsa", lambda p: lambda: p.get_index_k_scale_buffer(0, n, pages), None),
         "swa set_kv_buffer (window, mapped)": ("swa", lambda p: lambda: p.set_kv_buffer(0, loc, swa_k, swa_v), loc),
+        "nvfp4 set_kv_buffer (quantize)": ("nvfp4", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
+        "nvfp4 get_kv_buffer_by_loc": ("nvfp4", lambda p: lambda: p.get_kv_buffer_by_loc(0, loc), None),
         **({"mamba copy_from (36 layers)": ("mamba", lambda p: lambda: p.copy_from(slots[:n], slots[n:]), STATE)}
            if n in STATE_SLOTS else {}),
     }
@@ -201,6 +206,9 @@ def _bytes_moved(op: str, n: int) -> int | None:
     per_token = {
         "mha set_kv_buffer bf16": 2 * 2 * HEADS * HEAD_DIM * 2,
         "swa set_kv_buffer (window, mapped)": 2 * 2 * HEADS * SWA_HEAD_DIM * 2 + 8,  # + the map entry read
+        # bf16 K and V in (2 bytes a value), codes and scales out (1/2 + 1/16), or back
+        "nvfp4 set_kv_buffer (quantize)": 2 * HEADS * HEAD_DIM * 41 // 16,
+        "nvfp4 get_kv_buffer_by_loc": 2 * HEADS * HEAD_DIM * 41 // 16,
         "mamba copy_from (36 layers)": 2 * QWEN3_NEXT_STATE["layers"] * (
             math.prod(QWEN3_NEXT_STATE["conv"]) * 2 + math.prod(QWEN3_NEXT_STATE["temporal"]) * 4),
         "mla set_mla_kv_buffer": 2 * (RANK + ROPE) * 2,
@@ -232,6 +240,8 @@ def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 8, 64, 256, 32768), reps: i
             for buf in pool.buffers().values():
                 buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.view(torch.uint8).shape, dtype=torch.uint8,
                                                           device="cuda", generator=gen))  # fmt: skip
+        if getattr(pools["nvfp4"], "global_scale", None) is not None:
+            pools["nvfp4"].global_scale.fill_(1.0)  # a per-layer constant, not random bytes
     x = torch.zeros(16, device="cuda")
     one = torch.zeros(1, dtype=torch.int64, device="cuda")
     rows: list[Row] = []
