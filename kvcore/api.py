@@ -9,7 +9,7 @@ import torch
 
 from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.config import EngineConfig, ModelConfig
-from kvcore.errors import PluginError
+from kvcore.errors import ConfigError, PluginError
 from kvcore.layout import PoolLayout
 from kvcore.planner import MemoryPlan, memory_budget, plan_from_layouts
 from kvcore.plugins import Registry, get_registry
@@ -129,8 +129,8 @@ def build_pools(
     """Plan (unless ``plan`` is given) and allocate the pools for this rank."""
     registry = registry or get_registry()
     if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"hardware={cfg.hardware.name} allocates on CUDA, but no CUDA device is visible; "
+        raise ConfigError(
+            f"hardware={cfg.hardware.name} allocates on CUDA (hardware.device=cuda), but no CUDA device is visible: "
             "use `kvcore plan` to size pools without a device, or hardware=cpu"
         )
     core = _core_request(cfg)

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import attrs
 import torch
+import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -307,10 +308,21 @@ def _is_global_package(path: Path) -> bool:
 def _load_yaml(path: Path) -> DictConfig:
     try:
         loaded = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {path} is not valid YAML{line}: {problem}") from None
+    except PermissionError:
+        raise ConfigError(f"cannot read config file {path}: permission denied; make it readable (chmod +r)") from None
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; give the path of an engine YAML file") from None
     except (OSError, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
     if not isinstance(loaded, DictConfig):
-        raise ConfigError(f"config file {path} must hold a mapping at top level")
+        raise ConfigError(f"config file {path} must hold a mapping at top level, not a {type(loaded).__name__}")
+    if len(loaded) == 0:
+        raise ConfigError(f"config file {path} is empty: give it keys (e.g. `kv_cache: {{page_size: 16}}`) or leave it out")
     return loaded
 
 
@@ -370,7 +382,7 @@ def load_config(*overrides: str, path: str | Path | None = None, registry=None) 
         merged = OmegaConf.merge(merged, body, OmegaConf.from_dotlist(dotlist))
         sections = {field.name: _to_object(merged[field.name], field.name) for field in attrs.fields(schema)}
     except OmegaConfBaseException as exc:
-        raise ConfigError(_describe_omegaconf_error(exc)) from None
+        raise ConfigError(_describe_omegaconf_error(exc, schema)) from None
     cfg = validate(schema(**sections))
     if cfg.kv_format is not None and cfg.kv_format not in registry.kv_formats:
         formats = f"; block formats: {', '.join(registry.kv_formats)}" if registry.kv_formats else ""
@@ -394,13 +406,55 @@ def _to_object(node: DictConfig, path: str) -> Any:
         raise ConfigError(f"{path}.{exc}") from None
 
 
-def _describe_omegaconf_error(exc: OmegaConfBaseException) -> str:
+def _describe_omegaconf_error(exc: OmegaConfBaseException, schema: type | None = None) -> str:
+    """OmegaConf's error with the key it is about and, where the schema knows one, what would work: the keys
+    valid at that level for an unknown key, the expected type and the default for a value of the wrong type."""
     key = getattr(exc, "full_key", None)
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     cause = exc.__cause__ or exc.__context__
     if cause is not None and not isinstance(cause, OmegaConfBaseException):
         message = f"{message}: {cause}"
-    return f"{key}: {message}" if key else message
+    hint = _hint(schema, str(key), isinstance(exc, ConfigKeyError)) if key and schema is not None else ""
+    return (f"{key}: {message}" if key else message) + hint
+
+
+def _hint(schema: type, key: str, unknown: bool) -> str:
+    """``; valid keys here: ...`` for an unknown key, ``; give a <type>, e.g. key=<default>`` for a bad value."""
+    parts = key.split(".")
+    level: Any = schema
+    for part in parts[:-1]:
+        fields = {f.name: f for f in attrs.fields(level)} if attrs.has(level) else {}
+        if part not in fields or not attrs.has(_resolve_type(fields[part].type)):
+            return ""
+        level = _resolve_type(fields[part].type)
+    if not attrs.has(level):
+        return ""
+    fields = {f.name: f for f in attrs.fields(level)}
+    if unknown or parts[-1] not in fields:
+        where = ".".join(parts[:-1]) or "the top level"
+        return f"; valid keys at {where}: {', '.join(fields)} (`kvcore config` lists every key)"
+    field = fields[parts[-1]]
+    default = field.default
+    if default is attrs.NOTHING or isinstance(default, attrs.Factory) or default is None:
+        return f"; give {_a(_type_name(field.type))}"
+    return f"; give {_a(_type_name(field.type))}, e.g. {key}={default}"
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
+
+
+def _resolve_type(annotation: Any) -> Any:
+    """An attrs field's type, with ``Optional[X]`` unwrapped (strings are looked up in this module)."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, globals())  # noqa: S307 - the schema's own annotations
+    args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
+    return args[0] if len(args) == 1 else annotation
+
+
+def _type_name(annotation: Any) -> str:
+    resolved = _resolve_type(annotation)
+    return getattr(resolved, "__name__", str(resolved))
 
 
 def structured_options(schema: type | None, raw: Any, backend: str) -> Any:

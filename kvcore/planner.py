@@ -110,21 +110,57 @@ def memory_budget(
     slack = int(pre * (1 - mfs))
     available = pre - weights
     rest = available - slack
-    if available <= 0:
-        raise PlanningError(
-            f"model {cfg.model.name} needs {weights / GiB:.2f} GiB of weights per rank but {source} has "
-            f"{pre / GiB:.2f} GiB: raise parallel.tp_size (now {cfg.parallel.tp_size}) or parallel.pp_size "
-            f"(now {cfg.parallel.pp_size}), or use a device with more memory"
-        )
-    if rest <= 0:
+    if available <= 0 or rest <= 0:
+        fixes = _fixes_for_weights(cfg, free_memory_bytes is None, weights_loaded)
+        if available <= 0:
+            raise PlanningError(
+                f"model {cfg.model.name} needs {weights / GiB:.2f} GiB of weights per rank but {source} has "
+                f"{pre / GiB:.2f} GiB: {fixes}"
+            )
         minimum = 1 - available / pre
-        suggested = math.ceil(minimum * 1000) / 1000
+        suggested = (math.floor(minimum * 1000) + 1) / 1000  # above the minimum, to 3 decimals
         raise PlanningError(
             f"loaded weights ({weights / GiB:.2f} GiB per rank) leave no memory for the KV cache under "
-            f"memory.mem_fraction_static={mfs}: raise memory.mem_fraction_static above {suggested:.3f} "
-            f"(minimum viable = 1 - available/pre = {minimum:.4f})"
+            f"memory.mem_fraction_static={mfs}: set memory.mem_fraction_static={suggested:.3f} (the minimum viable is "
+            f"1 - available/pre = {minimum:.4f}), or {fixes}"
         )
     return MemoryBudget(source, pre, weights, slack, rest)
+
+
+#: KV memory the suggestions for a model that does not fit leave room for
+HEADROOM_BYTES = 1 << 30
+
+
+def _fixes_for_weights(cfg: EngineConfig, from_profile: bool, weights_loaded: bool) -> str:
+    """What makes the weights fit with a GiB of KV cache to spare, as overrides: the smallest tensor-parallel
+    size (on GPUs), the device memory the profile would need, or an explicit KV budget."""
+    mfs = cfg.memory.mem_fraction_static
+    fixes = []
+    if cfg.hardware.device != "cpu" and not weights_loaded:
+        tp = _smallest_fitting_tp(cfg)
+        if tp is not None:
+            fixes.append(f"parallel.tp_size={tp}")
+    if from_profile:
+        weights = 0 if weights_loaded else cfg.weight_bytes_per_rank
+        needed = math.ceil((weights + HEADROOM_BYTES) / mfs / GiB * 10) / 10
+        fixes.append(f"hardware.memory_gib={needed:g} (the device memory that leaves a GiB for the KV cache)")
+    fixes.append("memory.budget_gib=1 (an explicit KV budget in GiB; weights are then not charged)")
+    return "set " + ", or ".join(fixes)
+
+
+def _smallest_fitting_tp(cfg: EngineConfig) -> int | None:
+    """The smallest power-of-two tensor-parallel size that splits the model's heads and leaves a GiB of KV
+    cache per rank on the hardware profile, or None."""
+    m = cfg.model
+    pre, mfs = cfg.hardware.memory_gib * GiB, cfg.memory.mem_fraction_static
+    weights = cfg.weight_bytes_per_rank * cfg.parallel.tp_size * cfg.parallel.pp_size  # the whole model's
+    for tp in (2, 4, 8, 16, 32, 64):
+        kv = m.num_key_value_heads
+        if m.num_attention_heads % tp or (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            continue
+        if weights / (tp * cfg.parallel.pp_size) + HEADROOM_BYTES <= pre * mfs:
+            return tp
+    return None
 
 
 def tokens_that_fit(layout: PoolLayout, budget_bytes: int, swa_full_tokens_ratio: float) -> dict[str, int]:
@@ -181,10 +217,10 @@ def resolve_max_running_requests(
     else:
         result = min(estimated, max_total_num_tokens // 2)
     if result <= 0:
-        raise PlanningError(
-            f"the KV pool holds {max_total_num_tokens} tokens, too few for one request; "
-            "raise memory.mem_fraction_static or memory.max_total_tokens"
-        )
+        cap = cfg.memory.max_total_tokens
+        fix = (f"set memory.max_total_tokens={cfg.model.context_length} (one request of the model's context)"
+               if cap is not None and cap <= 1 else "raise memory.mem_fraction_static or memory.budget_gib")  # fmt: skip
+        raise PlanningError(f"the KV pool holds {max_total_num_tokens} tokens, too few for one request: {fix}")
     return result, warnings
 
 
@@ -218,17 +254,26 @@ def plan_from_layouts(
         )
         logger.warning(message)
         warnings.append(message)
+    if aligned <= 0 and cap is not None and cap < page_size <= tokens:
+        raise PlanningError(
+            f"memory.max_total_tokens={cap} is less than one page of kv_cache.page_size={page_size}: set "
+            f"memory.max_total_tokens={cfg.model.context_length} (one request of the model's context) or at least "
+            f"{page_size}"
+        )
     if aligned <= 0:
         tokens_only = layout.without("requests").without("running_requests")
-        needed = tokens_only.total_bytes(_sizes(layout, page_size, ratio)) + budget.weight_bytes
-        hint = ""
-        if budget.pre_model_load_bytes and budget.source != "memory.budget_gib":
-            fraction = math.ceil(needed / budget.pre_model_load_bytes * 1000) / 1000
-            hint = f"raise memory.mem_fraction_static to at least {fraction:.3f}, "
+        one_request = tokens_only.total_bytes(_sizes(layout, max(page_size, cfg.model.context_length), ratio))
+        budget_needed = math.ceil((one_request + budget.kv_budget_bytes - kv_budgets[limiting]) / GiB * 1000) / 1000
+        if budget.source == "memory.budget_gib":
+            hint = f"set memory.budget_gib={budget_needed:g} (one request of the model's context), "
+        else:
+            fraction = math.ceil((one_request + budget.weight_bytes) / budget.pre_model_load_bytes * 1000) / 1000
+            hint = (f"set memory.mem_fraction_static={fraction:.3f} (one request of the model's context) if that is "
+                    f"at most 1, or memory.budget_gib={budget_needed:g}, ")  # fmt: skip
         raise PlanningError(
             f"the KV budget of {budget.kv_budget_bytes / GiB:.3f} GiB fits {capped} tokens, less than one page of "
             f"kv_cache.page_size={page_size} ({layout.bytes_per_token} bytes per token): "
-            f"{hint}lower kv_cache.page_size, or choose a smaller kv_cache.dtype"
+            f"{hint}or lower kv_cache.page_size, or choose a smaller kv_cache.dtype"
         )
     sizes = _sizes(layout, aligned, ratio)
     if "swa_tokens" in sizes:

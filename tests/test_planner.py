@@ -362,12 +362,13 @@ def test_page_error_suggested_fraction_is_enough(registry):
         kvcore.plan_memory(cfg, registry=registry)
     message = str(info.value)
     assert "kv_cache.page_size" in message and "memory.mem_fraction_static" in message
-    needed = (64 + 64) * 131072 + weights  # padding page + one page, plus the weights
+    # the suggestion holds one request of the model's context: padding page + 8192 tokens, plus the weights
+    needed = (64 + m["context_length"]) * 131072 + weights
     fraction = math.ceil(needed / pre * 1000) / 1000
-    assert f"{fraction:.3f}" in message
+    assert f"memory.mem_fraction_static={fraction:.3f}" in message
     plan = kvcore.plan_memory(load_config("model=llama-3-8b", "hardware=h100", "kv_cache.page_size=64",
                                           f"memory.mem_fraction_static={fraction}"), registry=registry)
-    assert plan.max_total_num_tokens >= 64
+    assert plan.max_total_num_tokens >= m["context_length"]
 
 
 def test_plan_allocates_nothing(registry):
