@@ -115,6 +115,7 @@ class HardwareConfig:
     vendor: str = key("generic", doc="hardware vendor; a backend that names it wins over generic ones")
     memory_gib: float = key(validator=positive, doc="device memory in GiB, before the model loads (an engine may pass what it profiled instead)")
     kernels: str = key("auto", validator=_one_of(*KERNEL_MODES), doc="hot-path kernels: auto (Triton on CUDA, torch on the CPU), triton or native (torch)")
+    checked: bool = key(False, doc="check every pool and allocator call before it runs (ranges, padding, double frees; slow: for debugging); KVCORE_CHECKED=1 does the same")
 
 
 @attrs.define
