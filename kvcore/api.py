@@ -8,7 +8,6 @@ import attrs
 import torch
 
 from kvcore.backend import BackendSpec, PoolRequest
-from kvcore.checked import CheckedAllocator, CheckedPool, checked_enabled
 from kvcore.config import EngineConfig, ModelConfig
 from kvcore.errors import ConfigError, PluginError
 from kvcore.layout import PoolLayout
@@ -153,6 +152,8 @@ def build_pools(
     for what, value in (("pool", token_to_kv_pool), ("allocator", allocator), ("request pool", req_to_token_pool)):
         if value is None:
             raise PluginError(f"no plugin created the {what} for backend {selection.backend.name!r}")
+    from kvcore.checked import CheckedAllocator, CheckedPool, checked_enabled
+
     if checked_enabled(cfg):
         token_to_kv_pool, allocator = CheckedPool(token_to_kv_pool), CheckedAllocator(allocator)
     return Pools(req_to_token_pool, token_to_kv_pool, allocator, plan, selection)

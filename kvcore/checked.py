@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from kvcore.errors import KVCoreError
-from kvcore.pools import layer_id_of
 
 __all__ = ["CheckError", "CheckedAllocator", "CheckedPool", "checked_enabled"]
 
@@ -99,6 +98,8 @@ class CheckedPool:
         return flat
 
     def _layer(self, call: str, layer: Any, override: int | None) -> None:
+        from kvcore.pools import layer_id_of  # not at import: kvcore must not import Triton before the kit sets it up
+
         layer_id = override if override is not None else layer_id_of(layer)
         pool = self._pool
         if not pool.start_layer <= layer_id <= pool.end_layer:

@@ -188,3 +188,12 @@ def test_launcher_gives_the_dispatcher_tensors_for_addresses():
         launcher("key", 1, 1, (dst.data_ptr(), 5, src.data_ptr(), 8), lambda: (dst, src))
         assert torch.equal(dst, src + 1)
         src = dst.clone()
+
+
+def test_importing_kvcore_leaves_triton_unimported():
+    """``import kvcore`` (its API, config, planner, checked mode) must not import Triton: ``@triton.jit`` picks
+    interpreted or compiled kernels when a kernel module is imported, so the kit must set TRITON_INTERPRET
+    first."""
+    code = "import sys, kvcore, kvcore.api, kvcore.checked, kvcore.planner; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
