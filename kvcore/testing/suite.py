@@ -15,7 +15,8 @@ a capability the pool does not declare are skipped by capability, never by backe
 and ``kv_page_size``; ``kv_writer`` defaults to the pool's own ``self_test_write``.  Without the required
 fixtures every test fails with a message naming the fixture.
 
-A pool that stores values lossily declares :data:`LOSSY` as well (see :class:`BaseLossyTests`).
+A pool that stores values lossily subclasses :class:`LossyKVCacheConformance` instead, which declares :data:`LOSSY`
+as well and adds :class:`BaseLossyTests`.
 
 Moves and CPU offload are checked on every row of :meth:`KVCache.token_rows` (by default the token buffers;
 a pool with per-token state inside pages reports it there, as :class:`kvcore.token_rows.TokenRows`), and a
@@ -290,7 +291,15 @@ class BaseLossyTests(_Base):
             assert_same_bytes(buf, before[name], f"buffer {name} outside the written rows after a lossy write")
 
 
-class KVCacheConformance(BaseLayoutTests, BaseStoreTests, BaseMoveTests, BaseCpuCopyTests, BaseBufferInfoTests,
-                         BaseLossyTests):  # fmt: skip
+class KVCacheConformance(BaseLayoutTests, BaseStoreTests, BaseMoveTests, BaseCpuCopyTests, BaseBufferInfoTests):
     """Every conformance test; subclass it and provide the fixtures named in the module docstring."""
+
+
+class LossyKVCacheConformance(KVCacheConformance, BaseLossyTests):
+    """Every conformance test and the lossy round trip, for pools that store values lossily (quantized
+    caches): it declares :data:`LOSSY` besides the default capabilities."""
+
+    @pytest.fixture
+    def kv_capabilities(self):
+        return set(CAPABILITIES) | {LOSSY}
 
