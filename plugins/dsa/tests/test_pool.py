@@ -1,6 +1,8 @@
 """The DSA pool's own API: the fp8 row through set/get, the indexer accessors, the shape checks.
 
 Triton (interpreted on the CPU) and native pools must agree bit for bit; rows and keys are random, never zero.
+These pools live on the CPU, so a compiled run (KVCORE_TEST_COMPILED=1) builds its "triton" pools with the
+torch path here: the compiled kernels are checked on CUDA by test_kernels.py, this file checks the pool's API.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.testing.tensors import bits_equal, randn_nonzero
+from kvcore.testing.tensors import bits_equal, compiled, randn_nonzero
 from kvcore_dsa import kernels
 from kvcore_dsa.layout import calculate_mla_kv_cache_dim, dsa_layout, index_page_bytes, scaled_row_bytes
 from kvcore_dsa.pool import DSATokenToKVPool, NSATokenToKVPool
@@ -24,7 +26,12 @@ class Layer:
         self.layer_id = layer_id
 
 
+#: the "triton" pools of this file: interpreted Triton on the CPU, or the torch path in compiled runs (above)
+TRITON_ON_CPU = "native" if compiled() else "triton"
+
+
 def make_pool(dtype=torch.float8_e4m3fn, kernels_mode="triton", index_dtype=None, start_layer=None, **overrides):
+    kernels_mode = TRITON_ON_CPU if kernels_mode == "triton" else kernels_mode
     kw = dict(
         size=SIZE, page_size=64, kv_lora_rank=RANK, dtype=dtype, qk_rope_head_dim=ROPE, layer_num=LAYERS,
         device="cpu", index_head_dim=128, enable_memory_saver=False, start_layer=start_layer,
@@ -118,7 +125,7 @@ def test_kv_lora_rank_must_be_a_multiple_of_128(dtype):
 
 def _parts(n, seed, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(seed)
-    fused = randn_nonzero((n, 1, RANK + ROPE + 5), torch.float32, gen, 4.0).to(dtype)
+    fused = randn_nonzero((n, 1, RANK + ROPE + 5), torch.float32, gen, 4.0, "cpu").to(dtype)
     return fused[..., :RANK], fused[..., RANK : RANK + ROPE], fused[..., : RANK + ROPE]
 
 
@@ -255,7 +262,7 @@ def test_index_accessors_at_page_boundaries(index_dtype, mode):
     page_table = (torch.randperm(4, generator=gen)[:3] + 1).to(torch.int32)  # pages 1..4 (0 is padding)
     i = torch.arange(seq_len)
     loc = page_table.long()[i // 64] * 64 + i % 64
-    keys = randn_nonzero((seq_len, 128), torch.float32, gen, 3.0)
+    keys = randn_nonzero((seq_len, 128), torch.float32, gen, 3.0, "cpu")
     fp8 = index_dtype is None
     keys = keys.to(torch.float8_e4m3fn) if fp8 else keys.to(torch.bfloat16)
     scales = torch.rand(seq_len, generator=gen) + 0.01

@@ -22,6 +22,7 @@ import torch
 import yaml
 
 import kvcore
+from kvcore.testing.tensors import test_device
 import kvcore.plugins
 from kvcore import load_config
 from kvcore.cli import main
@@ -158,8 +159,10 @@ def test_mla_takes_no_options(registry):
 
 @pytest.mark.parametrize("kernels, page", [("native", 16), ("triton", 1)])
 def test_build_pools_for_a_pipeline_stage(registry, kernels, page):
+    device = test_device()  # Triton kernels run interpreted on the CPU, or compiled on CUDA
     cfg = load_config("model=tiny-mla", "hardware=cpu", "memory.budget_gib=0.01", "parallel.pp_size=2",
-                      "parallel.pp_rank=1", f"hardware.kernels={kernels}", f"kv_cache.page_size={page}")  # fmt: skip
+                      "parallel.pp_rank=1", f"hardware.kernels={kernels}", f"kv_cache.page_size={page}",
+                      f"hardware.device={device}")  # fmt: skip
     pools = kvcore.build_pools(cfg, registry=registry)
     pool = pools.token_to_kv_pool
     assert isinstance(pool, MLATokenToKVPool)
@@ -170,8 +173,8 @@ def test_build_pools_for_a_pipeline_stage(registry, kernels, page):
     _, tokens = expected("tiny-mla", "cpu", tp=1, pp=2, page=page, budget_gib=0.01)
     assert pools.plan.max_total_num_tokens == tokens
     loc = pools.token_to_kv_pool_allocator.alloc(3 * page)
-    nope = torch.randn(loc.numel(), 1, 128)
-    rope = torch.randn(loc.numel(), 1, 32)
+    nope = torch.randn(loc.numel(), 1, 128).to(device)
+    rope = torch.randn(loc.numel(), 1, 32).to(device)
     pool.set_mla_kv_buffer(3, loc, nope, rope)
     got_nope, got_rope = pool.get_mla_kv_buffer(3, loc, torch.float32)
     assert torch.equal(got_nope, nope.to(torch.bfloat16).float())
