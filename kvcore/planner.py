@@ -8,15 +8,22 @@ of every pipeline rank and, when an engine has profiled its device, the free mem
    (tp x pp)) are charged unless the caller profiled after loading them.  The runtime slack is
    ``pre x (1 - mem_fraction_static)``.  ``budget = pre - weights - slack``.  ``memory.budget_gib`` replaces
    all of this with an explicit budget.
-2. **Tokens** (:func:`tokens_that_fit`).  The largest token count whose layout bytes (padding rows
+2. **Per-request state** (layouts with a ``requests`` group: hybrid Mamba / linear attention).  State slots
+   are reserved first, by the layout's :class:`~kvcore.layout.RequestStateSizing` (SGLang's
+   ``_handle_max_mamba_cache``: explicit, one per running request, or a share of the budget, jointly with
+   speculative decoding's per-draft-token states); the tokens get the rest.
+3. **Tokens** (:func:`tokens_that_fit`).  The largest token count whose layout bytes (padding rows
    included, so the plan is exact) fit the budget; with a sliding-window group, full and window tokens are
    solved jointly with ``swa_tokens = swa_full_tokens_ratio x tokens``.  The smallest count over pipeline
    ranks wins (each rank may hold a different number of layers).
-3. **Cap and page alignment.**  ``memory.max_total_tokens`` caps the count (a warning when the cap is
-   larger than what fits); the result is rounded down to whole pages.
-4. **Requests** (:func:`resolve_max_running_requests`): SGLang's estimate ``tokens / context x 512``
+4. **Cap and page alignment.**  ``memory.max_total_tokens`` caps the count (a warning when the cap is
+   larger than what fits); the result is rounded down to whole pages.  A group below the layout's
+   ``min_sizes`` (a sliding window plus a page) is an error naming the setting that would reach it.
+5. **Requests** (:func:`resolve_max_running_requests`): SGLang's estimate ``tokens / context x 512``
    clamped to [2048, 4096], or the user's value divided over data-parallel workers; never more than half
-   the tokens.
+   the tokens, nor more than the state slots allow.
+
+Every error names the key to change and, where one exists, a value that works.
 """
 
 from __future__ import annotations
