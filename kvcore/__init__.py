@@ -6,8 +6,11 @@ Public entry points::
     plan = kvcore.plan_memory(cfg)        # sizes only, nothing allocated
     pools = kvcore.build_pools(cfg)       # req_to_token_pool, token_to_kv_pool, token_to_kv_pool_allocator, plan
 
-Plugins implement the hooks in :mod:`kvcore.hookspecs` with :data:`hookimpl`.
+Plugins implement the hooks in :mod:`kvcore.hookspecs` with :data:`hookimpl`.  The allocators and the request
+table (what engines call) are here too, imported on first use so that ``import kvcore`` loads no Triton kernel.
 """
+
+import importlib
 
 from kvcore.api import Pools, build_pools, make_request, plan_memory, select
 from kvcore.backend import BackendSpec, PoolRequest
@@ -19,8 +22,30 @@ from kvcore.planner import MemoryPlan
 
 __version__ = "0.1.0"
 
+#: names imported on first use (their modules load Triton kernels)
+_LAZY = {
+    "ReqToTokenPool": "kvcore.pools",
+    "KVCache": "kvcore.pools",
+    "TokenToKVPoolAllocator": "kvcore.allocators",
+    "PagedTokenToKVPoolAllocator": "kvcore.allocators",
+    "BaseTokenToKVPoolAllocator": "kvcore.allocators",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcore' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
     "BackendSpec",
+    "BaseTokenToKVPoolAllocator",
+    "KVCache",
+    "PagedTokenToKVPoolAllocator",
+    "ReqToTokenPool",
+    "TokenToKVPoolAllocator",
     "BufferLayout",
     "ConfigError",
     "EngineConfig",

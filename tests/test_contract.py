@@ -197,3 +197,28 @@ def test_importing_kvcore_leaves_triton_unimported():
     code = "import sys, kvcore, kvcore.api, kvcore.checked, kvcore.planner; print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_public_names_import_from_the_packages():
+    """Engines import the pools from their family's package and the rest from kvcore; the packages stay light
+    (no Triton) until a pool class is asked for."""
+    code = (
+        "import sys\n"
+        "import kvcore, kvcore_mha, kvcore_mla, kvcore_dsa, kvcore_swa, kvcore_mamba, kvcore_fp4\n"
+        "light = 'triton' not in sys.modules\n"
+        "from kvcore import build_pools, load_config, plan_memory, ReqToTokenPool, TokenToKVPoolAllocator, "
+        "PagedTokenToKVPoolAllocator\n"
+        "from kvcore_mha import MHATokenToKVPool\n"
+        "from kvcore_mla import MLATokenToKVPool\n"
+        "from kvcore_dsa import DSATokenToKVPool, NSATokenToKVPool\n"
+        "from kvcore_swa import SWAKVPool, SWATokenToKVPoolAllocator\n"
+        "from kvcore_mamba import MambaPool, HybridReqToTokenPool, HybridLinearKVPool\n"
+        "from kvcore_fp4 import MHATokenToKVPoolFP4, MLATokenToKVPoolFP4\n"
+        "print(light, MHATokenToKVPool.__module__, ReqToTokenPool.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "kvcore_mha.pool", "kvcore.pools"]
+    import kvcore
+
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        kvcore.Nope  # noqa: B018

@@ -1,1 +1,22 @@
 """kvcore_dsa: the DSA pool family (DeepSeek sparse attention: MLA rows plus an fp8 indexer cache), plugin ``dsa``."""
+
+from __future__ import annotations
+
+import importlib
+
+#: public name -> the module that defines it (imported on first use: importing the package stays light,
+#: so a test kit can choose interpreted or compiled Triton kernels before any kernel module loads)
+_PUBLIC = {
+    "DSATokenToKVPool": "kvcore_dsa.pool",
+    "NSATokenToKVPool": "kvcore_dsa.pool",
+    "DSADims": "kvcore_dsa.layout",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
