@@ -55,11 +55,14 @@ from kvcore.testing.suite import (  # noqa: E402
     pool_writer,
     randomize,
 )
+from kvcore.testing.allocators import AllocatorConformance, AllocatorMachine  # noqa: E402
 from kvcore.testing.tensors import test_device  # noqa: E402
 
 KIT_VERSION = API_VERSION
 
 __all__ = [
+    "AllocatorConformance",
+    "AllocatorMachine",
     "CAPABILITIES",
     "LOSSY",
     "BaseLossyTests",

@@ -75,12 +75,17 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     # -- state --------------------------------------------------------------------------------------------
 
     def backup_state(self):
-        return self.full_attn_allocator.backup_state(), self.swa_attn_allocator.backup_state()
+        """Both sides' free lists and a copy of the full -> window map (SGLang keeps no copy of the map, so a
+        request freed after its backup would come back live but mapped to the padding slot, and its window
+        slots would leak when it is freed again)."""
+        return (self.full_attn_allocator.backup_state(), self.swa_attn_allocator.backup_state(),
+                self.full_to_swa_index_mapping.clone())  # fmt: skip
 
     def restore_state(self, state) -> None:
-        full, swa = state
+        full, swa, mapping = state
         self.full_attn_allocator.restore_state(full)
         self.swa_attn_allocator.restore_state(swa)
+        self.full_to_swa_index_mapping.copy_(mapping)
 
     def clear(self) -> None:
         self.full_attn_allocator.clear()

@@ -106,12 +106,13 @@ def test_request_lifetimes(page_size):
     b_locs += more.tolist()
     m.check()
 
-    # backup, allocate, restore: both sides as before (as in SGLang, the map keeps the entries of the slots
-    # taken in between; they are free again, and whoever takes them next overwrites them)
+    # backup, allocate and free, restore: both sides and the map as before
     state = a.backup_state()
     extra = a.alloc(page_size * 2)
     assert extra is not None
+    a.free(_t(b_locs[:page_size]))  # a request alive at the backup, freed after it
     a.restore_state(state)
+    assert not bool(a.full_to_swa_index_mapping[extra].any()), "the slots taken after the backup still map"
     m.check()
 
     # an allocation the window side cannot hold returns None and takes nothing from the full side

@@ -1,0 +1,68 @@
+"""The kit's allocator conformance on every built-in allocator (token, paged with both kernel modes,
+sliding-window with a smaller window side), and on deliberately broken allocators, which it must fail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis.errors import Flaky
+
+from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from kvcore.testing import AllocatorConformance
+from kvcore.testing.tensors import compiled, test_device
+from kvcore_swa.allocator import SWATokenToKVPoolAllocator
+
+DEVICE = test_device()
+KERNELS = "triton" if not compiled() else "auto"
+
+FACTORIES = {
+    "token": lambda: TokenToKVPoolAllocator(13, torch.bfloat16, DEVICE, None, need_sort=False),
+    "token-sorted": lambda: TokenToKVPoolAllocator(13, torch.bfloat16, DEVICE, None, need_sort=True),
+    "paged-3-triton": lambda: PagedTokenToKVPoolAllocator(36, 3, torch.bfloat16, DEVICE, None, False, KERNELS),
+    "paged-4-native-sorted": lambda: PagedTokenToKVPoolAllocator(44, 4, torch.bfloat16, DEVICE, None, True, "native"),
+    "swa-1": lambda: SWATokenToKVPoolAllocator(16, 9, 1, torch.bfloat16, DEVICE, None, need_sort=False),
+    "swa-4": lambda: SWATokenToKVPoolAllocator(48, 28, 4, torch.bfloat16, DEVICE, None, need_sort=False, kernels=KERNELS),
+}
+
+
+class TestBuiltinAllocators(AllocatorConformance):
+    @pytest.fixture(params=sorted(FACTORIES))
+    def allocator_factory(self, request):
+        return FACTORIES[request.param]
+
+
+class _TwiceHandedOut(TokenToKVPoolAllocator):
+    """Hands its first slot out again on every other allocation."""
+
+    def alloc(self, need_size):
+        out = super().alloc(need_size)
+        if out is not None and out.numel() >= 2 and not hasattr(self, "_done"):
+            self._done = True
+            out = out.clone()
+            out[1] = out[0]
+        return out
+
+
+class _Leaky(TokenToKVPoolAllocator):
+    """Forgets every other free."""
+
+    def free(self, free_index):
+        self._count = getattr(self, "_count", 0) + 1
+        if self._count % 2 == 0:
+            super().free(free_index)
+
+
+class _PaddingToo(TokenToKVPoolAllocator):
+    def clear(self):
+        super().clear()
+        self.free_pages = torch.cat([torch.zeros(1, dtype=torch.int64, device=self.device), self.free_pages])
+
+
+@pytest.mark.parametrize("broken, says", [(_TwiceHandedOut, "holds a location twice"),
+                                          (_Leaky, "available_size() is"),
+                                          (_PaddingToo, "padding page was handed out")])  # fmt: skip
+def test_broken_allocators_fail_the_kit(broken, says):
+    suite = AllocatorConformance()
+    with pytest.raises((AssertionError, Flaky)) as err:
+        suite.test_random_request_lifetimes(lambda: broken(12, torch.bfloat16, DEVICE, None, need_sort=False))
+    assert says in str(err.value)
