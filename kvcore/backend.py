@@ -189,7 +189,8 @@ class BackendSpec:
         if ANY not in self.vendors and request.vendor not in self.vendors:
             reasons.append(f"vendor {request.vendor} not in [{', '.join(self.vendors)}]")
         if self.page_sizes is not None and request.page_size not in self.page_sizes:
-            reasons.append(f"page size {request.page_size} not in {list(self.page_sizes)}")
+            reasons.append(f"page size {request.page_size} not in {list(self.page_sizes)} "
+                           f"(set kv_cache.page_size={self.page_sizes[0]})")
         return reasons
 
     def specificity(self, request: PoolRequest) -> int:

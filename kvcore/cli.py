@@ -1,4 +1,4 @@
-"""``kvcore`` command line: ``up``, ``plan``, ``plugins``, ``config``, ``bench``.
+"""``kvcore`` command line: ``up``, ``plan``, ``plugins``, ``config``, ``bench``, ``check``.
 
 Every command takes an optional engine YAML first, then overrides::
 
@@ -175,7 +175,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"plugin FAILED: {failure.describe()}")
     if args.explain is not None:
         cfg = _load(args.explain)
-        print(f"explain for model={cfg.model.name} hardware={cfg.hardware.name}:")
+        print(f"explain for model={cfg.model.name} hardware={cfg.hardware.name} (device {cfg.hardware.device}, "
+              f"vendor {cfg.hardware.vendor}):")
         _print("  " + line for line in api.select(cfg, registry).explain())
     return 0
 
@@ -212,6 +213,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    import importlib
+
+    from kvcore.check import plan_check, run_check
+    from kvcore.plugins import load_registry
+
+    registry = get_registry()
+    if args.plugin:
+        registry = load_registry(extra_plugins=[(name, importlib.import_module(name)) for name in args.plugin])
+    plan = plan_check(
+        registry, args.backend, device=args.device, dtypes=args.dtype or (), page_sizes=args.page_size or (),
+        kernels=args.kernels or (), overrides=args.overrides, plugins=args.plugin or (), exhaustive=args.exhaustive,
+    )  # fmt: skip
+    _print([f"kvcore check {args.backend}: the conformance kit, through the hooks engines use"] + plan.describe())
+    return 1 if run_check(plan) else 0
+
+
+def _comma_list(kind, choices: Sequence[str] | None = None):
+    """An argparse type: ``a,b`` -> ``[kind(a), kind(b)]`` (options repeat or take comma lists)."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(part) for part in text.split(",") if part]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
+        bad = [v for v in values if choices is not None and v not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"invalid choice {bad[0]!r} (choose from {', '.join(choices)})")
+        return values
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcore", description="KV-cache memory pools: plan, build and check.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -231,6 +265,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a few sizes only")
     bench.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     bench.set_defaults(func=cmd_bench)
+    check = sub.add_parser("check", help="certify an installed backend: the conformance kit on small pools it builds")
+    check.add_argument("backend", help="the backend's registered name (`kvcore plugins` lists them)")
+    check.add_argument("overrides", nargs="*", help="config overrides for every check; model=NAME|PATH.yaml replaces "
+                       "the probe models (default: the smallest shipped model of each attention kind it serves)")
+    check.add_argument("--device", choices=("cpu", "cuda"), help="where the pools live (default: cpu when served; "
+                       "on cpu the Triton kernels run in the interpreter)")
+    check.add_argument("--dtype", action="extend", type=_comma_list(str), metavar="DTYPE[,DTYPE]",
+                       help="kv_cache.dtype values (default: every one it serves)")
+    check.add_argument("--page-size", action="extend", type=_comma_list(int), metavar="N[,N]",
+                       help="page sizes (default: every one it declares, or 1 and 16)")
+    check.add_argument("--kernels", action="extend", type=_comma_list(str, ("auto", "triton", "native")), metavar="MODE[,MODE]",
+                       help="hardware.kernels modes: auto, triton, native (default: triton,native on cpu, auto on cuda)")
+    check.add_argument("--plugin", action="append", metavar="MODULE", help="also register this module as a plugin (repeatable)")
+    check.add_argument("--exhaustive", action="store_true", help="every combination of dtype, kernels and page size "
+                       "(default: each value at least once)")
+    check.set_defaults(func=cmd_check)
     config = sub.add_parser("config", help="every config key: type, default and meaning (plugins' sections and options too)")
     config.add_argument("--markdown", action="store_true", help="as the markdown table of README.md")
     config.set_defaults(func=cmd_config)
@@ -239,7 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "overrides", None) is not None and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]  # overrides written after options (`check X --dtype Y key=v`)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

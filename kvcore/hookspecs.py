@@ -79,7 +79,9 @@ def kvcore_create_pool(
 ) -> Any | None:
     """Allocate the token-to-KV pool (a :class:`kvcore.pools.KVCache`).
 
-    :param sizes: planned size of every size group of ``layout`` (``{"tokens": 81920}``, ...).
+    :param sizes: the planned sizes: ``"tokens"`` always (the token capacity, the allocators' index space, even
+        for a layout whose buffers are all sized by another group), and every size group of ``layout``
+        (``{"tokens": 81920, "swa_tokens": 65536}``, ...).
     :returns: the pool, or None to let the next implementation answer.  Stops at the first non-None
         result.  The core's default calls ``backend.create_pool(request, layout, sizes)``.
     """

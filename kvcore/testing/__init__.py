@@ -55,7 +55,7 @@ from kvcore.testing.suite import (  # noqa: E402
     pool_writer,
     randomize,
 )
-from kvcore.testing.allocators import AllocatorConformance, AllocatorMachine  # noqa: E402
+from kvcore.testing.allocators import AllocatorConformance, AllocatorMachine, BackendAllocatorConformance  # noqa: E402
 from kvcore.testing.tensors import test_device  # noqa: E402
 
 KIT_VERSION = API_VERSION
@@ -63,6 +63,7 @@ KIT_VERSION = API_VERSION
 __all__ = [
     "AllocatorConformance",
     "AllocatorMachine",
+    "BackendAllocatorConformance",
     "CAPABILITIES",
     "LOSSY",
     "BaseLossyTests",
@@ -193,7 +194,7 @@ def kv_pool_factory(kv_request, kv_backend_spec, kv_registry):
             kv_request, page_size=page_size, start_layer=start_layer, end_layer=start_layer + kv_request.layer_num - 1
         )
         layout = buffer_layout(kv_backend_spec, kv_registry, request)
-        sizes = {group: size for group in layout.groups}
+        sizes = {"tokens": size, **{group: size for group in layout.groups}}  # "tokens" always, as the planner
         return kv_registry.hook.kvcore_create_pool(backend=kv_backend_spec, request=request, layout=layout, sizes=sizes)
 
     return make

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-__all__ = ["AllocatorConformance", "AllocatorMachine"]
+__all__ = ["AllocatorConformance", "AllocatorMachine", "BackendAllocatorConformance"]
 
 settings.register_profile("long", max_examples=10_000, stateful_step_count=40, deadline=None,
                           suppress_health_check=list(HealthCheck))  # fmt: skip
@@ -207,3 +207,31 @@ class AllocatorConformance:
             max_examples=max(200, active.max_examples), stateful_step_count=max(25, active.stateful_step_count),
             deadline=None, suppress_health_check=list(HealthCheck),
         ))  # fmt: skip
+
+
+class BackendAllocatorConformance(AllocatorConformance):
+    """:class:`AllocatorConformance` on the allocator a backend gets from ``kvcore_choose_allocator`` (a vendor's
+    hook or the core's default), for a small pool of that backend built through the same hooks as
+    :func:`kvcore.build_pools`.  Uses the kit's backend fixtures (``backend``, ``config`` and ``variants`` class
+    attributes, as :class:`~kvcore.testing.KVCacheConformance`); the pool holds ``kv_allocator_pool_size``
+    tokens in ``tokens`` and in every size group of its layout."""
+
+    @pytest.fixture
+    def kv_allocator_pool_size(self, kv_page_size):
+        return 13 if kv_page_size == 1 else 9 * kv_page_size
+
+    @pytest.fixture
+    def allocator_factory(self, kv_request, kv_backend_spec, kv_registry, kv_allocator_pool_size):
+        from kvcore.api import buffer_layout
+
+        hook = kv_registry.hook
+        layout = buffer_layout(kv_backend_spec, kv_registry, kv_request)
+        sizes = {"tokens": kv_allocator_pool_size, **{group: kv_allocator_pool_size for group in layout.groups}}
+        pool = hook.kvcore_create_pool(backend=kv_backend_spec, request=kv_request, layout=layout, sizes=sizes)
+
+        def make():
+            allocator = hook.kvcore_choose_allocator(backend=kv_backend_spec, request=kv_request, pool=pool, sizes=sizes)
+            assert allocator is not None, f"no kvcore_choose_allocator hook built an allocator for {kv_backend_spec.name!r}"
+            return allocator
+
+        return make

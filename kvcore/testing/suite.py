@@ -89,10 +89,10 @@ class _Base:
             pytest.skip(f"pool does not declare capability {name!r}")
 
     @staticmethod
-    def free_slots(pool, n: int, generator: torch.Generator, offset: int = 0) -> torch.Tensor:
-        """``n`` distinct non-padding slots, in random order."""
+    def free_slots(pool, n: int, generator: torch.Generator) -> torch.Tensor:
+        """``n`` distinct non-padding slots, in random order (split one draw for disjoint sets)."""
         usable = torch.arange(pool.page_size, pool.size + pool.page_size)
-        picked = usable[torch.randperm(usable.numel(), generator=generator)[offset : offset + n]]
+        picked = usable[torch.randperm(usable.numel(), generator=generator)[:n]]
         return picked.to(pool.device)
 
 
@@ -181,9 +181,9 @@ class BaseMoveTests(_Base):
         self.need(kv_capabilities, "move")
         randomize(kv_pool, generator)
         n = 9
-        if pattern == "disjoint":
-            src = self.free_slots(kv_pool, n, generator)
-            tgt = self.free_slots(kv_pool, n, generator, offset=n)
+        if pattern == "disjoint":  # one draw, so sources and targets never share a slot
+            base = self.free_slots(kv_pool, 2 * n, generator)
+            src, tgt = base[:n], base[n:]
         else:
             base = self.free_slots(kv_pool, n + 1, generator)
             src = base[:n]
@@ -224,8 +224,7 @@ class BaseCpuCopyTests(_Base):
         self.need(kv_capabilities, "cpu_offload")
         kv_pool.cpu_offloading_chunk_size = chunk
         randomize(kv_pool, generator)
-        src = self.free_slots(kv_pool, 10, generator)
-        dst = self.free_slots(kv_pool, 10, generator, offset=10)
+        src, dst = self.free_slots(kv_pool, 20, generator).split(10)
         saved = {name: rows.take(src) for name, rows in kv_pool.token_rows().items()}
         copy = kv_pool.get_cpu_copy(src)
         randomize(kv_pool, generator)  # the copy must not alias device memory
@@ -238,8 +237,7 @@ class BaseCpuCopyTests(_Base):
         per-request state accepts and ignores them."""
         self.need(kv_capabilities, "cpu_offload")
         randomize(kv_pool, generator)
-        src = self.free_slots(kv_pool, 4, generator)
-        dst = self.free_slots(kv_pool, 4, generator, offset=4)
+        src, dst = self.free_slots(kv_pool, 8, generator).split(4)
         saved = {name: rows.take(src) for name, rows in kv_pool.token_rows().items()}
         copy = kv_pool.get_cpu_copy(src, mamba_indices=None, req_pool_index=None)
         kv_pool.load_cpu_copy(copy, dst, mamba_indices=None, req_pool_index=None)
@@ -248,15 +246,22 @@ class BaseCpuCopyTests(_Base):
 
 
 class BaseBufferInfoTests(_Base):
-    def test_contiguous_buf_infos_match_buffers(self, kv_pool, kv_capabilities):
+    def test_contiguous_buf_infos_match_buffers(self, kv_pool, kv_capabilities, kv_layout):
+        """Per layer of every token buffer: its pointer, its bytes, and the bytes of one page of it (an item
+        for transfer engines), whatever the buffer keeps in a row (a token, or a whole page)."""
         self.need(kv_capabilities, "buffer_infos")
         ptrs, lens, item_lens = kv_pool.get_contiguous_buf_infos()
-        expected = [layer for buf in kv_pool.token_buffers().values() for layer in buf.unbind(0)]
-        assert len(ptrs) == len(lens) == len(item_lens) == len(expected)
-        for i, layer in enumerate(expected):
-            assert ptrs[i] == layer.data_ptr()
-            assert lens[i] == layer.nbytes
-            assert item_lens[i] == layer[0].nbytes * kv_pool.page_size
+        declared = kv_layout.by_name()
+        expected = [(name, layer) for name, buf in kv_pool.token_buffers().items() for layer in buf.unbind(0)]
+        assert len(ptrs) == len(lens) == len(item_lens) == len(expected), (
+            f"{len(ptrs)} buffer infos for {len(expected)} layers of the token buffers {sorted(kv_pool.token_buffers())}")
+        for i, (name, layer) in enumerate(expected):
+            assert ptrs[i] == layer.data_ptr(), f"buffer info {i} ({name}): pointer is not the layer's"
+            assert lens[i] == layer.nbytes, f"buffer info {i} ({name}): {lens[i]} bytes, the layer has {layer.nbytes}"
+            spec = declared.get(name)
+            tokens_per_row = spec.tokens_per_row if spec is not None else 1
+            page = layer[0].nbytes * kv_pool.page_size // tokens_per_row
+            assert item_lens[i] == page, f"buffer info {i} ({name}): item of {item_lens[i]} bytes, a page is {page}"
             assert lens[i] % item_lens[i] == 0, "a layer must hold whole pages"
 
 

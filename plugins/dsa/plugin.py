@@ -4,9 +4,9 @@ Model sections: ``model.mla`` (:class:`~kvcore_mla.layout.MLADims`, the latent r
 (:class:`~kvcore_dsa.layout.DSADims`, the indexer).  Options: ``kv_cache.options.index_dtype``
 (:class:`~kvcore_dsa.layout.DSAOptions`).
 
-The indexer's page is 64 tokens, so the pool's page size must be 64.  The backend declares no page sizes
-(``page_sizes=None``) on purpose: selection would otherwise skip it with a bare "page size not in [64]", and
-the layout function reports the real constraint instead (``kv_cache.page_size must be 64 for DSA ...``).
+The indexer's page is 64 tokens, so the pool's page size must be 64: the backend declares
+``page_sizes=(64,)``, so selection says so (``page size 16 not in [64] (set kv_cache.page_size=64)``) and
+``kvcore check`` probes that page size only; the layout function refuses other sizes too, for direct callers.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def kvcore_register_backends():
             attention=("dsa",),
             layout=layout,
             create_pool=create_pool,
-            page_sizes=None,  # 64 only, checked by layout() with an error that says why
+            page_sizes=(64,),  # the indexer's page; layout() also refuses others, saying why
             model_sections={"mla": MLADims, "dsa": DSADims},
             options_schema=DSAOptions,
             description=(
