@@ -125,9 +125,23 @@ def build_pools(
     plan: MemoryPlan | None = None,
     free_memory_bytes: int | None = None,
     weights_loaded: bool = False,
+    group=None,
 ) -> Pools:
-    """Plan (unless ``plan`` is given) and allocate the pools for this rank."""
+    """Plan (unless ``plan`` is given) and allocate the pools for this rank.
+
+    Inside an initialised ``torch.distributed`` process group (``group``, default the world) of more than one
+    rank, this is collective (:mod:`kvcore.distributed`): each rank takes its pipeline stage from its rank, plans
+    from its own ``free_memory_bytes``, and every planned size is the minimum over the ranks.  A ``plan`` given
+    by the caller is used as it is (agree it first with :func:`kvcore.distributed.agree`).
+    """
+    from kvcore import distributed
+
     registry = registry or get_registry()
+    if distributed.active(group):
+        cfg, _ = distributed.rank_config(cfg, group)
+        if plan is None:
+            plan = plan_memory(cfg, registry=registry, free_memory_bytes=free_memory_bytes, weights_loaded=weights_loaded)
+            plan = distributed.agree(plan, group)
     if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             f"hardware={cfg.hardware.name} allocates on CUDA (hardware.device=cuda), but no CUDA device is visible: "

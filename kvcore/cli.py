@@ -127,35 +127,57 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from kvcore.selfcheck import run_self_check
+    """Plan, allocate and self-check.  Under ``torchrun`` every rank does so for its own stage and heads, the
+    sizes agreed over the ranks; rank 0 prints the report, every rank its own result."""
+    from kvcore import distributed
 
     cfg = _load(args.overrides)
-    _print(["[1/4] config"] + ["  " + line for line in _describe_config(cfg)])
+    if not distributed.init_from_env(cfg.hardware.device):
+        return _up(cfg, "", _print)
+    try:
+        cfg, where = distributed.rank_config(cfg)
+        print(f"[rank {where.rank}] {where.describe()}: layers {cfg.layer_range[0]}..{cfg.layer_range[1] - 1}", flush=True)
+        return _up(cfg, f"[rank {where.rank}] ", _print if where.rank == 0 else _print_nothing)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _up(cfg: EngineConfig, rank: str, report) -> int:
+    """``kvcore up`` for one rank: ``rank`` prefixes the lines every rank prints, ``report`` prints the rest."""
+    from kvcore import distributed
+    from kvcore.selfcheck import run_self_check
+
+    report(["[1/4] config"] + ["  " + line for line in _describe_config(cfg)])
     registry = get_registry()
     selection = api.select(cfg, registry)
-    _print(["[2/4] backend"] + ["  " + line for line in selection.explain()])
+    report(["[2/4] backend"] + ["  " + line for line in selection.explain()])
     free = None
     if cfg.hardware.device == "cuda" and torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0]
     plan = api.plan_memory(cfg, registry=registry, free_memory_bytes=free)
-    _print(["[3/4] plan (nothing allocated yet)"] + ["  " + line for line in _describe_plan(plan)])
-    print(f"[4/4] allocating {_gib(plan.kv_cache_bytes + plan.req_to_token_bytes)} on {cfg.hardware.device} ...",
-          flush=True)
+    if rank:
+        plan = distributed.agree(plan)
+    report(["[3/4] plan (nothing allocated yet)"] + ["  " + line for line in _describe_plan(plan)])
+    report([f"[4/4] allocating {_gib(plan.kv_cache_bytes + plan.req_to_token_bytes)} on {cfg.hardware.device} ..."])
     started = time.perf_counter()
     pools = api.build_pools(cfg, registry=registry, plan=plan)
     allocated = sum(buf.nbytes for buf in pools.token_to_kv_pool.buffers().values())
-    print(f"  allocated {_gib(allocated)} of KV pools in {time.perf_counter() - started:.2f} s "
+    print(f"  {rank}allocated {_gib(allocated)} of KV pools in {time.perf_counter() - started:.2f} s "
           f"({type(pools.token_to_kv_pool).__name__}, {type(pools.token_to_kv_pool_allocator).__name__})")
     if allocated != plan.kv_cache_bytes:
-        print(f"  FAIL layout declared {plan.kv_cache_bytes} bytes, pool allocated {allocated}")
+        print(f"  {rank}FAIL layout declared {plan.kv_cache_bytes} bytes, pool allocated {allocated}")
         return 1
     results = run_self_check(pools)
     for r in results:
-        print(f"  {'ok  ' if r.ok else 'FAIL'} {r.name:<12} {r.detail}")
+        print(f"  {rank}{'ok  ' if r.ok else 'FAIL'} {r.name:<12} {r.detail}")
     failed = [r for r in results if not r.ok]
-    print(f"kvcore up: {'FAILED' if failed else 'ready'}: {plan.max_total_num_tokens} tokens, "
-          f"{plan.max_running_requests} requests, backend {plan.backend}")
+    print(f"{rank}kvcore up: {'FAILED' if failed else 'ready'}: {plan.max_total_num_tokens} tokens, "
+          f"{plan.max_running_requests} requests, backend {plan.backend}", flush=True)
     return 1 if failed else 0
+
+
+def _print_nothing(lines: Sequence[str]) -> None:
+    del lines
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

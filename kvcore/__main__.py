@@ -1,0 +1,7 @@
+"""``python -m kvcore ...`` (and ``torchrun -m kvcore up ...``): the ``kvcore`` command line."""
+
+import sys
+
+from kvcore.cli import main
+
+sys.exit(main())
