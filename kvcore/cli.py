@@ -21,7 +21,7 @@ import torch
 
 from kvcore import api
 from kvcore.config import EngineConfig, available_options, load_config
-from kvcore.errors import KVCoreError, SelectionError
+from kvcore.errors import ConfigError, KVCoreError, SelectionError
 from kvcore.planner import GiB, MemoryPlan
 from kvcore.plugins import get_registry
 
@@ -119,11 +119,34 @@ def _compare_dtypes(cfg: EngineConfig) -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.sweep:
+        return _plan_sweep(args)
+    if args.plot:
+        raise ConfigError("--plot draws a sweep: add --sweep KEY=V1,V2,... (e.g. --sweep parallel.tp_size=1,2,4,8)")
     cfg = _load(args.overrides)
     _print(_describe_config(cfg))
     _print(_describe_plan(api.plan_memory(cfg)))
     _print(_compare_dtypes(cfg))
     return 0
+
+
+def _plan_sweep(args: argparse.Namespace) -> int:
+    """``kvcore plan ... --sweep KEY=V1,V2 [--sweep ...] [--plot FILE.png]``: one table over the product."""
+    from kvcore.sweep import parse_sweep, plot, run_sweep, table
+
+    path, overrides = _split_args(args.overrides)
+    sweeps = [parse_sweep(text) for text in args.sweep]
+    cfg = load_config(*overrides, path=path)
+    title = f"{cfg.model.name} on {cfg.hardware.name}: " + " x ".join(key for key, _ in sweeps)
+    total = 1
+    for _, values in sweeps:
+        total *= len(values)
+    print(f"sweep      {title} ({total} plans, nothing allocated)", flush=True)
+    points = run_sweep(overrides, sweeps, path=path)
+    _print(table(points))
+    if args.plot:
+        print(f"plot       {plot(points, args.plot, title)}")
+    return 0 if any(not p.error for p in points) else 2
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -278,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
     plan = sub.add_parser("plan", help="size the pools without allocating (works for GPU profiles on a CPU)")
     plan.add_argument("overrides", nargs="*", help=help_overrides)
+    plan.add_argument("--sweep", action="append", metavar="KEY=V1,V2,...",
+                      help="plan every combination of these values (repeatable): a table of tokens, requests, bytes per "
+                      "token and KV GiB")
+    plan.add_argument("--plot", metavar="FILE.png", help="with --sweep: draw tokens against the first swept key, one line "
+                      "per combination of the others (needs matplotlib: the plot extra)")
     plan.set_defaults(func=cmd_plan)
     plugins = sub.add_parser("plugins", help="list backends and the plugins that registered them")
     plugins.add_argument("--explain", nargs="*", metavar="OVERRIDE",
