@@ -8,8 +8,13 @@ Shared rules:
 * Slot 0 (page 0 when paged) is padding and is never handed out; the free list starts at 1.  A paged
   allocator over ``size`` tokens has ``size // page_size`` pages, ids ``1 .. num_pages``, and token indices up
   to ``(num_pages + 1) * page_size - 1``: the KV buffer needs ``size + page_size`` slots.
-* Free lists are int64 tensors on the allocator's device and are never written in place, so
-  :meth:`~BaseTokenToKVPoolAllocator.backup_state` is a cheap, exact snapshot.
+* Free lists are int64 tensors on the allocator's device and :meth:`~BaseTokenToKVPoolAllocator.backup_state`
+  is a cheap, exact snapshot.  The token allocator's lists are never written in place.  The paged allocator
+  keeps its lists in device ring buffers (:class:`kvcore.page_queue.PageQueue`) so that no call of the decode
+  loop (``alloc_decode`` with ``seq_lens_cpu``, ``alloc_extend`` with the CPU copies, ``free``,
+  ``free_group_end``) waits for the device; only ``available_size`` (exact by design) and an allocation that a
+  nearly full pool may not fit wait for the counts of frees still in flight.  Its ``free_pages`` /
+  ``release_pages`` are read back from the device, for inspection.
 * An allocation that does not fit returns ``None`` and leaves the allocator as it was.
 * ``need_sort=True`` defers freed slots to ``release_pages``; they are merged into ``free_pages`` and sorted
   only when an allocation would otherwise fall short, so allocations stay as contiguous as they can.
@@ -30,6 +35,7 @@ import torch
 from kvcore import allocator_kernels as _k
 from kvcore.errors import ConfigError
 from kvcore.kernel_mode import use_triton
+from kvcore.page_queue import PageQueue, distinct_sorted
 
 __all__ = [
     "ALLOC_DECODE_ORDER",
@@ -107,8 +113,6 @@ class BaseTokenToKVPoolAllocator:
         # Resolved once: raises ConfigError here, not on the first allocation, for a mode the device cannot run.
         self._use_triton = use_triton(kernels, self.device)
 
-        self.free_pages: torch.Tensor = _empty_index(self.device)
-        self.release_pages: torch.Tensor = _empty_index(self.device)
         self.is_not_in_free_group = True
         self.free_group: list[torch.Tensor] = []
 
@@ -361,10 +365,51 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self.clear()
 
     def clear(self) -> None:
-        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
-        self.release_pages = _empty_index(self.device)
+        self._free = PageQueue(self.num_pages, self.device)
+        self._free.clear(torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device))
+        self._released = PageQueue(self.num_pages, self.device)
         self.is_not_in_free_group = True
         self.free_group = []
+
+    # -- the free lists, kept on the device (kvcore.page_queue) ---------------------------------------------
+
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """The free page ids in the order they will be handed out (reads the device: for inspection)."""
+        return self._free.ids()
+
+    @property
+    def release_pages(self) -> torch.Tensor:
+        """Freed pages deferred by ``need_sort`` (reads the device: for inspection)."""
+        return self._released.ids()
+
+    def available_size(self) -> int:
+        """Exact: waits for the counts of frees still in flight on a GPU (the only call here that does)."""
+        return (self._free.exact() + self._released.exact()) * self.page_size
+
+    def backup_state(self) -> tuple:
+        return (self._free.snapshot(), self._released.snapshot())
+
+    def restore_state(self, state: tuple) -> None:
+        free, released = state
+        self._free.restore(free)
+        self._released.restore(released)
+
+    def merge_and_sort_free(self) -> None:
+        if self._released.known or self._released.refresh(wait=True):
+            self._free.absorb(self._released)
+
+    def _ensure_free_pages(self, num_pages: int) -> bool:
+        """As the base class's, deciding from the host's counts: no wait while they show enough pages, and
+        only a nearly full pool waits for the counts of frees still in flight."""
+        for wait in (False, True):
+            free, released = self._free.refresh(wait), self._released.refresh(wait)
+            if num_pages <= free:
+                return True
+            if num_pages <= free + released:
+                self._free.absorb(self._released)
+                return True
+        return False
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """Take ``need_size // page_size`` whole pages and return their token indices, page after page.
@@ -380,8 +425,7 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         num_pages = need_size // self.page_size
         if not self._ensure_free_pages(num_pages):
             return None
-        out_pages = self.free_pages[:num_pages]
-        self.free_pages = self.free_pages[num_pages:]
+        out_pages = self._free.take(num_pages)
         return (out_pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
 
     def alloc_extend(
@@ -426,11 +470,8 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         num_new_pages = _k.num_new_pages_extend(pre_c, seq_c, self.page_size)
         if not self._ensure_free_pages(num_new_pages):
             return None
-        out_indices = self._extend_impl(
-            prefix_lens, seq_lens, last_loc, self.free_pages, self.page_size, extend_num_tokens
-        )
-        self.free_pages = self.free_pages[num_new_pages:]
-        return out_indices
+        new_pages = self._free.take(num_new_pages)
+        return self._extend_impl(prefix_lens, seq_lens, last_loc, new_pages, self.page_size, extend_num_tokens)
 
     def alloc_decode(
         self,
@@ -455,18 +496,17 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         )
         if not self._ensure_free_pages(num_new_pages):
             return None
-        out_indices = self._decode_impl(seq_lens, last_loc, self.free_pages, self.page_size)
-        self.free_pages = self.free_pages[num_new_pages:]
-        return out_indices
+        return self._decode_impl(seq_lens, last_loc, self._free.take(num_new_pages), self.page_size)
 
     def free(self, free_index: torch.Tensor) -> None:
-        """Give back the pages holding ``free_index`` (``unique(free_index // page_size)``).
+        """Give back the pages holding ``free_index`` (its distinct ``free_index // page_size``, ascending).
 
         Freed pages go to the front of the free list (reused first, as in SGLang), or are deferred when
         ``need_sort``.  Empty input is a no-op; inside a free group they are held until
         :meth:`free_group_end`.  Every token of a freed page is freed: free whole requests' pages only.
+        Never waits for the device: duplicates are dropped on the device (:mod:`kvcore.page_queue`).
         """
         if free_index.numel() == 0 or self._hold_in_group(free_index):
             return
-        free_page_indices = torch.unique(free_index.reshape(-1).to(torch.int64) // self.page_size)
-        self._release(free_page_indices, prepend=True)
+        ordered, first = distinct_sorted(free_index.to(torch.int64) // self.page_size)
+        (self._released if self.need_sort else self._free).put(ordered, first, front=True)
