@@ -1,7 +1,7 @@
 """Host time of one decode step of the allocators (issue: allocators without a host sync), on a GPU.
 
 A step is what an engine's decode loop asks of the allocator: ``alloc_decode`` for 256 requests (with the CPU
-copy of their lengths), then a free group releasing the pages of the requests that finished.  Each row times
+copy of their lengths), then a free group releasing the pages of the requests that finished (see ``step_fn``).  Each row times
 2000 steps with no synchronisation inside the loop (host time per step), for page sizes 1, 16 and 64:
 
 - ``kvcore``: the allocator ``kvcore_choose_allocator`` picks (the token allocator at page size 1, the paged one
@@ -71,19 +71,23 @@ def make(kind, page_size):
 
 
 def step_fn(a, page_size):
-    """A closure running one decode step; the finished requests' pages are allocated up front and freed again
-    after being reused, so every step frees FINISHING requests' pages and the pool stays in a steady state."""
-    seq = torch.full((BS,), 3 * page_size + 1, dtype=torch.int64)  # every request opens a page each...
+    """A closure running one decode step in a steady state: every request opens a new page (the worst case),
+    and the free group gives back the previous step's new pages and the pages of FINISHING requests (which
+    are allocated again afterwards, as new requests would take them)."""
+    seq = torch.full((BS,), 3 * page_size + 1, dtype=torch.int64)  # (seq - 1) % page_size == 0: a new page each
     seq_dev = seq.cuda()
     last = (torch.arange(BS, device="cuda") + 1000) * page_size
     finished = a.alloc(FINISHING * page_size)
+    previous = a.alloc_decode(seq_dev, seq, last)
 
     def step():
-        nonlocal finished
-        a.alloc_decode(seq_dev, seq, last)
+        nonlocal finished, previous
+        out = a.alloc_decode(seq_dev, seq, last)
         a.free_group_begin()
+        a.free(previous)
         a.free(finished)
         a.free_group_end()
+        previous = out
         finished = a.alloc(FINISHING * page_size)
 
     return step
