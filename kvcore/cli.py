@@ -208,6 +208,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print("backends:")
     for backend in sorted(registry.backends.values(), key=lambda b: b.name):
         dtypes = "any" if backend.kv_dtypes is None else ", ".join(str(d).removeprefix("torch.") for d in backend.kv_dtypes)
+        dtypes = ", ".join(filter(None, [dtypes, *backend.kv_formats])) or "none"
         print(f"  {backend.name:<10} plugin={backend.plugin:<10} attention={'/'.join(backend.attention)} "
               f"dtypes={dtypes} devices={'/'.join(backend.devices)} vendors={'/'.join(backend.vendors)} "
               f"priority={backend.priority}")
@@ -272,7 +273,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         kernels=args.kernels or (), overrides=args.overrides, plugins=args.plugin or (), exhaustive=args.exhaustive,
     )  # fmt: skip
     _print([f"kvcore check {args.backend}: the conformance kit, through the hooks engines use"] + plan.describe())
-    return 1 if run_check(plan) else 0
+    return 1 if run_check(plan, pytest_args=["--hypothesis-profile=long"] if args.long else ()) else 0
 
 
 def _comma_list(kind, choices: Sequence[str] | None = None):
@@ -328,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--kernels", action="extend", type=_comma_list(str, ("auto", "triton", "native")), metavar="MODE[,MODE]",
                        help="hardware.kernels modes: auto, triton, native (default: triton,native on cpu, auto on cuda)")
     check.add_argument("--plugin", action="append", metavar="MODULE", help="also register this module as a plugin (repeatable)")
+    check.add_argument("--long", action="store_true", help="the allocator checks' long run (10,000 request "
+                       "lifetimes per allocator: hypothesis profile 'long'; minutes)")
     check.add_argument("--exhaustive", action="store_true", help="every combination of dtype, kernels and page size "
                        "(default: each value at least once)")
     check.set_defaults(func=cmd_check)

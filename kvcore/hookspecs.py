@@ -15,7 +15,8 @@ How a pool gets built, in order:
 2. The core picks one backend for the request (capabilities, vendor specificity, priority; explainable with
    ``kvcore plugins --explain``).
 3. ``kvcore_buffer_layout`` - the buffers that backend will allocate; the planner sizes pools from it.
-4. ``kvcore_create_req_to_token_pool``, ``kvcore_create_pool`` and ``kvcore_choose_allocator`` build the pools.
+4. ``kvcore_create_pool``, ``kvcore_create_req_to_token_pool`` (given that pool) and ``kvcore_choose_allocator``
+   build the pools, in that order.
 
 The core's own answers to the ``firstresult`` hooks are registered with ``trylast=True``: they call the
 record's ``layout`` / ``create_pool`` and pick the token or paged allocator.  A vendor changes any step by

@@ -15,8 +15,8 @@ The pools under test come from your backend itself.  A whole test file is::
 
     class TestAcme(KVCacheConformance):
         backend = "acme"                                   # its registered name
-        config = ["model=qwen2.5-0.5b", "model.num_hidden_layers=3"]   # a small model it serves
-        variants = [Variant("bfloat16", "triton", 1), Variant("float8_e4m3fn", "native", 16)]
+        config = ["model=qwen2.5-0.5b", "model.num_hidden_layers=3", "hardware.vendor=acme"]  # a small model it serves
+        variants = [Variant("bfloat16", "triton", 1), Variant("float32", "native", 16)]
 
 and the kit builds the request with :func:`kvcore.make_request`, the layout through the
 ``kvcore_buffer_layout`` hook and the pools through ``kvcore_create_pool``, exactly as ``kvcore up`` does,

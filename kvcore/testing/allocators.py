@@ -35,7 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 __all__ = ["AllocatorConformance", "AllocatorMachine", "BackendAllocatorConformance"]
 
-settings.register_profile("long", max_examples=10_000, stateful_step_count=40, deadline=None,
+settings.register_profile("long", max_examples=10_000, stateful_step_count=50, deadline=None,
                           suppress_health_check=list(HealthCheck))  # fmt: skip
 
 

@@ -96,6 +96,13 @@ class _Base:
         return picked.to(pool.device)
 
 
+class _LayerObject:
+    """What engines pass as ``layer``: an attention module with a ``layer_id``."""
+
+    def __init__(self, layer_id: int):
+        self.layer_id = layer_id
+
+
 class BaseLayoutTests(_Base):
     def test_layout_bytes_equal_allocated_bytes(self, kv_pool, kv_layout):
         buffers = kv_pool.buffers()
@@ -158,6 +165,7 @@ class BaseStoreTests(_Base):
         for name, rows in kv_pool.token_rows().items():
             assert_same_bytes(rows.take(padding_tokens), padding[name], f"padding page of buffer {name}")
 
+    @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
     def test_layer_object_with_layer_id_and_offset_layers(self, kv_pool_factory, kv_pool_size, kv_page_size, kv_writer, generator):
         pool = kv_pool_factory(size=kv_pool_size, page_size=kv_page_size, start_layer=5)
         assert pool.start_layer == 5 and pool.end_layer == 5 + pool.layer_num - 1
@@ -169,6 +177,9 @@ class BaseStoreTests(_Base):
         for name, rows in expected.items():
             at = pool.layer_in_buffer(name, last)
             assert_same_bytes(token_rows[name].take(loc, at), rows, f"buffer {name}, global layer {last}")
+        # an attention module (anything with an int layer_id) addresses the same layer as its id
+        by_object, by_id = pool.get_key_buffer(_LayerObject(last)), pool.get_key_buffer(last)
+        assert_same_bytes(by_object, by_id, f"get_key_buffer of a layer object with layer_id={last}")
         with pytest.raises(IndexError, match="layer"):
             pool.get_key_buffer(pool.start_layer - 1)
         with pytest.raises(IndexError, match="layer"):

@@ -65,10 +65,15 @@ class AcmeKVPool(KVCache):
     # -- reads and writes ---------------------------------------------------------------------------------
 
     def get_key_buffer(self, layer_id) -> torch.Tensor:
-        return self.kv_cache[self.local_layer(layer_id), :, 0]
+        return self._layer(layer_id)[:, 0]
 
     def get_value_buffer(self, layer_id) -> torch.Tensor:
-        return self.kv_cache[self.local_layer(layer_id), :, 1]
+        return self._layer(layer_id)[:, 1]
+
+    def _layer(self, layer_id) -> torch.Tensor:
+        local = self.local_layer(layer_id)
+        self._wait_for_layer(local)  # layer-wise loading: attention reads wait for the layer's transfer
+        return self.kv_cache[local]
 
     def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                       k_scale=None, v_scale=None, layer_id_override: int | None = None) -> None:  # fmt: skip
