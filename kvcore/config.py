@@ -376,7 +376,12 @@ def load_config(*overrides: str, path: str | Path | None = None, registry=None) 
     try:
         merged = OmegaConf.structured(schema)
         for group in GROUPS:
-            if group in chosen:
+            if group == "model" and chosen.get(group, "").startswith("hf:"):
+                # a Hugging Face checkpoint's config.json, converted to a model file's keys (kvcore/hf.py)
+                from kvcore.hf import hf_model_config
+
+                merged = OmegaConf.merge(merged, {group: hf_model_config(chosen[group])})
+            elif group in chosen:
                 path = _group_file(group, chosen[group], engine_file)
                 group_cfg = _load_yaml(path)
                 merged = OmegaConf.merge(merged, group_cfg if _is_global_package(path) else {group: group_cfg})

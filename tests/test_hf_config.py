@@ -1,0 +1,394 @@
+"""``model=hf:PATH``: a Hugging Face checkpoint's own ``config.json`` as the model spec (kvcore/hf.py).
+
+The files under tests/data/hf are real released configs (tests/data/hf/SOURCES.md says where each came from).
+For every model with a shipped YAML, the spec built from its config.json must give the YAML's attention
+dimensions and sections and the same plan (tokens, bytes per token, requests) on the same hardware and
+parallel layout, which the test reads from the YAML itself.  Models without a YAML (mistral, qwen3,
+qwen3_moe) are checked against values computed here from their config.json.  Then the paths (file,
+directory, HF cache snapshot), the safetensors index, the DSA variant, the errors and the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvcore import ConfigError
+from kvcore.api import plan_memory
+from kvcore.cli import main
+from kvcore.config import load_config, packaged_configs
+from kvcore.hf import hf_model_config
+
+DATA = Path(__file__).parent / "data" / "hf"
+
+#: stored config -> the shipped YAML describing the same architecture (see SOURCES.md for the two stand-ins:
+#: DeepSeek-R1-0528's file for DeepSeek-V3, the Qwen2.5-0.5B base file for the Instruct YAML)
+PAIRS = {
+    "llama-3-8b": "llama-3-8b",
+    "qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen2.5-0.5b": "qwen2.5-0.5b",
+    "deepseek-r1-0528": "deepseek-v3",
+    "gpt-oss-120b": "gpt-oss-120b",
+    "gemma-3-27b-it": "gemma-3-27b",
+    "qwen3-next-80b-a3b": "qwen3-next-80b",
+}
+
+#: the shared ModelConfig keys that describe the attention and the budget (not name / architecture)
+DIMENSIONS = ("attention", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "hidden_size", "context_length", "dtype", "weight_dtype", "weight_bytes")  # fmt: skip
+SECTIONS = ("mla", "dsa", "swa", "mamba")
+
+
+def hf(name: str) -> str:
+    return f"model=hf:{DATA / name}"
+
+
+def raw(name: str) -> dict:
+    return json.loads((DATA / name / "config.json").read_text())
+
+
+def yaml_layout(model: str) -> list[str]:
+    """What a shipped model YAML sets outside ``model`` (a ``# @package _global_`` file's kv_cache and
+    parallel keys), as dotlist overrides: the layout the YAML assumes, applied to the hf: spec too."""
+    data = yaml.safe_load((packaged_configs() / "model" / f"{model}.yaml").read_text())
+    if "model" not in data:
+        return []
+    return [f"{section}.{key}={value}" for section, keys in data.items() if section != "model" for key, value in keys.items()]
+
+
+def plan_summary(plan) -> dict:
+    return {
+        "backend": plan.backend,
+        "bytes_per_token": plan.bytes_per_token,
+        "max_total_num_tokens": plan.max_total_num_tokens,
+        "max_running_requests": plan.max_running_requests,
+        "sizes": dict(plan.sizes),
+        "kv_cache_bytes": plan.kv_cache_bytes,
+        "buffers": [buffer.describe() for buffer in plan.layout.buffers],
+    }
+
+
+def test_every_stored_config_has_a_source():
+    sources = (DATA / "SOURCES.md").read_text()
+    stored = sorted(p.name for p in DATA.iterdir() if (p / "config.json").is_file())
+    assert stored and all(f"`{name}`" in sources for name in stored)
+
+
+# -- against the shipped YAMLs --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_spec_matches_the_shipped_yaml(name):
+    layout = yaml_layout(PAIRS[name])
+    ours = load_config(hf(name), "hardware=h200", *layout).model
+    shipped = load_config(f"model={PAIRS[name]}", "hardware=h200", *layout).model
+    assert {k: getattr(ours, k) for k in DIMENSIONS} == {k: getattr(shipped, k) for k in DIMENSIONS}
+    assert (ours.v_head_dim or ours.head_dim) == (shipped.v_head_dim or shipped.head_dim)
+    assert {s: getattr(ours, s) for s in SECTIONS} == {s: getattr(shipped, s) for s in SECTIONS}
+    assert ours.architecture == shipped.architecture
+    assert ours.name == name  # the checkpoint's directory
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_plan_matches_the_shipped_yaml(name):
+    layout = yaml_layout(PAIRS[name])
+    ours = plan_memory(load_config(hf(name), "hardware=h200", *layout))
+    shipped = plan_memory(load_config(f"model={PAIRS[name]}", "hardware=h200", *layout))
+    assert plan_summary(ours) == plan_summary(shipped)
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_parameter_count_matches_the_shipped_yaml(name):
+    """Both count the served language model from the config's shapes.  One known difference: the shipped
+    qwen3-next-80b.yaml counts 6144 parameters more than the converter does (79674397440 vs 79674391296;
+    transformers' Qwen3NextForCausalLM built on the meta device from this config.json also has 79674391296).
+    That is 12 KiB of bf16 weights over two ranks and moves no token of the plan (checked above)."""
+    ours = load_config(hf(name)).model.num_parameters
+    shipped = load_config(f"model={PAIRS[name]}").model.num_parameters
+    if name == "qwen3-next-80b-a3b":
+        assert 0 < shipped - ours < 1e-6 * shipped
+    else:
+        assert ours == shipped
+
+
+def test_yaml_layout_reads_the_global_package_sections():
+    assert yaml_layout("deepseek-v3") == ["parallel.tp_size=8"]
+    assert set(yaml_layout("deepseek-v3.2")) == {"kv_cache.page_size=64", "kv_cache.dtype=float8_e4m3fn", "parallel.tp_size=8"}
+    assert yaml_layout("llama-3-8b") == []
+
+
+# -- model types without a shipped YAML: expectations computed from the config.json ----------------------------
+
+
+def kv_bytes_per_token(c: dict, layers: int, head_dim: int, itemsize: int = 2) -> int:
+    return 2 * layers * c["num_key_value_heads"] * head_dim * itemsize  # K and V
+
+
+def test_mistral_slides_on_every_layer():
+    c = raw("mistral-7b-v0.1")
+    cfg = load_config(hf("mistral-7b-v0.1"), "hardware=h200")
+    m = cfg.model
+    assert (m.attention, m.num_hidden_layers, m.num_key_value_heads) == ("swa", c["num_hidden_layers"], c["num_key_value_heads"])
+    assert m.head_dim == c["hidden_size"] // c["num_attention_heads"]  # no head_dim key in the file
+    assert (m.swa.sliding_window, m.swa.full_attention_interval) == (c["sliding_window"], 0)
+    assert m.context_length == c["max_position_embeddings"]
+    plan = plan_memory(cfg)
+    assert plan.layout.bytes_per_unit("swa_tokens") == kv_bytes_per_token(c, c["num_hidden_layers"], m.head_dim)
+    assert plan.bytes_per_token == 0  # no full-attention layer
+
+
+def test_qwen3_dense():
+    c = raw("qwen3-8b")
+    cfg = load_config(hf("qwen3-8b"), "hardware=h200")
+    m = cfg.model
+    assert (m.attention, m.head_dim, m.num_key_value_heads) == ("mha", c["head_dim"], c["num_key_value_heads"])
+    assert plan_memory(cfg).bytes_per_token == kv_bytes_per_token(c, c["num_hidden_layers"], c["head_dim"])
+    # untied embedding and head, q/k/v/o without biases, q/k norms, SwiGLU, two norms a layer, final norm
+    h, d, layers = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    per_layer = 2 * h * q + 2 * h * kv + 2 * d + 3 * h * c["intermediate_size"] + 2 * h
+    assert m.num_parameters == 2 * c["vocab_size"] * h + layers * per_layer + h
+
+
+def test_qwen3_moe():
+    c = raw("qwen3-30b-a3b")
+    cfg = load_config(hf("qwen3-30b-a3b"), "hardware=h200")
+    m = cfg.model
+    assert (m.attention, m.head_dim, m.num_attention_heads) == ("mha", c["head_dim"], c["num_attention_heads"])
+    assert plan_memory(cfg).bytes_per_token == kv_bytes_per_token(c, c["num_hidden_layers"], c["head_dim"])
+    h, d, layers, e = c["hidden_size"], c["head_dim"], c["num_hidden_layers"], c["num_experts"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    moe = e * 3 * h * c["moe_intermediate_size"] + h * e  # experts and router; every layer (mlp_only_layers empty)
+    per_layer = 2 * h * q + 2 * h * kv + 2 * d + moe + 2 * h
+    assert m.num_parameters == 2 * c["vocab_size"] * h + layers * per_layer + h
+
+
+# -- paths ---------------------------------------------------------------------------------------------------
+
+
+def test_file_and_directory_paths_give_the_same_spec():
+    assert hf_model_config(f"hf:{DATA / 'gpt-oss-120b'}") == hf_model_config(f"hf:{DATA / 'gpt-oss-120b' / 'config.json'}")
+
+
+def test_relative_path(monkeypatch):
+    monkeypatch.chdir(DATA.parent.parent.parent)
+    assert load_config("model=hf:tests/data/hf/llama-3-8b").model.name == "llama-3-8b"
+
+
+def test_hf_cache_snapshot_is_named_after_the_repository(tmp_path):
+    snapshot = tmp_path / "models--meta-llama--Meta-Llama-3-8B" / "snapshots" / "62bd457b6fe961a42a631306577e622c83876cb6"
+    snapshot.mkdir(parents=True)
+    shutil.copy(DATA / "llama-3-8b" / "config.json", snapshot)
+    assert load_config(f"model=hf:{snapshot}").model.name == "meta-llama/Meta-Llama-3-8B"
+
+
+def test_overrides_still_win():
+    cfg = load_config(hf("llama-3-8b"), "model.context_length=4096", "model.name=mine")
+    assert (cfg.model.context_length, cfg.model.name) == (4096, "mine")
+
+
+# -- the safetensors index -------------------------------------------------------------------------------------
+
+
+def with_index(tmp_path: Path, name: str, total_size: int) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    shutil.copy(DATA / name / "config.json", folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total_size}, "weight_map": {}}))
+    return folder
+
+
+def test_index_total_size_gives_the_parameters(tmp_path):
+    params = load_config("model=llama-3-8b").model.num_parameters
+    folder = with_index(tmp_path, "llama-3-8b", 2 * params + 1)  # bf16: two bytes a parameter
+    m = load_config(f"model=hf:{folder}").model
+    assert m.num_parameters == params and m.weight_bytes is None
+
+
+def test_index_total_size_is_the_weights_of_a_mixed_precision_checkpoint(tmp_path):
+    total = 65_000_000_000
+    m = load_config(f"model=hf:{with_index(tmp_path, 'gpt-oss-120b', total)}").model
+    assert m.weight_bytes == total and m.num_parameters == total // 2
+
+
+def test_index_of_an_fp8_checkpoint_counts_one_byte_a_parameter(tmp_path):
+    m = load_config(f"model=hf:{with_index(tmp_path, 'deepseek-r1-0528', 700_000_000_000)}").model
+    assert (m.num_parameters, m.weight_dtype) == (700_000_000_000, "float8_e4m3fn")
+
+
+def test_bad_index_names_the_key(tmp_path):
+    folder = with_index(tmp_path, "llama-3-8b", 0)
+    with pytest.raises(ConfigError, match=r"model\.safetensors\.index\.json.*metadata\.total_size"):
+        load_config(f"model=hf:{folder}")
+
+
+# -- DeepSeek's DSA variant ------------------------------------------------------------------------------------
+
+
+def test_deepseek_v32_is_dsa(tmp_path):
+    """DeepSeek-V3.2-Exp's config.json was not found verbatim (SOURCES.md), so this builds the DSA variant from
+    the stored DeepSeek-R1-0528 file (the V3 architecture V3.2 extends) with V3.2's model type, class and
+    lightning-indexer keys: index_head_dim from the shipped deepseek-v3.2.yaml, index_n_heads 64 and
+    index_topk 2048 as DeepSeek-V3.2-Exp publishes them.  The converter counts the indexer's weights, which
+    the shipped YAML leaves out; with the YAML's count the plan is the YAML's."""
+    shipped = load_config("model=deepseek-v3.2")
+    c = raw("deepseek-r1-0528")
+    c.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"],
+             index_head_dim=shipped.model.dsa.index_head_dim, index_n_heads=64, index_topk=2048)  # fmt: skip
+    folder = tmp_path / "deepseek-v3.2-exp"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(c))
+    layout = yaml_layout("deepseek-v3.2")
+    ours = load_config(f"model=hf:{folder}", "hardware=h200", *layout)
+    theirs = load_config("model=deepseek-v3.2", "hardware=h200", *layout)
+    assert ours.model.attention == "dsa"
+    assert (ours.model.mla, ours.model.dsa) == (theirs.model.mla, theirs.model.dsa)
+    # per layer: wq_b (q_lora_rank -> heads x dim), wk (hidden -> dim), the k LayerNorm (weight, bias), weights_proj
+    h, dim, heads = c["hidden_size"], c["index_head_dim"], c["index_n_heads"]
+    indexer = c["num_hidden_layers"] * (c["q_lora_rank"] * heads * dim + h * dim + 2 * dim + h * heads)
+    assert ours.model.num_parameters - theirs.model.num_parameters == indexer
+    pinned = load_config(f"model=hf:{folder}", "hardware=h200", *layout, f"model.num_parameters={theirs.model.num_parameters}")
+    assert plan_summary(plan_memory(pinned)) == plan_summary(plan_memory(theirs))
+
+
+# -- errors ----------------------------------------------------------------------------------------------------
+
+
+def write_config(tmp_path: Path, data: dict | str) -> Path:
+    path = tmp_path / "ckpt" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v32", "qwen3_next")
+
+
+def test_unsupported_model_type_lists_the_supported_ones(tmp_path):
+    path = write_config(tmp_path, {**raw("llama-3-8b"), "model_type": "gpt2"})
+    with pytest.raises(ConfigError) as err:
+        load_config(f"model=hf:{path}")
+    message = str(err.value)
+    assert str(path) in message and "'gpt2'" in message
+    assert all(kind in message for kind in SUPPORTED)
+
+
+def test_missing_model_type(tmp_path):
+    data = raw("llama-3-8b")
+    del data["model_type"]
+    path = write_config(tmp_path, data)
+    with pytest.raises(ConfigError, match="'model_type' is missing") as err:
+        load_config(f"model=hf:{path}")
+    assert str(path) in str(err.value) and "qwen3_next" in str(err.value)
+
+
+@pytest.mark.parametrize("name, key", [("llama-3-8b", "num_hidden_layers"), ("qwen3-next-80b-a3b", "linear_num_value_heads"),
+                                       ("deepseek-r1-0528", "kv_lora_rank"), ("gpt-oss-120b", "sliding_window")])  # fmt: skip
+def test_missing_key_names_file_and_key(tmp_path, name, key):
+    data = raw(name)
+    del data[key]
+    path = write_config(tmp_path, data)
+    with pytest.raises(ConfigError) as err:
+        load_config(f"model=hf:{path.parent}")
+    assert str(path) in str(err.value) and f"'{key}'" in str(err.value) and "missing" in str(err.value)
+
+
+def test_null_key_names_file_and_key(tmp_path):
+    path = write_config(tmp_path, {**raw("llama-3-8b"), "hidden_size": None})
+    with pytest.raises(ConfigError, match=r"key 'hidden_size' is null"):
+        load_config(f"model=hf:{path}")
+
+
+def test_missing_nested_key_names_its_path(tmp_path):
+    data = raw("gemma-3-27b-it")
+    del data["text_config"]["num_key_value_heads"]
+    del data["text_config"]["num_attention_heads"]
+    path = write_config(tmp_path, data)
+    with pytest.raises(ConfigError, match=r"key 'text_config\.num_attention_heads' is missing"):
+        load_config(f"model=hf:{path}")
+
+
+def test_wrong_value_type_names_the_key(tmp_path):
+    path = write_config(tmp_path, {**raw("llama-3-8b"), "num_key_value_heads": "8"})
+    with pytest.raises(ConfigError, match=r"'num_key_value_heads' must be an integer"):
+        load_config(f"model=hf:{path}")
+
+
+def test_not_a_file(tmp_path):
+    missing = tmp_path / "nowhere" / "config.json"
+    with pytest.raises(ConfigError, match="neither a file nor a directory") as err:
+        load_config(f"model=hf:{missing}")
+    assert str(missing) in str(err.value)
+
+
+def test_directory_without_config_json(tmp_path):
+    with pytest.raises(ConfigError, match="has no config.json") as err:
+        load_config(f"model=hf:{tmp_path}")
+    assert str(tmp_path) in str(err.value)
+
+
+def test_empty_path():
+    with pytest.raises(ConfigError, match="names no checkpoint"):
+        load_config("model=hf:")
+
+
+def test_invalid_json_names_the_file_and_line(tmp_path):
+    path = write_config(tmp_path, '{\n  "model_type": "llama",\n  "hidden_size": 4096,,\n}')
+    with pytest.raises(ConfigError, match=r"is not valid JSON \(line 3") as err:
+        load_config(f"model=hf:{path}")
+    assert str(path) in str(err.value)
+
+
+def test_json_that_is_not_an_object(tmp_path):
+    with pytest.raises(ConfigError, match="JSON object at top level"):
+        load_config(f"model=hf:{write_config(tmp_path, '[1, 2]')}")
+
+
+def test_layer_types_without_a_period_are_refused(tmp_path):
+    data = raw("gpt-oss-120b")
+    data["layer_types"][0] = "full_attention"
+    path = write_config(tmp_path, data)
+    with pytest.raises(ConfigError, match=r"'layer_types' does not repeat one pattern") as err:
+        load_config(f"model=hf:{path}")
+    assert str(path) in str(err.value)
+
+
+def test_qwen_sliding_window_layers_are_refused(tmp_path):
+    path = write_config(tmp_path, {**raw("qwen2.5-7b-instruct"), "use_sliding_window": True})
+    with pytest.raises(ConfigError, match=r"'use_sliding_window' is true"):
+        load_config(f"model=hf:{path}")
+
+
+def test_unknown_quantization_needs_the_index(tmp_path):
+    data = {**raw("llama-3-8b"), "quantization_config": {"quant_method": "awq", "bits": 4}}
+    path = write_config(tmp_path, data)
+    with pytest.raises(ConfigError, match=r"'quantization_config.quant_method'='awq'.*model.safetensors.index.json"):
+        load_config(f"model=hf:{path}")
+    (path.parent / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 5_000_000_000}}))
+    assert load_config(f"model=hf:{path}").model.num_parameters == 2_500_000_000
+
+
+def test_other_groups_are_unaffected():
+    assert load_config("model=llama-3-8b", "hardware=h200").model.name == "llama-3-8b"
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+
+
+def test_cli_plan(capsys):
+    rc = main(["plan", f"model=hf:{DATA / 'llama-3-8b'}", "hardware=h200"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "llama-3-8b (LlamaForCausalLM)" in out
+    shipped = plan_memory(load_config("model=llama-3-8b", "hardware=h200"))
+    assert f"max_total_num_tokens = {shipped.max_total_num_tokens}" in out
+
+
+def test_cli_reports_a_bad_checkpoint(tmp_path, capsys):
+    path = write_config(tmp_path, {**raw("llama-3-8b"), "model_type": "gpt2"})
+    assert main(["plan", f"model=hf:{path}"]) == 2
+    assert "not supported" in capsys.readouterr().err
