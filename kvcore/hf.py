@@ -316,8 +316,9 @@ def _gated_mlp(hidden: int, intermediate: int, bias: bool = False) -> int:
 def _dense(cfg: HFConfig, *, qkv_bias: bool = False, qk_norm: bool = False) -> dict[str, Any]:
     """Llama-style dense decoders (llama, mistral, qwen2, qwen3): GQA attention, a gated MLP, RMSNorms.
 
-    A sliding window on every layer (Mistral 7B v0.1) is a ``swa`` model whose layers all slide; Qwen's
-    ``use_sliding_window`` (window layers from ``max_window_layers`` on) has no kvcore layout and is refused.
+    A sliding window on every layer (Mistral 7B v0.1's ``sliding_window``) is applied by attention; the pool keeps
+    every token, as SGLang's does for these models (plain ``mha``).  Qwen's ``use_sliding_window`` (window
+    layers from ``max_window_layers`` on) has no kvcore layout and is refused.
     """
     heads, kv_heads, head_dim = cfg.attention_heads()
     hidden, layers = cfg.integer("hidden_size"), cfg.integer("num_hidden_layers")
@@ -327,20 +328,13 @@ def _dense(cfg: HFConfig, *, qkv_bias: bool = False, qk_norm: bool = False) -> d
         + _gated_mlp(hidden, cfg.integer("intermediate_size"), bias=bool(cfg.get("mlp_bias", False)))
         + 2 * hidden
     )
-    sliding = None
-    if cfg.model_type in ("qwen2", "qwen3"):
-        if cfg.get("use_sliding_window", False):
-            raise ConfigError(
-                f"{cfg.file}: key 'use_sliding_window' is true: Qwen's sliding window on the layers from "
-                "max_window_layers on has no kvcore layout; serve the checkpoint with use_sliding_window false"
-            )
-    elif cfg.get("sliding_window") is not None:
-        sliding = cfg.integer("sliding_window")
-    spec = cfg.common(attention="swa" if sliding else "mha", num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      head_dim=head_dim, parameters=layers * per_layer + _embeddings(cfg), weights=_plain_weights(cfg))  # fmt: skip
-    if sliding:
-        spec["swa"] = {"sliding_window": sliding, "full_attention_interval": 0}
-    return spec
+    if cfg.model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window", False):
+        raise ConfigError(
+            f"{cfg.file}: key 'use_sliding_window' is true: Qwen's sliding window on the layers from "
+            "max_window_layers on has no kvcore layout; serve the checkpoint with use_sliding_window false"
+        )
+    return cfg.common(attention="mha", num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      parameters=layers * per_layer + _embeddings(cfg), weights=_plain_weights(cfg))  # fmt: skip
 
 
 def _plain_weights(cfg: HFConfig) -> dict[str, Any]:

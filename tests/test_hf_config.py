@@ -128,17 +128,16 @@ def kv_bytes_per_token(c: dict, layers: int, head_dim: int, itemsize: int = 2) -
     return 2 * layers * c["num_key_value_heads"] * head_dim * itemsize  # K and V
 
 
-def test_mistral_slides_on_every_layer():
+def test_mistral_keeps_every_token_as_sglang_does():
+    """Mistral 7B v0.1 slides a window over every layer; attention applies it, the pool keeps all tokens (mha)."""
     c = raw("mistral-7b-v0.1")
+    assert c["sliding_window"]
     cfg = load_config(hf("mistral-7b-v0.1"), "hardware=h200")
     m = cfg.model
-    assert (m.attention, m.num_hidden_layers, m.num_key_value_heads) == ("swa", c["num_hidden_layers"], c["num_key_value_heads"])
+    assert (m.attention, m.num_hidden_layers, m.num_key_value_heads) == ("mha", c["num_hidden_layers"], c["num_key_value_heads"])
     assert m.head_dim == c["hidden_size"] // c["num_attention_heads"]  # no head_dim key in the file
-    assert (m.swa.sliding_window, m.swa.full_attention_interval) == (c["sliding_window"], 0)
     assert m.context_length == c["max_position_embeddings"]
-    plan = plan_memory(cfg)
-    assert plan.layout.bytes_per_unit("swa_tokens") == kv_bytes_per_token(c, c["num_hidden_layers"], m.head_dim)
-    assert plan.bytes_per_token == 0  # no full-attention layer
+    assert plan_memory(cfg).bytes_per_token == kv_bytes_per_token(c, c["num_hidden_layers"], m.head_dim)
 
 
 def test_qwen3_dense():

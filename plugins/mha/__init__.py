@@ -9,6 +9,7 @@ import importlib
 _PUBLIC = {
     "MHATokenToKVPool": "kvcore_mha.pool",
     "KVStore": "kvcore_mha.kernels",
+    "RowStore": "kvcore_mha.row_store",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -1,0 +1,152 @@
+"""Writing the rows of the same tokens into one, two or three stacked buffers in one launch (:class:`RowStore`).
+
+The MHA pool's own K/V store (:class:`kvcore_mha.kernels.KVStore`) is tuned for exactly two buffers with
+scales; pools built on MHA's rows that keep another number of per-token buffers (keys only; keys, values and
+DoubleSparse's channel labels) use this.  Each buffer is ``[L, R, H, D]`` (rows ``[H, D]`` packed, any ``D``),
+stored in its cache dtype's storage dtype (fp8 as uint8), and every input is converted to it as
+:func:`kvcore_mha.kernels.store_kv_triton` converts (same tile code, so the same bits); inputs may be strided
+in the token and head dims.  A torch reference runs the same checks and writes the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore import dtypes
+from kvcore.dtypes import storage_dtype
+from kvcore.fp8 import torch_e4m3fn_saturates
+from kvcore.kernel_mode import triton_interpreting
+from kvcore.launch import Launcher, cdiv
+from kvcore.row_move import next_pow2
+from kvcore_mha.kernels import STORE_MAX_BLOCK_C, STORE_TILE_ELEMS, _convert_native, _store_tile
+
+__all__ = ["RowStore"]
+
+MAX_BUFFERS = 3
+_NUM_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["layer", "loc_stride", "n_tokens"])
+def _store_rows_kernel(
+    a_ptr, b_ptr, c_ptr, layer, a_src, b_src, c_src, loc_ptr, loc_stride, n_tokens,
+    a_sn, a_sh, a_sd, b_sn, b_sh, b_sd, c_sn, c_sh, c_sd,
+    A_D: tl.constexpr, A_HD: tl.constexpr, A_LS: tl.constexpr, A_RS: tl.constexpr, A_PACKED: tl.constexpr,
+    A_OUT: tl.constexpr, A_BC: tl.constexpr, A_CB: tl.constexpr,
+    B_D: tl.constexpr, B_HD: tl.constexpr, B_LS: tl.constexpr, B_RS: tl.constexpr, B_PACKED: tl.constexpr,
+    B_OUT: tl.constexpr, B_BC: tl.constexpr, B_CB: tl.constexpr,
+    C_D: tl.constexpr, C_HD: tl.constexpr, C_LS: tl.constexpr, C_RS: tl.constexpr, C_PACKED: tl.constexpr,
+    C_OUT: tl.constexpr, C_BC: tl.constexpr,
+    SATURATE: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
+):  # fmt: skip
+    # grid: (token blocks, column blocks of A + of B + of C); a buffer with no column blocks is never reached
+    pid_n = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    lay = layer.to(tl.int64)
+    if pid_c < A_CB:
+        _store_tile(a_ptr + lay * A_LS, a_src, loc_ptr, loc_stride, loc_ptr, n_tokens, pid_n, pid_c, a_sn, a_sh, a_sd,
+                    loc_ptr, 1.0, A_D, A_HD, A_RS, A_PACKED, A_OUT, SATURATE, 0, BLOCK_N, A_BC, HW_CVT, False)  # fmt: skip
+    elif pid_c < A_CB + B_CB:
+        _store_tile(b_ptr + lay * B_LS, b_src, loc_ptr, loc_stride, loc_ptr, n_tokens, pid_n, pid_c - A_CB, b_sn, b_sh,
+                    b_sd, loc_ptr, 1.0, B_D, B_HD, B_RS, B_PACKED, B_OUT, SATURATE, 0, BLOCK_N, B_BC, HW_CVT, False)  # fmt: skip
+    else:
+        _store_tile(c_ptr + lay * C_LS, c_src, loc_ptr, loc_stride, loc_ptr, n_tokens, pid_n, pid_c - A_CB - B_CB, c_sn,
+                    c_sh, c_sd, loc_ptr, 1.0, C_D, C_HD, C_RS, C_PACKED, C_OUT, SATURATE, 0, BLOCK_N, C_BC, HW_CVT, False)  # fmt: skip
+
+
+class RowStore:
+    """Stores the rows of the same ``loc`` into every one of ``caches`` (1 to 3 stacked ``[L, R, H, D]`` buffers
+    with the same ``L`` and ``R``), one launch per call, or through the torch reference (``use_triton=False``).
+
+    :param caches: the stacked buffers, rows packed, dtype ``storage_dtype(cache_dtype)``.
+    :param cache_dtype: the caches' logical dtype.
+    :param names: what error messages call each input (``("cache_k", "cache_v", "cache_label")``).
+    """
+
+    def __init__(self, caches: Sequence[torch.Tensor], cache_dtype: torch.dtype, use_triton: bool = True,
+                 names: Sequence[str] = ("cache_k", "cache_v", "cache_label")):  # fmt: skip
+        if not 1 <= len(caches) <= MAX_BUFFERS:
+            raise ValueError(f"RowStore writes 1 to {MAX_BUFFERS} buffers, got {len(caches)}")
+        want = storage_dtype(cache_dtype)
+        for cache in caches:
+            s = cache.stride()
+            if cache.dim() != 4 or cache.shape[:2] != caches[0].shape[:2] or cache.dtype != want:
+                raise ValueError(f"caches must be [L, R, H, D] of {want} with the same L and R, got "
+                                 f"{[(tuple(c.shape), c.dtype) for c in caches]}")  # fmt: skip
+            if s[3] != 1 or s[2] != cache.shape[3]:
+                raise ValueError("cache rows must be contiguous ([H, D] packed)")
+        self.caches, self.cache_dtype, self.use_triton = list(caches), cache_dtype, use_triton
+        self.names = tuple(names[: len(caches)])
+        self.layers = caches[0].shape[0]
+        self.row_shapes = [tuple(c.shape[2:]) for c in caches]
+        self.launch = Launcher(_store_rows_kernel, caches[0].device)
+        self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
+        self._specs: dict[tuple, tuple] = {}
+
+    def _check(self, layer_index: int, loc: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:
+        if len(inputs) != len(self.caches):
+            raise ValueError(f"expected {len(self.caches)} inputs ({', '.join(self.names)}), got {len(inputs)}")
+        if not 0 <= layer_index < self.layers:
+            raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
+        if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
+        device = self.caches[0].device
+        for name, x, shape in zip(self.names, inputs, self.row_shapes):
+            if tuple(x.shape) != (loc.shape[0], *shape):
+                raise ValueError(f"{name} must be [N, H, D] = {(loc.shape[0], *shape)}, got {tuple(x.shape)}")
+            if x.device != device:
+                raise ValueError(f"{name} is on {x.device}, the pool on {device}")
+        if loc.device != device:
+            raise ValueError(f"loc is on {loc.device}, the pool on {device}")
+
+    def __call__(self, layer_index: int, loc: torch.Tensor, *inputs: torch.Tensor) -> None:
+        """Write ``inputs[i]`` (``[N, H_i, D_i]``, float32/float16/bfloat16 or the cache dtype) at rows ``loc`` of
+        ``layer_index`` in ``caches[i]``; the inputs are never modified."""
+        self._check(layer_index, loc, inputs)
+        codes = [dtypes.conversion_code(x.dtype, self.cache_dtype, name) for name, x in zip(self.names, inputs)]
+        n = loc.shape[0]
+        if n == 0:
+            return
+        if not self.use_triton:
+            rows = loc.long()
+            for cache, x in zip(self.caches, inputs):
+                cache[layer_index, rows] = _convert_native(x, self.cache_dtype, None)
+            return
+        inputs = [x.view(torch.uint8) if code == dtypes.SAME and x.dtype != c.dtype else x
+                  for x, code, c in zip(inputs, codes, self.caches)]  # fp8 into an fp8 cache: its bytes
+        key = (1 << (n - 1).bit_length(), loc.dtype, loc.data_ptr() % 16,
+               *((x.dtype, x.stride(), x.data_ptr() % 16, code) for x, code in zip(inputs, codes)))  # fmt: skip
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = self._spec(key[0], inputs, codes)
+        block_n, columns, per_buffer = spec
+        pad = len(self.caches)
+        caches = [*self.caches, *[self.caches[0]] * (MAX_BUFFERS - pad)]
+        srcs = [*inputs, *[inputs[0]] * (MAX_BUFFERS - pad)]
+        strides = [s for x in srcs for s in x.stride()]
+        self.launch(key, cdiv(n, block_n), columns, (
+            *caches, layer_index, *srcs, loc, loc.stride(0), n, *strides, *per_buffer, self._saturate, block_n,
+            self._hw_cvt,
+        ), (), _NUM_WARPS)  # fmt: skip
+
+    def _spec(self, n_pad: int, inputs, codes) -> tuple:
+        """(BLOCK_N, column blocks in all, the constexprs of every buffer slot) of a launch key."""
+        per_buffer, blocks, widths = [], [], []
+        for slot in range(MAX_BUFFERS):
+            if slot < len(self.caches):
+                cache, x, code = self.caches[slot], inputs[slot], codes[slot]
+                heads, dim = cache.shape[2], cache.shape[3]
+                block_c = min(next_pow2(heads * dim), STORE_MAX_BLOCK_C)
+                cb = cdiv(heads * dim, block_c)
+                packed = x.stride(2) == 1 and x.stride(1) == dim
+                fields = [dim, heads * dim, cache.stride(0), cache.stride(1), packed, code, block_c, cb]
+                widths.append(block_c)
+            else:
+                fields, cb = [1, 1, 0, 1, True, dtypes.SAME, 1, 0], 0
+            blocks.append(cb)
+            per_buffer += fields if slot < MAX_BUFFERS - 1 else fields[:-1]  # the last slot needs no block count
+        block_n = max(1, min(STORE_TILE_ELEMS // max(widths), n_pad))
+        return block_n, sum(blocks), tuple(per_buffer)
