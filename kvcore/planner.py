@@ -243,10 +243,7 @@ def plan_from_layouts(
     page_size = cfg.kv_cache.page_size
     ratio = cfg.memory.swa_full_tokens_ratio
     slots, kv_budgets = _request_slots(cfg, layouts, budget.kv_budget_bytes)
-    per_rank = [
-        tokens_that_fit(layout.without("requests").without("running_requests"), kv_budget, ratio)["tokens"]
-        for layout, kv_budget in zip(layouts, kv_budgets)
-    ]
+    per_rank = [_tokens_of_rank(cfg, layout, kv_budget, ratio) for layout, kv_budget in zip(layouts, kv_budgets)]
     limiting = min(range(len(per_rank)), key=per_rank.__getitem__)
     tokens = per_rank[limiting]
     layout = layouts[cfg.parallel.pp_rank]
@@ -308,6 +305,27 @@ def plan_from_layouts(
         limiting_pp_rank=limiting,
         pp_size=len(layouts),
         warnings=tuple(warnings),
+    )
+
+
+def _tokens_of_rank(cfg: EngineConfig, layout: PoolLayout, kv_budget: int, ratio: float) -> int:
+    """The tokens one pipeline rank's layout fits in its budget; for a layout that stores nothing per token (a
+    prefill-only pool keeping placeholders), the caps instead: memory does not bound it.
+
+    :raises PlanningError: for a pool that stores nothing and no cap, naming the keys that set one.
+    """
+    tokens_only = layout.without("requests").without("running_requests")
+    if tokens_only.bytes_per_unit("tokens") or tokens_only.bytes_per_unit("swa_tokens"):
+        return tokens_that_fit(tokens_only, kv_budget, ratio)["tokens"]
+    memory = cfg.memory
+    if memory.max_total_tokens is not None:
+        return memory.max_total_tokens
+    if memory.max_running_requests is not None:
+        return memory.max_running_requests * cfg.model.context_length
+    raise PlanningError(
+        f"backend {layout.backend!r} stores no KV (its buffers add no bytes per token), so memory does not bound its "
+        f"capacity: set memory.max_total_tokens (e.g. memory.max_total_tokens={64 * cfg.model.context_length}) or "
+        "memory.max_running_requests (tokens are then requests x the model's context)"
     )
 
 

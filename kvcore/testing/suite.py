@@ -32,7 +32,7 @@ import pytest
 import torch
 
 #: capability names a pool may declare through the ``kv_capabilities`` fixture (the default declares these).
-CAPABILITIES = frozenset({"move", "cpu_offload", "buffer_infos"})
+CAPABILITIES = frozenset({"store", "move", "cpu_offload", "buffer_infos"})
 #: declared in addition by a pool that stores values lossily (quantized caches): its round trip is checked
 #: within ``pool.lossy_bound`` (relative RMS error) through ``pool.self_test_values`` and ``pool.read_values``
 #: (:class:`BaseLossyTests`), beside the byte checks that hold for the bytes its writer reports.
@@ -134,7 +134,8 @@ class BaseLayoutTests(_Base):
 class BaseStoreTests(_Base):
     @pytest.mark.parametrize("n", [1, 5, 17])
     @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
-    def test_round_trip_only_target_rows_change(self, kv_pool, kv_writer, generator, n, index_dtype):
+    def test_round_trip_only_target_rows_change(self, kv_pool, kv_capabilities, kv_writer, generator, n, index_dtype):
+        self.need(kv_capabilities, "store")
         randomize(kv_pool, generator)
         before = {name: buf.clone() for name, buf in kv_pool.buffers().items()}
         layer = kv_pool.token_layers()[-1]  # the last layer catches per-layer offset mistakes
@@ -156,7 +157,8 @@ class BaseStoreTests(_Base):
         for name, buf in kv_pool.buffers().items():
             assert_same_bytes(buf, before[name], f"buffer {name} outside the written rows after {what}")
 
-    def test_padding_page_untouched(self, kv_pool, kv_writer, generator):
+    def test_padding_page_untouched(self, kv_pool, kv_capabilities, kv_writer, generator):
+        self.need(kv_capabilities, "store")
         randomize(kv_pool, generator)
         padding_tokens = torch.arange(kv_pool.page_size, device=kv_pool.device)
         padding = {name: rows.take(padding_tokens) for name, rows in kv_pool.token_rows().items()}
@@ -166,7 +168,9 @@ class BaseStoreTests(_Base):
             assert_same_bytes(rows.take(padding_tokens), padding[name], f"padding page of buffer {name}")
 
     @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
-    def test_layer_object_with_layer_id_and_offset_layers(self, kv_pool_factory, kv_pool_size, kv_page_size, kv_writer, generator):
+    def test_layer_object_with_layer_id_and_offset_layers(self, kv_pool_factory, kv_pool_size, kv_page_size, kv_writer,
+                                                          generator, kv_capabilities):  # fmt: skip
+        self.need(kv_capabilities, "store")
         pool = kv_pool_factory(size=kv_pool_size, page_size=kv_page_size, start_layer=5)
         assert pool.start_layer == 5 and pool.end_layer == 5 + pool.layer_num - 1
         randomize(pool, generator)

@@ -10,6 +10,7 @@ _PUBLIC = {
     "MHATokenToKVPool": "kvcore_mha.pool",
     "KVStore": "kvcore_mha.kernels",
     "RowStore": "kvcore_mha.row_store",
+    "NoOpMHATokenToKVPool": "kvcore_mha.noop",
 }
 
 __all__ = sorted(_PUBLIC)

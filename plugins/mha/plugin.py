@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import attrs
+
 from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import PoolLayout
 
 BACKEND = "mha"
+NOOP = "noop"
 
 
 def layout(request: PoolRequest) -> PoolLayout:
@@ -35,9 +38,35 @@ def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
     )
 
 
+def noop_layout(request: PoolRequest) -> PoolLayout:
+    """A placeholder page of K and V per layer (fixed rows: no bytes per token), whatever the size."""
+    from kvcore_mha.layout import mha_layout
+
+    full = mha_layout(backend=NOOP, page_size=request.page_size, dtype=request.kv_dtype, head_num=request.head_num,
+                      head_dim=request.head_dim, v_head_dim=request.v_head_dim, layer_num=request.layer_num)  # fmt: skip
+    placeholders = [attrs.evolve(b, fixed_rows=request.page_size) for b in full.buffers]
+    return attrs.evolve(full, buffers=placeholders, notes=[*full.notes, "stores nothing: prefill-only serving"])
+
+
+def create_noop_pool(request: PoolRequest, layout: PoolLayout, sizes):
+    from kvcore_mha.noop import NoOpMHATokenToKVPool
+
+    return NoOpMHATokenToKVPool(size=sizes["tokens"], head_num=request.head_num, head_dim=request.head_dim,
+                                v_head_dim=request.v_head_dim, **request.pool_kwargs())  # fmt: skip
+
+
 @hookimpl
 def kvcore_register_backends():
     return [
+        BackendSpec(
+            name=NOOP,
+            attention=("mha",),
+            layout=noop_layout,
+            create_pool=create_noop_pool,
+            priority=-10,
+            description="no-op pool for prefill-only serving: token capacity for admission, no storage (placeholders); "
+            "select with kv_cache.backend=noop",
+        ),
         BackendSpec(
             name=BACKEND,
             attention=("mha",),
