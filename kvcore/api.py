@@ -43,6 +43,7 @@ def _core_request(cfg: EngineConfig, pp_rank: int | None = None) -> PoolRequest:
         model_name=model.name,
         tp_size=cfg.parallel.tp_size,
         kv_format=cfg.kv_format,
+        layout=cfg.kv_cache.layout,
         options=cfg.kv_cache.options,
         sections={name: getattr(model, name) for name in _section_names(type(model))},
     )

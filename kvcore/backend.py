@@ -51,6 +51,7 @@ class PoolRequest:
         (a sliding-window section's own head count, recurrent state).
     :param kv_format: the block-scaled format ``kv_cache.dtype`` names (``kv_dtype`` is then ``torch.uint8``),
         or None for a plain dtype.
+    :param layout: ``kv_cache.layout``: ``token_major`` or ``page_major`` (served by backends declaring it).
     :param options: ``kv_cache.options``: the raw mapping until the selected backend resolves the request, then
         that backend's options object (None for a backend that takes no options).
     :param sections: the model's family sections by name (objects of the declaring plugin's schema); after
@@ -74,6 +75,7 @@ class PoolRequest:
     model_name: str = ""
     tp_size: int = 1
     kv_format: str | None = None
+    layout: str = "token_major"
     options: Any = attrs.field(factory=dict, converter=lambda v: _frozen_mapping(v) if isinstance(v, Mapping) else v)
     sections: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
 
@@ -127,6 +129,7 @@ class BackendSpec:
     :param vendors: hardware vendors served; ``("*",)`` for any.  A backend naming the requested vendor
         explicitly beats a generic one.
     :param page_sizes: page sizes served, or None for any.
+    :param layouts: buffer layouts served (``kv_cache.layout``): ``token_major`` by default.
     :param priority: higher wins among equally specific matches.
     :param description: one line for ``kvcore plugins``.
     :param model_sections: the ``model.<name>`` sections this backend reads, each an attrs class whose fields
@@ -145,6 +148,7 @@ class BackendSpec:
     devices: tuple[str, ...] = attrs.field(default=(ANY,), converter=_tuple_of_str)
     vendors: tuple[str, ...] = attrs.field(default=(ANY,), converter=_tuple_of_str)
     page_sizes: tuple[int, ...] | None = attrs.field(default=None)
+    layouts: tuple[str, ...] = attrs.field(default=("token_major",), converter=_tuple_of_str)
     priority: int = 0
     description: str = ""
     model_sections: Mapping[str, type] = attrs.field(factory=dict, converter=_frozen_mapping)
@@ -188,6 +192,8 @@ class BackendSpec:
             reasons.append(f"device {request.device_type} not in [{', '.join(self.devices)}]")
         if ANY not in self.vendors and request.vendor not in self.vendors:
             reasons.append(f"vendor {request.vendor} not in [{', '.join(self.vendors)}]")
+        if request.layout not in self.layouts:
+            reasons.append(f"layout {request.layout} not served (layouts: {', '.join(self.layouts)})")
         if self.page_sizes is not None and request.page_size not in self.page_sizes:
             reasons.append(f"page size {request.page_size} not in {list(self.page_sizes)} "
                            f"(set kv_cache.page_size={self.page_sizes[0]})")

@@ -6,7 +6,7 @@ What runs comes from the backend's own :class:`~kvcore.backend.BackendSpec`:
 - one *target* per attention kind it serves, each a small model: a shipped model of that attention kind, as
   small as there is (:func:`probe_model`), or the model the caller names (``kvcore check acme model=...``);
 - *variants* covering every cache dtype and block format it serves, every page size it declares (1 and 16 when
-  it declares none) and the kernel modes asked for (on the CPU: the Triton kernels in the interpreter, then
+  it declares none), every buffer layout it declares (``kv_cache.layout``) and the kernel modes asked for (on the CPU: the Triton kernels in the interpreter, then
   the torch path), each value at least once (``exhaustive=True``: every combination);
 - for each target, the pool checks of :class:`kvcore.testing.KVCacheConformance` (and the lossy round trip
   for a pool that states a ``lossy_bound``) per variant, and the allocator the backend's
@@ -53,10 +53,11 @@ class CheckVariant:
     dtype: str
     kernels: str
     page_size: int
+    overrides: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @property
     def id(self) -> str:
-        return f"{self.dtype}-{self.kernels}-page{self.page_size}"
+        return "-".join([f"{self.dtype}-{self.kernels}-page{self.page_size}", *self.overrides])
 
 
 @attrs.frozen
@@ -129,13 +130,17 @@ def _choose(what: str, asked: Sequence, served: Sequence, backend: str, flag: st
     return list(asked)
 
 
-def _covering(dtypes: list[str], kernels: list[str], pages: list[int], exhaustive: bool) -> list[CheckVariant]:
-    """Every combination, or the fewest variants in which each dtype, kernel mode and page size appears."""
+def _covering(dtypes: list[str], kernels: list[str], pages: list[int], layouts: Sequence[str],
+              exhaustive: bool) -> list[CheckVariant]:  # fmt: skip
+    """Every combination, or the fewest variants in which each dtype, kernels mode, page size and buffer layout
+    (``kv_cache.layout``, beyond the default) appears."""
+    extra = [(f"kv_cache.layout={layout}",) for layout in layouts if layout != "token_major"]
     if exhaustive:
-        return [CheckVariant(d, k, p) for d, k, p in itertools.product(dtypes, kernels, pages)]
+        return [CheckVariant(d, k, p, o) for d, k, p, o in itertools.product(dtypes, kernels, pages, [(), *extra])]
     variants = [CheckVariant(d, kernels[0], pages[0]) for d in dtypes]
     variants += [CheckVariant(dtypes[0], kernels[0], p) for p in pages[1:]]
     variants += [CheckVariant(dtypes[-1], k, pages[-1]) for k in kernels[1:]]
+    variants += [CheckVariant(dtypes[0], k, pages[-1], o) for o in extra for k in kernels]
     return list(dict.fromkeys(variants))
 
 
@@ -222,7 +227,7 @@ def plan_check(
         else:
             probe, source = probe_model(attention, registry, shared)
             config = [*probe, *shared, *overrides]
-        targets.append(CheckTarget(attention, config, source, _covering(dtypes, kernels, pages, exhaustive)))
+        targets.append(CheckTarget(attention, config, source, _covering(dtypes, kernels, pages, spec.layouts, exhaustive)))
     return CheckPlan(backend=backend, plugin=spec.plugin, device=device, targets=targets, plugins=plugins)
 
 

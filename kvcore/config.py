@@ -125,6 +125,9 @@ class KVCacheConfig:
     dtype: str = key("auto", doc="cache dtype: auto (model.dtype), bfloat16, float16, float32, float8_e4m3fn, float8_e5m2 (fp8 is stored as uint8), or a block-scaled format a plugin serves (fp4_e2m1, nvfp4, mxfp8)")
     page_size: int = key(1, validator=positive, doc="tokens per page; 1 uses the token allocator, more the paged one")
     backend: str = key("auto", doc="auto (the best matching backend), or a backend name from `kvcore plugins`")
+    layout: str = key("token_major", validator=_one_of("token_major", "page_major"),
+                      doc="token_major (a stacked buffer per K/V: [layers, tokens, heads, dim]) or page_major (one buffer "
+                      "whose unit is a page of all layers, moved and offloaded whole; backends that declare it)")
     options: dict[str, Any] = key(factory=dict, doc="the selected backend's own options (kv_cache.options.<name>; `kvcore config` lists each backend's)")
 
 

@@ -115,18 +115,21 @@ def move_rows_native(
     move_token_rows_native(*_identity_rows(k_cache, v_cache), tgt_loc, src_loc)
 
 
+def _check_packed_rows(buf: torch.Tensor) -> None:
+    """Rows packed one after the other (``buf[l, r]`` contiguous, ``stride(1)`` one row); layers may be any
+    stride apart (a page-major pool's layers interleave inside its pages)."""
+    if buf.dim() < 2 or not buf[0, 0].is_contiguous() or buf.stride(1) != max(1, buf[0, 0].numel()):
+        raise ValueError("cache buffers need packed rows: [L, R, ...] with each row contiguous and rows back to back")
+
+
 def _row_words(buf: torch.Tensor) -> torch.Tensor:
-    """``buf`` [L, R, ...] (contiguous) viewed as [L, R, W] words of the widest of int32/int16/uint8 that
-    divides a row and the base address."""
-    if not buf.is_contiguous():
-        raise ValueError("cache buffers must be contiguous")
-    L, R = buf.shape[:2]
-    row_bytes = buf[0, 0].numel() * buf.element_size()
-    b = buf.view(torch.uint8).reshape(L, R, row_bytes)
-    for dt, w in ((torch.int32, 4), (torch.int16, 2)):
-        if row_bytes % w == 0 and b.data_ptr() % w == 0:
-            return b.view(dt)
-    return b
+    """``buf`` [L, R, ...] (packed rows) viewed as [L, R, W] words of the widest of int32/int16/uint8 that
+    divides a row, the layer stride and the base address (a view: writes through it land in ``buf``)."""
+    _check_packed_rows(buf)
+    b = buf.view(torch.uint8) if buf.dim() > 2 else buf.unsqueeze(-1).view(torch.uint8)
+    b = b.flatten(2)
+    w = _word_bytes(buf)
+    return b.view({4: torch.int32, 2: torch.int16}[w]) if w > 1 else b
 
 
 @triton.jit
@@ -214,11 +217,13 @@ def _move_kv_kernel(
 
 
 def _word_bytes(buf: torch.Tensor) -> int:
-    """The widest of 4/2/1 bytes dividing a row of ``buf`` [L, R, ...] (contiguous) and its address."""
+    """The widest of 4/2/1 bytes dividing a row of ``buf`` [L, R, ...] (packed rows), its layer stride and its
+    address."""
     row_bytes = buf.stride(1) * buf.element_size()
+    layer_bytes = buf.stride(0) * buf.element_size()
     ptr = buf.data_ptr()
     for w in (4, 2):
-        if row_bytes % w == 0 and ptr % w == 0:
+        if row_bytes % w == 0 and layer_bytes % w == 0 and ptr % w == 0:
             return w
     return 1
 
@@ -354,15 +359,16 @@ class RowMover:
     views, row widths, paging constexprs, the launcher) is computed once, so a move of up to
     ``MOVE_MAX_TOKENS`` slots costs one check of its index tensors and one direct launch (:mod:`kvcore.launch`).
 
-    :param first: a contiguous ``[L, R, ...]`` buffer and where each token's row lies in it.
+    :param first: a ``[L, R, ...]`` buffer of packed rows (layers any stride apart) and where each token's row
+        lies in it.
     :param second: a second buffer with the same L (its rows and paging may differ), or None.
     """
 
     def __init__(self, first: TokenRows, second: TokenRows | None = None):
         _check_same_layers(first, second)
         self.buffers = (first,) if second is None else (first, second)
-        if not all(b.rows.is_contiguous() for b in self.buffers):
-            raise ValueError("cache buffers must be contiguous")
+        for b in self.buffers:
+            _check_packed_rows(b.rows)
         k_cache = first.rows
         v_rows = second if second is not None else first  # the V half of the grid is not launched
         v_cache = v_rows.rows
@@ -371,7 +377,8 @@ class RowMover:
         self._v_row_bytes = v_cache.stride(1) * v_cache.element_size()
         k_row, v_row = self._k_row_bytes // self._kwb, self._v_row_bytes // self._vwb
         self._caches, self._layers = (k_cache, v_cache), k_cache.shape[0]
-        self._fixed = (self._layers, k_cache.shape[1] * k_row, v_cache.shape[1] * v_row, k_row, v_row)
+        es_k, es_v = k_cache.element_size(), v_cache.element_size()
+        self._fixed = (self._layers, k_cache.stride(0) * es_k // self._kwb, v_cache.stride(0) * es_v // self._vwb, k_row, v_row)
         self._paging = (first.tokens_per_page, first.rows_per_page, first.first_row,
                         v_rows.tokens_per_page, v_rows.rows_per_page, v_rows.first_row)  # fmt: skip
         self._plans: dict[int, tuple] = {}

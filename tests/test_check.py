@@ -38,8 +38,11 @@ def test_variants_cover_every_dtype_page_size_and_kernels_mode_the_backend_decla
     assert values(plan, "dtype") == ["bfloat16", "float8_e4m3fn"]
     assert values(plan, "page_size") == [1, 16]
     assert values(plan, "kernels") == ["native", "triton"]
-    assert len(target.variants) == 4  # each value at least once, not every combination
-    assert len(plan_check(registry, "mha", exhaustive=True).targets[0].variants) == 8
+    assert spec.layouts == ("token_major", "page_major")
+    layouts = [v for v in target.variants if v.overrides == ("kv_cache.layout=page_major",)]
+    assert [v.kernels for v in layouts] == ["triton", "native"]  # the second layout, under each kernels mode
+    assert len(target.variants) == 4 + 2  # each value at least once, not every combination
+    assert len(plan_check(registry, "mha", exhaustive=True).targets[0].variants) == 2 * 2 * 2 * 2
     assert [v.page_size for v in target.allocator_variants] == [1, 16]  # the allocator once per page size
 
 

@@ -60,7 +60,7 @@ def _define(plan: CheckPlan, namespace: dict) -> None:
 
     for target in plan.targets:
         def variants(which):
-            return [Variant(v.dtype, v.kernels, v.page_size) for v in which]
+            return [Variant(v.dtype, v.kernels, v.page_size, v.overrides) for v in which]
 
         for prefix, base, chosen in (("TestPool", _Pool, target.variants), ("TestAllocator", _Allocator, target.allocator_variants)):  # fmt: skip
             name = f"{prefix}_{target.attention}"

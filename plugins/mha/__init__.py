@@ -11,6 +11,7 @@ _PUBLIC = {
     "KVStore": "kvcore_mha.kernels",
     "RowStore": "kvcore_mha.row_store",
     "NoOpMHATokenToKVPool": "kvcore_mha.noop",
+    "PageMajorMHATokenToKVPool": "kvcore_mha.page_major",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -32,3 +32,22 @@ def mha_layout(
         ),
         notes=notes,
     )
+
+
+def page_major_layout(*, backend: str, request) -> PoolLayout:
+    """The buffer of a :class:`~kvcore_mha.page_major.PageMajorMHATokenToKVPool`: one row per page (all layers'
+    K and V of ``page_size`` tokens), plus the padding page.
+
+    :raises ConfigError: when values are not as wide as keys (they share the page's rows).
+    """
+    from kvcore.errors import ConfigError
+
+    if request.v_head_dim != request.head_dim:
+        raise ConfigError(f"kv_cache.layout=page_major keeps K and V rows alike: model.v_head_dim={request.v_head_dim} "
+                          f"!= model.head_dim={request.head_dim}; use kv_cache.layout=token_major for this model")  # fmt: skip
+    store = storage_dtype(request.kv_dtype)
+    page = request.page_size
+    buffer = BufferLayout(name="kv", layers=1, row_shape=(request.layer_num, 2, page, request.head_num, request.head_dim),
+                          dtype=store, tokens_per_row=page, pad_tokens=page)  # fmt: skip
+    notes = ["page-major: a page of all layers contiguous", *(["fp8 stored as uint8"] if store != request.kv_dtype else [])]
+    return PoolLayout(backend=backend, buffers=(buffer,), notes=notes)

@@ -13,8 +13,10 @@ NOOP = "noop"
 
 
 def layout(request: PoolRequest) -> PoolLayout:
-    from kvcore_mha.layout import mha_layout
+    from kvcore_mha.layout import mha_layout, page_major_layout
 
+    if request.layout == "page_major":
+        return page_major_layout(backend=BACKEND, request=request)
     return mha_layout(
         backend=BACKEND,
         page_size=request.page_size,
@@ -27,9 +29,10 @@ def layout(request: PoolRequest) -> PoolLayout:
 
 
 def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
+    from kvcore_mha.page_major import PageMajorMHATokenToKVPool
     from kvcore_mha.pool import MHATokenToKVPool
 
-    return MHATokenToKVPool(
+    return (PageMajorMHATokenToKVPool if request.layout == "page_major" else MHATokenToKVPool)(
         size=sizes["tokens"],
         head_num=request.head_num,
         head_dim=request.head_dim,
@@ -72,6 +75,8 @@ def kvcore_register_backends():
             attention=("mha",),
             layout=layout,
             create_pool=create_pool,
-            description="MHA/GQA pool: per-layer K and V rows, bf16/fp16/fp32/fp8 (uint8 storage), Triton store and move",
+            layouts=("token_major", "page_major"),
+            description="MHA/GQA pool: per-layer K and V rows, bf16/fp16/fp32/fp8 (uint8 storage), Triton store and move; "
+            "kv_cache.layout=page_major keeps a page of all layers contiguous",
         )
     ]

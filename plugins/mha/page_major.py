@@ -1,0 +1,144 @@
+"""The page-major MHA pool (``kv_cache.layout=page_major``): one buffer whose unit is a page of all layers.
+
+``kv_cache`` is ``[1, pages + 1, layer_num, 2, page_size, head_num, head_dim]``: page ``p`` holds, for every layer,
+its ``page_size`` key rows then its value rows, so a page's bytes are contiguous and a transfer engine or the CPU
+offload moves a whole page (all layers) as one block (``get_contiguous_buf_infos`` reports one item = one page of
+all layers).  The leading 1 is the stacked-buffer dimension every kvcore buffer has (here: one "layer" of pages).
+
+For kvcore's own paths the pool describes its rows (:meth:`token_rows`): the buffer seen as rows of
+``[head_num, head_dim]`` with a layer stride of ``2 * page_size`` rows, where token ``t``'s key is row
+``(t // page_size) * (layer_num * 2 * page_size) + t % page_size`` and its value ``page_size`` rows further.
+Those views overlap between layers (distinct layers' rows never share bytes for the same token); the store
+(:class:`kvcore_mha.KVStore`, one launch through a token -> row map), the row moves, CPU offload and the
+conformance kit all work through them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.pools import KVCache
+from kvcore.sample import random_nonzero
+from kvcore.token_rows import TokenRows
+from kvcore_mha.kernels import KVStore
+
+
+class PageMajorMHATokenToKVPool(KVCache):
+    """Keys and values of MHA/GQA layers, page-major (see the module docstring); :class:`MHATokenToKVPool`'s
+    constructor keywords.
+
+    ``get_key_buffer(layer)`` / ``get_value_buffer(layer)`` return that layer's ``[pages + 1, page_size, head_num,
+    head_dim]`` strided view (the paged shape attention kernels read; its page stride spans all layers).
+
+    :raises ValueError: when ``v_head_dim`` differs from ``head_dim`` (K and V share a page's rows).
+    """
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
+                 device: str, enable_memory_saver: bool = False, v_head_dim: int | None = None,
+                 start_layer: int | None = None, end_layer: int | None = None, kernels: str = "auto", **_unused):  # fmt: skip
+        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
+        if v_head_dim not in (None, head_dim):
+            raise ValueError(f"a page-major pool keeps K and V rows alike: v_head_dim={v_head_dim} != head_dim={head_dim}")
+        self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
+        pages = size // page_size + 1
+        self.kv_cache = torch.zeros((1, pages, layer_num, 2, page_size, head_num, head_dim), dtype=self.store_dtype,
+                                    device=device)  # fmt: skip
+        self.rows_per_page = layer_num * 2 * page_size
+        row = head_num * head_dim
+        rows = (pages - 1) * self.rows_per_page + page_size  # the last layer's last key row, plus one
+        base = self.kv_cache.storage_offset()
+        self._k_rows = self.kv_cache.as_strided((layer_num, rows, head_num, head_dim), (2 * page_size * row, row, head_dim, 1), base)
+        self._v_rows = self.kv_cache.as_strided((layer_num, rows, head_num, head_dim), (2 * page_size * row, row, head_dim, 1),
+                                                base + page_size * row)  # fmt: skip
+        tokens = torch.arange(size + page_size, device=device)
+        self._row_of_token = self.token_rows()["k"].row_of(tokens)
+        self._store = KVStore(self._k_rows, self._v_rows, dtype, self._use_triton)
+        self._offsets = torch.arange(page_size, device=device)
+        self._finalize_allocation()
+
+    # -- layout -----------------------------------------------------------------------------------------------
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {"kv": self.kv_cache}
+
+    def token_rows(self) -> dict[str, TokenRows]:
+        return {"k": TokenRows(self._k_rows, self.page_size, self.rows_per_page),
+                "v": TokenRows(self._v_rows, self.page_size, self.rows_per_page)}  # fmt: skip
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """One buffer: (pointer, bytes, bytes of one page of all layers)."""
+        pages = self.kv_cache[0]
+        return [pages.data_ptr()], [pages.nbytes], [pages[0].nbytes]
+
+    # -- reads and writes -------------------------------------------------------------------------------------
+
+    def _view(self, layer_id, part: int) -> torch.Tensor:
+        local = self.local_layer(layer_id)
+        self._wait_for_layer(local)
+        buf = self.kv_cache[0, :, local, part]
+        return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
+
+    def get_key_buffer(self, layer_id) -> torch.Tensor:
+        return self._view(layer_id, 0)
+
+    def get_value_buffer(self, layer_id) -> torch.Tensor:
+        return self._view(layer_id, 1)
+
+    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                      k_scale=None, v_scale=None, layer_id_override: int | None = None) -> None:  # fmt: skip
+        """As :meth:`MHATokenToKVPool.set_kv_buffer` (SGLang's arguments; one launch, rows found through the
+        token -> row map inside it)."""
+        local = self.local_layer(layer, layer_id_override)
+        if cache_k.dim() == 2:
+            cache_k = cache_k.view(-1, self.head_num, self.head_dim)
+            cache_v = cache_v.view(-1, self.head_num, self.v_head_dim)
+        try:
+            self._store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k, cache_v, k_scale, v_scale,
+                        self._row_of_token)  # fmt: skip
+        except ValueError as exc:
+            raise ValueError(f"layer {self.start_layer + local}: {exc}") from None
+
+    def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        source = torch.bfloat16 if self.dtype.itemsize == 1 else self.dtype
+        rows = {name: random_nonzero((loc.numel(), self.head_num, self.head_dim), source, generator, 2.0, self.device)
+                for name in ("k", "v")}  # fmt: skip
+        self.set_kv_buffer(layer, loc, rows["k"], rows["v"])
+        return {name: x.to(self.dtype).view(self.store_dtype) for name, x in rows.items()}
+
+    # -- whole pages ------------------------------------------------------------------------------------------
+
+    def whole_pages(self, indices: torch.Tensor) -> torch.Tensor | None:
+        """The pages ``indices`` cover when they are whole pages, each in order (``p * page_size + 0 ..``);
+        None otherwise.  Reads the indices (a host sync), as CPU offload does anyway."""
+        flat = indices.reshape(-1).long()
+        if flat.numel() == 0 or flat.numel() % self.page_size:
+            return None
+        grid = flat.view(-1, self.page_size)
+        first = grid[:, 0]
+        if not bool(((first % self.page_size == 0) & (grid == first[:, None] + self._offsets).all(1)).all()):
+            return None
+        return torch.div(first, self.page_size, rounding_mode="floor")
+
+    def move_pages(self, tgt_pages: torch.Tensor, src_pages: torch.Tensor) -> None:
+        """Copy whole pages (all layers, K and V) ``src_pages`` -> ``tgt_pages``: one block per page, as if every
+        source were read first (overlapping sets are safe; targets distinct)."""
+        self.kv_cache[0, tgt_pages.long()] = self.kv_cache[0, src_pages.long()]
+
+    def get_cpu_copy(self, indices: torch.Tensor, mamba_indices=None, req_pool_index=None):
+        """Whole pages are copied as page blocks (one contiguous block of all layers per page); other index sets
+        row by row, as every pool does."""
+        pages = self.whole_pages(indices)
+        if pages is None:
+            return super().get_cpu_copy(indices)
+        torch.cuda.synchronize() if self.kv_cache.is_cuda else None
+        return {"pages": self.kv_cache[0, pages].to("cpu")}
+
+    def load_cpu_copy(self, kv_cache_cpu, indices: torch.Tensor, mamba_indices=None, req_pool_index=None) -> None:
+        if "pages" not in kv_cache_cpu:
+            return super().load_cpu_copy(kv_cache_cpu, indices)
+        pages = self.whole_pages(indices)
+        blocks = kv_cache_cpu["pages"]
+        if pages is None or pages.numel() != blocks.shape[0]:
+            raise ValueError(f"a copy of {blocks.shape[0]} whole pages loads into as many whole pages, got {indices.numel()} "
+                             f"locations that are not")  # fmt: skip
+        self.kv_cache[0, pages] = blocks.to(self.kv_cache.device)
