@@ -119,6 +119,7 @@ def copy_ceiling_gbps() -> float:
 def _pools(kernels: str) -> dict[str, object]:
     from kvcore_dsa.pool import DSATokenToKVPool
     from kvcore_fp4.pool import MHATokenToKVPoolFP4
+    from kvcore_mha.page_major import PageMajorMHATokenToKVPool
     from kvcore_mha.pool import MHATokenToKVPool
     from kvcore_mla.pool import MLATokenToKVPool
     from kvcore_mamba.layout import LinearStateParams, StateDtype, StateShape
@@ -128,6 +129,10 @@ def _pools(kernels: str) -> dict[str, object]:
     common = dict(size=POOL_TOKENS, device="cuda", enable_memory_saver=False, kernels=kernels)
     return {
         "mha": MHATokenToKVPool(page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=32, **common),
+        "mha_page_major": PageMajorMHATokenToKVPool(page_size=16, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
+                                                    layer_num=32, **common),
+        "mha_page16": MHATokenToKVPool(page_size=16, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=32,
+                                       **common),
         "mha_fp8": MHATokenToKVPool(page_size=1, dtype=torch.float8_e4m3fn, head_num=HEADS, head_dim=HEAD_DIM,
                                     layer_num=2, **common),
         "mla": MLATokenToKVPool(page_size=1, dtype=torch.bfloat16, kv_lora_rank=RANK, qk_rope_head_dim=ROPE, layer_num=2,
@@ -182,6 +187,10 @@ def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch
         "mha set_kv_buffer bf16": ("mha", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
         "mha set_kv_buffer fp8<-bf16": ("mha_fp8", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
         "move_kv_cache mha 32 layers": ("mha", lambda p: lambda: p.move_kv_cache(tgt, src), tgt),
+        "mha set_kv_buffer bf16, page 16": ("mha_page16", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
+        "page-major set_kv_buffer bf16, page 16": ("mha_page_major", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
+        "move_kv_cache mha 32 layers, page 16": ("mha_page16", lambda p: lambda: p.move_kv_cache(tgt, src), tgt),
+        "move_kv_cache page-major 32 layers, page 16": ("mha_page_major", lambda p: lambda: p.move_kv_cache(tgt, src), tgt),
         "mla set_mla_kv_buffer": ("mla", lambda p: lambda: p.set_mla_kv_buffer(0, loc, nope, rope), loc),
         "mla set_kv_buffer (concatenated)": ("mla", lambda p: lambda: p.set_kv_buffer(0, loc, latent, None), loc),
         "mla get_mla_kv_buffer": ("mla", lambda p: lambda: p.get_mla_kv_buffer(0, loc), None),
@@ -205,6 +214,8 @@ def _bytes_moved(op: str, n: int) -> int | None:
     """Bytes a call must read + write (for the copy-ceiling ratio), where that is plain to count."""
     per_token = {
         "mha set_kv_buffer bf16": 2 * 2 * HEADS * HEAD_DIM * 2,
+        "mha set_kv_buffer bf16, page 16": 2 * 2 * HEADS * HEAD_DIM * 2,
+        "page-major set_kv_buffer bf16, page 16": 2 * 2 * HEADS * HEAD_DIM * 2 + 8,  # + the token -> row map entry
         "swa set_kv_buffer (window, mapped)": 2 * 2 * HEADS * SWA_HEAD_DIM * 2 + 8,  # + the map entry read
         # bf16 K and V in (2 bytes a value), codes and scales out (1/2 + 1/16), or back
         "nvfp4 set_kv_buffer (quantize)": 2 * HEADS * HEAD_DIM * 41 // 16,
