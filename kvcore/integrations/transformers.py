@@ -1,0 +1,637 @@
+"""A ``transformers`` cache whose keys and values live in a kvcore pool.
+
+:class:`PagedKVCache` is a ``transformers.Cache``: pass it to ``model.generate`` (or to a forward call) and
+the model's attention layers store their keys and values through kvcore's MHA pool, in slots handed out by
+kvcore's allocator, one :class:`~kvcore.pools.ReqToTokenPool` row per batch row::
+
+    from kvcore.integrations.transformers import PagedKVCache
+
+    cache = PagedKVCache.from_model(model, max_total_tokens=8192, page_size=16, dtype="float8_e4m3fn")
+    out = model.generate(**inputs, max_new_tokens=256, do_sample=False, cache=cache)  # past_key_values= before 5.x's rename
+    cache.free_all()                       # every slot back to the allocator; the cache takes a new batch
+
+How it works.  A batch row owns a request slot; its tokens' locations are that slot's row of the request
+table.  When a forward brings ``q`` new tokens, the first layer to see them allocates their locations
+(``alloc_extend`` for a prompt or a chunk, ``alloc_decode`` for one token; pages of ``page_size`` tokens
+when it is above 1).  Every layer then writes its keys and values there with ``set_kv_buffer`` (fp8 caches
+convert on the way, optionally divided by ``k_scale`` / ``v_scale``) and hands attention the keys and values
+of all the row's tokens, gathered by location and converted back to the model's dtype, as
+``[batch, kv_heads, seq, head_dim]``.  Left padding of prompts of different lengths is stored like any
+token; the attention mask hides it, exactly as with ``DynamicCache``.
+
+With a bf16/fp16/fp32 cache in the model's own dtype the tensors attention receives are bit-identical to
+``DynamicCache``'s, so greedy generation is token-identical; an fp8 cache rounds every key and value once.
+
+Only full-attention decoder layers are supported (no sliding-window, linear-attention or shared-KV
+layers); ``from_model`` checks the model's ``layer_types``.  The cache is not ``torch.compile``-able.
+
+This module needs ``transformers`` (``pip install "kvcore[hf]"``); nothing else in kvcore imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+try:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        'kvcore.integrations.transformers needs transformers; install it with: pip install "kvcore[hf]"'
+    ) from exc
+
+from kvcore.config import parse_dtype
+from kvcore.dtypes import is_fp8_dtype
+from kvcore.errors import ConfigError, KVCoreError
+
+__all__ = ["SUPPORTED_DTYPES", "KVCacheFullError", "PagedKVCache", "PagedKVLayer", "config_overrides", "model_dimensions"]
+
+#: cache dtypes :class:`PagedKVCache` accepts (fp8 is stored as uint8 by the pool).
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+#: transformers layer types the cache can serve.
+_FULL_ATTENTION = ("full_attention",)
+
+
+class KVCacheFullError(KVCoreError, RuntimeError):
+    """The pool (or the request table) has no room for the tokens or rows a forward brings."""
+
+
+def _resolve_dtype(dtype: Any, model_dtype: torch.dtype) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        resolved = model_dtype
+    elif isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        resolved = parse_dtype(dtype, "dtype")
+    if resolved not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise ConfigError(f"dtype={resolved} is not a supported cache dtype; use one of: {names}")
+    return resolved
+
+
+def _take(buffer: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
+    """The rows of tokens ``locs`` (a copy, ``[*locs.shape, heads, dim]``) from a layer's buffer: token rows
+    ``[tokens, heads, dim]``, or the paged view ``[pages, page_size, heads, dim]`` a page-major pool hands out.
+    fp8 rows are gathered as their uint8 bytes (fp8 indexing kernels are not on every device) and viewed back."""
+    dtype = buffer.dtype
+    if is_fp8_dtype(dtype):
+        buffer = buffer.view(torch.uint8)
+    if buffer.dim() == 4:
+        page_size = buffer.shape[1]
+        rows = buffer[locs // page_size, locs % page_size]
+    else:
+        rows = buffer[locs]
+    return rows.view(dtype) if rows.dtype != dtype else rows
+
+
+def _unwrap(obj: Any) -> Any:
+    """A pool behind kvcore's checked proxy (``hardware.checked``), or the object itself."""
+    return getattr(obj, "unchecked", obj)
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def model_dimensions(config: Any) -> dict[str, int]:
+    """The KV dimensions of a transformers model config: ``layers``, ``kv_heads``, ``head_dim``,
+    ``context_length`` (``max_position_embeddings``, 0 when absent).
+
+    :raises ConfigError: for layers the cache cannot serve (sliding-window, linear attention, shared KV).
+    """
+    cfg = _text_config(config)
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layer_types = getattr(cfg, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t not in _FULL_ATTENTION})
+    if other or getattr(cfg, "kv_sharing_modes", None):
+        what = ", ".join(other) if other else "shared-KV layers"
+        raise ConfigError(
+            f"PagedKVCache serves full-attention layers only; this model also has {what} "
+            "(use transformers' DynamicCache for it)"
+        )
+    return {
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "head_dim": int(head_dim),
+        "context_length": int(getattr(cfg, "max_position_embeddings", 0) or 0),
+    }
+
+
+def config_overrides(model: Any) -> list[str]:
+    """``load_config`` overrides that describe a transformers ``model`` to kvcore (its ``model.*`` keys), so
+    :meth:`PagedKVCache.from_config` can plan for it::
+
+        cfg = kvcore.load_config(*config_overrides(model), "kv_cache.page_size=16", "memory.max_total_tokens=8192")
+        cache = PagedKVCache.from_config(cfg, model=model)
+    """
+    dims = model_dimensions(model.config)
+    cfg = _text_config(model.config)
+    architectures = getattr(model.config, "architectures", None) or [type(model).__name__]
+    dtype = str(getattr(model, "dtype", torch.float32)).removeprefix("torch.")
+    name = getattr(model.config, "name_or_path", "") or getattr(cfg, "model_type", "") or type(model).__name__
+    return [
+        f"model.name={name}",
+        f"model.architecture={architectures[0]}",
+        "model.attention=mha",
+        f"model.num_hidden_layers={dims['layers']}",
+        f"model.num_attention_heads={int(cfg.num_attention_heads)}",
+        f"model.num_key_value_heads={dims['kv_heads']}",
+        f"model.head_dim={dims['head_dim']}",
+        "model.v_head_dim=null",
+        f"model.hidden_size={int(cfg.hidden_size)}",
+        f"model.context_length={dims['context_length'] or 4096}",
+        f"model.num_parameters={int(model.num_parameters())}",
+        f"model.dtype={dtype}",
+        "model.weight_dtype=null",
+        "model.weight_bytes=null",
+    ]
+
+
+class PagedKVLayer(CacheLayerMixin):
+    """One decoder layer's view of a :class:`PagedKVCache`: it counts the tokens the layer has stored and
+    writes / gathers them through the shared pool.  ``keys`` / ``values`` read the stored rows back (a
+    gathered copy, ``[batch, kv_heads, seq, head_dim]``, in the cache dtype)."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, cache: PagedKVCache, layer_id: int):
+        self._cache = cache
+        self.layer_id = layer_id
+        self.seq_len = 0
+        super().__init__()
+
+    def __repr__(self) -> str:
+        return f"PagedKVLayer(layer_id={self.layer_id}, seq_len={self.seq_len})"
+
+    # transformers' base __init__ assigns keys/values = None; here they are derived from the pool.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._cache._read(self.layer_id, "k", self.seq_len) if self.seq_len else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("PagedKVLayer.keys live in the kvcore pool; write them through update()")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._cache._read(self.layer_id, "v", self.seq_len) if self.seq_len else None
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("PagedKVLayer.values live in the kvcore pool; write them through update()")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new tokens' keys/values and return those of every token so far (in the dtype of
+        ``key_states``).  Extra arguments (``cache_kwargs`` of older transformers) are not needed."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.seq_len + key_states.shape[-2]
+        keys, values = self._cache._store_and_gather(self, key_states, value_states, end)
+        self.seq_len = end
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: every past token plus the new ones.  Takes the query length (recent
+        transformers) or the ``cache_position`` tensor (5.0's signature)."""
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self.seq_len + int(query_length), 0
+
+    def get_max_length(self) -> int:
+        """-1: no fixed maximum (the pool's free slots are the limit)."""
+        return -1
+
+    get_max_cache_shape = get_max_length  # the same question under transformers 5.0's name
+
+    def reset(self) -> None:
+        self.seq_len = 0
+        self.is_initialized = False
+
+    def crop(self, max_length: int) -> None:
+        self._cache.crop(max_length)
+
+    def offload(self) -> None:  # the pool stays where it is
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("reorder a PagedKVCache as a whole: cache.reorder_cache(beam_idx)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._cache.batch_select_indices(indices)
+
+
+class PagedKVCache(Cache):
+    """A ``transformers.Cache`` over a kvcore MHA pool, its allocator and a request table.
+
+    Build it with :meth:`from_model` (dimensions from the model's config) or :meth:`from_config` (a kvcore
+    :class:`~kvcore.config.EngineConfig`, through :func:`kvcore.build_pools`).  One cache serves one batch at
+    a time: batch row ``i`` takes a request slot on the first forward; :meth:`free` gives a finished row's
+    token slots back (its later tokens, if the batch runs on, are not stored and it reads the padding
+    slot); :meth:`free_all` (or ``reset()``) gives everything back and readies the cache for a new batch.
+
+    :param pool: a token-to-KV pool with ``set_kv_buffer`` / ``get_key_buffer`` / ``get_value_buffer``
+        (``kvcore_mha.MHATokenToKVPool``, or the page-major pool ``kv_cache.layout=page_major`` builds) holding
+        every layer of the model, global ids ``0 .. L-1``.
+    :param allocator: its token or paged allocator.
+    :param req_to_token_pool: the request table (``max_context_len`` bounds a row's tokens).
+    :param k_scale: fp8 caches: keys are stored divided by it and multiplied back when read (float32).
+    :param v_scale: the same for values.
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        allocator: Any,
+        req_to_token_pool: Any,
+        *,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+    ):
+        start = getattr(pool, "start_layer", 0) or 0
+        if start != 0:
+            raise ConfigError(
+                f"the pool holds layers {start}..{pool.end_layer}; a transformers model runs every layer, so the "
+                "pool must hold layers 0..L-1 (parallel.pp_size=1)"
+            )
+        for method in ("set_kv_buffer", "get_key_buffer", "get_value_buffer"):
+            if not callable(getattr(pool, method, None)):
+                raise ConfigError(f"{type(pool).__name__} has no {method}(); PagedKVCache needs a K/V pool (attention=mha)")
+        if _unwrap(allocator.get_kvcache()) is not _unwrap(pool):  # build_pools may wrap both in checked proxies
+            raise ConfigError("the allocator hands out slots of another pool than the one given")
+        self.pool = pool
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.k_scale = None if k_scale is None else float(k_scale)
+        self.v_scale = None if v_scale is None else float(v_scale)
+        self.page_size = int(allocator.page_size)
+        self.device = torch.device(pool.device)
+        self._initial_available = allocator.available_size()
+        self._slots: list[int] = []  # request slot of each batch row; 0 once the row is freed
+        self._slot_t = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self._live_t = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self._allocated = 0  # positions of every live row that have a location
+        self._locs: tuple[int, torch.Tensor] | None = None  # (length, [batch, length] int64 locations)
+        super().__init__(layers=[PagedKVLayer(self, i) for i in range(pool.layer_num)])
+
+    # -- construction -------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_model(
+        cls,
+        model: Any,
+        *,
+        max_total_tokens: int,
+        page_size: int = 1,
+        dtype: Any = None,
+        max_batch_size: int = 32,
+        max_context_len: int | None = None,
+        device: Any = None,
+        kernels: str = "auto",
+        need_sort: bool = False,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+    ) -> PagedKVCache:
+        """A cache sized for ``model`` (a transformers ``PreTrainedModel``, or anything with ``.config``).
+
+        :param max_total_tokens: token slots in the pool, over all rows (rounded down to whole pages).
+        :param page_size: tokens per page; 1 uses the token allocator, more the paged one.
+        :param dtype: cache dtype: ``None``/``"auto"`` (the model's), a ``torch.dtype`` or a kvcore dtype
+            name (``bfloat16``, ``float8_e4m3fn``, ...).
+        :param max_batch_size: request slots (rows of one batch; beams count as rows).
+        :param max_context_len: longest row, prompt padding included (default: the model's
+            ``max_position_embeddings``, at most the pool's size).
+        :param device: where the pool lives (default: the model's device).
+        :param kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``native``.
+        """
+        from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+        from kvcore.pools import ReqToTokenPool
+        from kvcore_mha import MHATokenToKVPool
+
+        dims = model_dimensions(model.config)
+        model_dtype = getattr(model, "dtype", None) or torch.float32
+        cache_dtype = _resolve_dtype(dtype, model_dtype)
+        device = torch.device(device if device is not None else getattr(model, "device", "cpu"))
+        page_size = int(page_size)
+        if page_size <= 0:
+            raise ConfigError(f"page_size must be positive, got {page_size}")
+        size = int(max_total_tokens) // page_size * page_size
+        if size <= 0:
+            raise ConfigError(f"max_total_tokens={max_total_tokens} holds no whole page of page_size={page_size}")
+        if max_context_len is None:
+            max_context_len = min(dims["context_length"] or size, size)
+        pool = MHATokenToKVPool(
+            size, page_size, cache_dtype, dims["kv_heads"], dims["head_dim"], dims["layers"], str(device), False,
+            kernels=kernels,
+        )
+        if page_size == 1:
+            allocator = TokenToKVPoolAllocator(size, cache_dtype, device, pool, need_sort, kernels)
+        else:
+            allocator = PagedTokenToKVPoolAllocator(size, page_size, cache_dtype, device, pool, need_sort, kernels)
+        req_to_token_pool = ReqToTokenPool(int(max_batch_size), int(max_context_len), str(device))
+        return cls(pool, allocator, req_to_token_pool, k_scale=k_scale, v_scale=v_scale)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Any,
+        *,
+        model: Any = None,
+        registry: Any = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        **build_kwargs: Any,
+    ) -> PagedKVCache:
+        """A cache from a kvcore :class:`~kvcore.config.EngineConfig`: :func:`kvcore.build_pools` plans and
+        allocates the pool, allocator and request table (``kv_cache.dtype``, ``kv_cache.page_size``,
+        ``memory.max_total_tokens``, ``memory.max_running_requests`` apply as for an engine).
+
+        :param model: when given, its config must match ``cfg.model`` (layers, KV heads, head width).
+        :param build_kwargs: passed to :func:`kvcore.build_pools` (``free_memory_bytes``, ``plan``, ...).
+        """
+        import kvcore
+
+        if cfg.model.attention != "mha":
+            raise ConfigError(f"model.attention={cfg.model.attention!r}: PagedKVCache serves mha (K/V) pools only")
+        if model is not None:
+            dims = model_dimensions(model.config)
+            want = {"layers": cfg.model.num_hidden_layers, "kv_heads": cfg.kv_heads_per_rank, "head_dim": cfg.model.head_dim}
+            wrong = [f"{k}: model {dims[k]} vs config {v}" for k, v in want.items() if dims[k] != v]
+            if wrong:
+                raise ConfigError("the kvcore config does not describe this model (" + "; ".join(wrong) + ")")
+        pools = kvcore.build_pools(cfg, registry=registry, **build_kwargs)
+        return cls(
+            pools.token_to_kv_pool, pools.token_to_kv_pool_allocator, pools.req_to_token_pool,
+            k_scale=k_scale, v_scale=v_scale,
+        )
+
+    # -- what callers look at -----------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The cache dtype (fp8 is stored as uint8 by the pool)."""
+        return self.pool.dtype
+
+    @property
+    def available_tokens(self) -> int:
+        """Token slots the allocator can still hand out."""
+        return self.allocator.available_size()
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Token slots free when the cache was built (what :meth:`free_all` returns to)."""
+        return self._initial_available
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._slots) if self._slots else -1
+
+    @property
+    def live_rows(self) -> list[int]:
+        """Batch rows that hold stored tokens (not freed)."""
+        return [i for i, slot in enumerate(self._slots) if slot]
+
+    def request_slot(self, batch_index: int) -> int:
+        """The request-table row of batch row ``batch_index`` (0 once freed)."""
+        return self._slots[batch_index]
+
+    def token_locations(self, batch_index: int) -> torch.Tensor:
+        """Pool locations of batch row ``batch_index``'s tokens, oldest first (int64 ``[seq_len]``)."""
+        if not self._slots[batch_index]:
+            raise ValueError(f"batch row {batch_index} was freed")
+        return self._locations(self.get_seq_length())[batch_index].clone()
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(layers={len(self.layers)}, dtype={self.dtype}, page_size={self.page_size}, "
+            f"rows={len(self._slots)}, seq_len={self.get_seq_length()}, available_tokens={self.available_tokens})"
+        )
+
+    # -- storage ------------------------------------------------------------------------------------------
+
+    def _begin_batch(self, batch: int) -> None:
+        slots = self.req_to_token_pool.alloc(batch)
+        if slots is None:
+            raise KVCacheFullError(
+                f"a batch of {batch} rows needs {batch} request slots, "
+                f"{self.req_to_token_pool.available_size()} are free (raise max_batch_size / memory.max_running_requests)"
+            )
+        self._set_slots([int(s) for s in slots])
+
+    def _set_slots(self, slots: list[int]) -> None:
+        self._slots = slots
+        self._slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self._live_t = torch.tensor([i for i, s in enumerate(slots) if s], dtype=torch.int64, device=self.device)
+        self._locs = None
+
+    def _extend(self, end: int) -> None:
+        """Give every live row a location for positions ``self._allocated .. end - 1``."""
+        max_len = self.req_to_token_pool.max_context_len
+        if end > max_len:
+            raise KVCacheFullError(
+                f"rows of {end} tokens exceed the request table's max_context_len={max_len} (raise max_context_len)"
+            )
+        live = [s for s in self._slots if s]
+        prefix, n_new = self._allocated, end - self._allocated
+        if live:
+            n = len(live)
+            table = self.req_to_token_pool.req_to_token
+            live_slots = torch.tensor(live, dtype=torch.int64, device=self.device)
+            seq_lens = torch.full((n,), end, dtype=torch.int64, device=self.device)
+            seq_lens_cpu = torch.full((n,), end, dtype=torch.int64)
+            if prefix:
+                last_loc = table[live_slots, prefix - 1].to(torch.int64)
+            else:
+                last_loc = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+            if prefix and n_new == 1:
+                out = self.allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+            else:
+                prefix_lens = torch.full((n,), prefix, dtype=torch.int64, device=self.device)
+                prefix_lens_cpu = torch.full((n,), prefix, dtype=torch.int64)
+                out = self.allocator.alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n * n_new)
+            if out is None:
+                raise KVCacheFullError(
+                    f"{n} row(s) growing from {prefix} to {end} tokens need {n * n_new} more token slots "
+                    f"(in pages of {self.page_size}); {self.available_tokens} are free of {self.capacity_tokens}: "
+                    "raise max_total_tokens, or free finished rows"
+                )
+            table[live_slots, prefix:end] = out.view(n, n_new).to(table.dtype)
+        self._allocated = end
+        self._locs = None
+
+    def _locations(self, length: int) -> torch.Tensor:
+        """``[batch, length]`` int64 locations (freed rows read the padding row: slot 0)."""
+        if self._locs is None or self._locs[0] != length:
+            table = self.req_to_token_pool.req_to_token
+            self._locs = (length, table[self._slot_t, :length].to(torch.int64))
+        return self._locs[1]
+
+    def _store_and_gather(self, layer: PagedKVLayer, key_states, value_states, end: int):
+        batch, heads, q, _ = key_states.shape
+        if not self._slots:
+            if layer.seq_len:
+                raise RuntimeError("PagedKVCache lost its rows mid-sequence (freed during a forward?)")
+            self._begin_batch(batch)
+        elif batch != len(self._slots):
+            raise ValueError(
+                f"this cache holds a batch of {len(self._slots)} rows, the forward brings {batch}; "
+                "call free_all() before starting another batch"
+            )
+        if end > self._allocated:
+            self._extend(end)
+        locs = self._locations(end)
+        new = locs[:, end - q : end]
+        k, v = key_states, value_states
+        if len(self._live_t) != batch:  # some rows freed: store only the live ones
+            new, k, v = new[self._live_t], k[self._live_t], v[self._live_t]
+        if new.numel():
+            self.pool.set_kv_buffer(
+                layer.layer_id,
+                new.reshape(-1),
+                k.transpose(1, 2).reshape(-1, heads, k.shape[-1]),
+                v.transpose(1, 2).reshape(-1, heads, v.shape[-1]),
+                self.k_scale,
+                self.v_scale,
+            )
+        return (
+            self._gather(layer.layer_id, "k", locs, key_states.dtype),
+            self._gather(layer.layer_id, "v", locs, value_states.dtype),
+        )
+
+    def _buffer(self, layer_id: int, which: str) -> torch.Tensor:
+        return self.pool.get_key_buffer(layer_id) if which == "k" else self.pool.get_value_buffer(layer_id)
+
+    def _gather(self, layer_id: int, which: str, locs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Rows at ``locs`` ``[batch, seq]`` as ``[batch, heads, seq, dim]`` in ``out_dtype``, contiguous (the
+        layout ``DynamicCache`` returns, so attention runs the same kernels on the same bits)."""
+        rows = _take(self._buffer(layer_id, which), locs)
+        scale = self.k_scale if which == "k" else self.v_scale
+        if rows.dtype != out_dtype:
+            # set_kv_buffer divided by the scale exactly when it converted, so undo it on the same condition
+            rows = (rows.to(torch.float32) * scale).to(out_dtype) if scale is not None else rows.to(out_dtype)
+        return rows.transpose(1, 2).contiguous()
+
+    def _read(self, layer_id: int, which: str, length: int) -> torch.Tensor:
+        """What is stored for layer ``layer_id``, in the cache dtype (``layers[i].keys`` / ``.values``)."""
+        return _take(self._buffer(layer_id, which), self._locations(length)).transpose(1, 2).contiguous()
+
+    # -- giving slots back --------------------------------------------------------------------------------
+
+    def free(self, batch_index: int | Sequence[int]) -> None:
+        """Give the token slots and the request slot of finished batch row(s) back.
+
+        The other rows go on as they were.  When no row is left the cache is empty again (as after
+        :meth:`free_all`).
+
+        :raises ValueError: for a row that was already freed, or out of range.
+        """
+        indices = [int(i) for i in batch_index] if isinstance(batch_index, Sequence) else [int(batch_index)]
+        for i in indices:
+            if not 0 <= i < len(self._slots):
+                raise ValueError(f"batch row {i} is out of range for a batch of {len(self._slots)} rows")
+            if not self._slots[i]:
+                raise ValueError(f"batch row {i} was already freed")
+        slots = list(self._slots)
+        for i in indices:
+            slot = slots[i]
+            if self._allocated:
+                self.allocator.free(self.req_to_token_pool.req_to_token[slot, : self._allocated].to(torch.int64))
+            self.req_to_token_pool.free(slot)
+            slots[i] = 0
+        if any(slots):
+            self._set_slots(slots)
+        else:
+            self._clear_state()
+
+    def free_all(self) -> None:
+        """Give every slot back; the cache is empty and takes a new batch on the next forward."""
+        live = self.live_rows
+        if live:
+            self.free(live)
+        else:
+            self._clear_state()
+
+    def _clear_state(self) -> None:
+        self._set_slots([])
+        self._allocated = 0
+        for layer in self.layers:
+            layer.reset()
+
+    def reset(self) -> None:
+        """transformers' reset: the same as :meth:`free_all`."""
+        self.free_all()
+
+    # -- transformers' cache edits ------------------------------------------------------------------------
+
+    def crop(self, max_length: int) -> None:
+        """Drop trailing tokens: ``max_length < 0`` removes ``-max_length`` of them (transformers 5's
+        convention), ``max_length >= 0`` keeps that many (5.0's).  Whole pages past the new end go back to the
+        allocator; the rest of the last page stays with its row and is reused as it grows again."""
+        current = self.get_seq_length()
+        new_len = current + max_length if max_length < 0 else min(max_length, current)
+        new_len = max(new_len, 0)
+        if new_len >= current:
+            return
+        for layer in self.layers:
+            layer.seq_len = min(layer.seq_len, new_len)
+        keep = -(-new_len // self.page_size) * self.page_size
+        if self._allocated > keep and len(self._live_t):
+            live_slots = self._slot_t[self._live_t]
+            dropped = self.req_to_token_pool.req_to_token[live_slots, keep : self._allocated]
+            self.allocator.free(dropped.reshape(-1).to(torch.int64))
+        self._allocated = min(self._allocated, new_len)
+        self._locs = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` takes the tokens of row ``beam_idx[i]`` (copied into row ``i``'s own slots,
+        every layer)."""
+        length = self.get_seq_length()
+        if not length or not self._slots:
+            return
+        beam_idx = beam_idx.to(device=self.device, dtype=torch.int64)
+        locs = self._locations(length)
+        src, dst = locs[beam_idx], locs
+        if len(self._live_t) != len(self._slots):
+            src, dst = src[self._live_t], dst[self._live_t]
+        src, dst = src.reshape(-1), dst.reshape(-1)
+        for layer in self.layers:
+            k = _take(self.pool.get_key_buffer(layer.layer_id), src)  # copies, so overlapping rows are safe
+            v = _take(self.pool.get_value_buffer(layer.layer_id), src)
+            self.pool.set_kv_buffer(layer.layer_id, dst, k, v)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length():
+            raise NotImplementedError("PagedKVCache cannot repeat rows once they hold tokens")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length():
+            raise NotImplementedError("PagedKVCache cannot select rows once they hold tokens; free() the others")
+
+    def offload(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        pass
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        pass
