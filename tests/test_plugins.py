@@ -75,7 +75,8 @@ def test_backends_mapping_is_read_only():
 def test_several_plugins_load_and_record_their_names():
     registry = load(MHA, ep("acme"), ep("plain"))
     assert sorted(registry.plugins) == ["acme", "mha", "plain"]
-    assert {name: b.plugin for name, b in registry.backends.items()} == {"mha": "mha", "acme": "acme", "plain": "plain"}
+    assert {name: b.plugin for name, b in registry.backends.items()} == {"mha": "mha", "noop": "mha", "acme": "acme",
+                                                                         "plain": "plain"}  # fmt: skip
 
 
 def test_allow_list():
@@ -88,7 +89,7 @@ def test_allow_list():
 def test_block_list():
     registry = load(MHA, ep("acme"), ep("plain"), env={"KVCORE_DISABLE_PLUGINS": "acme,plain"})
     assert registry.plugins == ["mha"]
-    assert set(registry.backends) == {"mha"}
+    assert set(registry.backends) == {"mha", "noop"}  # the mha plugin's two backends
     assert set(registry.skipped) == {"acme", "plain"}
     assert all("KVCORE_DISABLE_PLUGINS" in why for why in registry.skipped.values())
 
@@ -112,7 +113,7 @@ def test_empty_allow_list_means_no_filter():
 def test_import_failure_is_recorded_and_others_load():
     registry = load(ep("broken_import"), MHA, ep("acme"))
     assert sorted(registry.plugins) == ["acme", "mha"]
-    assert set(registry.backends) == {"acme", "mha"}
+    assert set(registry.backends) == {"acme", "mha", "noop"}
     assert len(registry.failures) == 1
     failure = registry.failures[0]
     assert failure.plugin == "broken_import"
