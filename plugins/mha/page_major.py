@@ -130,8 +130,7 @@ class PageMajorMHATokenToKVPool(KVCache):
         pages = self.whole_pages(indices)
         if pages is None:
             return super().get_cpu_copy(indices)
-        torch.cuda.synchronize() if self.kv_cache.is_cuda else None
-        return {"pages": self.kv_cache[0, pages].to("cpu")}
+        return {"pages": self.kv_cache[0, pages].to("cpu")}  # a blocking copy: done when it returns
 
     def load_cpu_copy(self, kv_cache_cpu, indices: torch.Tensor, mamba_indices=None, req_pool_index=None) -> None:
         if "pages" not in kv_cache_cpu:
