@@ -10,19 +10,18 @@ import kvcore.plugins
 from kvcore import build_pools, load_config, plan_memory
 from kvcore.cli import main
 from kvcore.errors import PlanningError
-from kvcore.testing import KVCacheConformance, Variant
+from kvcore.testing import BaseLayoutTests, Variant
 
 CONFIG = ["model=qwen2.5-0.5b", "model.num_hidden_layers=3"]
 
 
-class TestNoOpConformance(KVCacheConformance):
+class TestNoOpConformance(BaseLayoutTests):
+    """The kit's layout and size checks: the only ones that apply to a pool that stores nothing (the store, move,
+    offload and buffer-info checks need token rows; `kvcore check noop` reports them skipped by capability)."""
+
     backend = "noop"
     config = CONFIG
     variants = [Variant("bfloat16", "native", 1), Variant("float8_e4m3fn", "auto", 16)]
-
-    @pytest.fixture
-    def kv_capabilities(self):
-        return set()  # stores nothing: only the layout and size checks apply
 
 
 @pytest.fixture(autouse=True)
