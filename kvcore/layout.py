@@ -107,7 +107,8 @@ class BufferLayout:
         per = f"per {self.tokens_per_row} {unit}s" if self.tokens_per_row > 1 else f"per {unit}"
         group = "" if self.sized_by in ("tokens", "requests") else f" ({self.sized_by})"
         return (
-            f"{self.name} {list(self.row_shape)} {str(self.dtype).removeprefix('torch.')} {per} x {self.layers} layers"
+            f"{self.name} {list(self.row_shape)} {str(self.dtype).removeprefix('torch.')} {per} x {self.layers} "
+            f"layer{'s' if self.layers != 1 else ''}"
             f" = {_amount(self.bytes_per_unit)} B/{unit}{group}"
         )
 

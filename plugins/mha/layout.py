@@ -34,7 +34,18 @@ def mha_layout(
     )
 
 
-def page_major_layout(*, backend: str, request) -> PoolLayout:
+def page_major_layout(
+    *,
+    backend: str,
+    page_size: int,
+    dtype: torch.dtype,
+    head_num: int,
+    head_dim: int,
+    v_head_dim: int,
+    layer_num: int,
+    sized_by: str = "tokens",
+    prefix: str = "",
+) -> PoolLayout:
     """The buffer of a :class:`~kvcore_mha.page_major.PageMajorMHATokenToKVPool`: one row per page (all layers'
     K and V of ``page_size`` tokens), plus the padding page.
 
@@ -42,12 +53,11 @@ def page_major_layout(*, backend: str, request) -> PoolLayout:
     """
     from kvcore.errors import ConfigError
 
-    if request.v_head_dim != request.head_dim:
-        raise ConfigError(f"kv_cache.layout=page_major keeps K and V rows alike: model.v_head_dim={request.v_head_dim} "
-                          f"!= model.head_dim={request.head_dim}; use kv_cache.layout=token_major for this model")  # fmt: skip
-    store = storage_dtype(request.kv_dtype)
-    page = request.page_size
-    buffer = BufferLayout(name="kv", layers=1, row_shape=(request.layer_num, 2, page, request.head_num, request.head_dim),
-                          dtype=store, tokens_per_row=page, pad_tokens=page)  # fmt: skip
-    notes = ["page-major: a page of all layers contiguous", *(["fp8 stored as uint8"] if store != request.kv_dtype else [])]
+    if v_head_dim != head_dim:
+        raise ConfigError(f"kv_cache.layout=page_major keeps K and V rows alike: the value head dim {v_head_dim} != the "
+                          f"key head dim {head_dim}; use kv_cache.layout=token_major for this model")  # fmt: skip
+    store = storage_dtype(dtype)
+    buffer = BufferLayout(name=f"{prefix}kv", layers=1, row_shape=(layer_num, 2, page_size, head_num, head_dim),
+                          dtype=store, sized_by=sized_by, tokens_per_row=page_size, pad_tokens=page_size)  # fmt: skip
+    notes = ["page-major: a page of all layers contiguous", *(["fp8 stored as uint8"] if store != dtype else [])]
     return PoolLayout(backend=backend, buffers=(buffer,), notes=notes)

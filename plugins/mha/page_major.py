@@ -35,8 +35,13 @@ class PageMajorMHATokenToKVPool(KVCache):
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
                  device: str, enable_memory_saver: bool = False, v_head_dim: int | None = None,
+                 swa_head_num: int | None = None, swa_head_dim: int | None = None, swa_v_head_dim: int | None = None,
                  start_layer: int | None = None, end_layer: int | None = None, kernels: str = "auto", **_unused):  # fmt: skip
         super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
+        # the swa_* dimensions let a sliding-window sub-pool differ from the full-attention one, as in MHA's pool
+        head_num = swa_head_num if swa_head_num is not None else head_num
+        if swa_head_dim is not None:
+            head_dim, v_head_dim = swa_head_dim, swa_v_head_dim
         if v_head_dim not in (None, head_dim):
             raise ValueError(f"a page-major pool keeps K and V rows alike: v_head_dim={v_head_dim} != head_dim={head_dim}")
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim

@@ -15,9 +15,8 @@ NOOP = "noop"
 def layout(request: PoolRequest) -> PoolLayout:
     from kvcore_mha.layout import mha_layout, page_major_layout
 
-    if request.layout == "page_major":
-        return page_major_layout(backend=BACKEND, request=request)
-    return mha_layout(
+    build = page_major_layout if request.layout == "page_major" else mha_layout
+    return build(
         backend=BACKEND,
         page_size=request.page_size,
         dtype=request.kv_dtype,

@@ -16,7 +16,7 @@ import attrs
 from kvcore.backend import PoolRequest
 from kvcore.config import key, positive
 from kvcore.layout import PoolLayout
-from kvcore_mha.layout import mha_layout
+from kvcore_mha.layout import mha_layout, page_major_layout
 
 
 def _non_negative(instance, attribute, value) -> None:
@@ -87,17 +87,19 @@ def window_tokens(sliding_window: int, page_size: int) -> int:
 
 def swa_layout(*, backend: str, request: PoolRequest) -> PoolLayout:
     """The buffers of a :class:`~kvcore_swa.pool.SWAKVPool`: the full layers' ``k`` / ``v`` (``tokens``
-    group) and the window layers' ``swa_k`` / ``swa_v`` (``swa_tokens`` group), each an MHA pool's layout."""
+    group) and the window layers' ``swa_k`` / ``swa_v`` (``swa_tokens`` group), each an MHA pool's layout
+    (page-major under ``kv_cache.layout=page_major``: ``kv`` and ``swa_kv``)."""
     shape = swa_shape(request)
     common = dict(backend=backend, page_size=request.page_size, dtype=request.kv_dtype)
+    sub_pool_layout = page_major_layout if request.layout == "page_major" else mha_layout
     buffers, notes = [], []
     if shape.full_attention_layer_ids:
-        full = mha_layout(head_num=request.head_num, head_dim=request.head_dim, v_head_dim=request.v_head_dim,
+        full = sub_pool_layout(head_num=request.head_num, head_dim=request.head_dim, v_head_dim=request.v_head_dim,
                           layer_num=len(shape.full_attention_layer_ids), **common)  # fmt: skip
         buffers += full.buffers
         notes += full.notes
     if shape.swa_attention_layer_ids:
-        window = mha_layout(head_num=shape.swa_head_num, head_dim=shape.swa_head_dim, v_head_dim=shape.swa_v_head_dim,
+        window = sub_pool_layout(head_num=shape.swa_head_num, head_dim=shape.swa_head_dim, v_head_dim=shape.swa_v_head_dim,
                             layer_num=len(shape.swa_attention_layer_ids), sized_by="swa_tokens", prefix="swa_",
                             **common)  # fmt: skip
         buffers += window.buffers

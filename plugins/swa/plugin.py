@@ -18,6 +18,7 @@ def layout(request: PoolRequest) -> PoolLayout:
 
 
 def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
+    from kvcore_mha import MHATokenToKVPool, PageMajorMHATokenToKVPool
     from kvcore_swa.layout import swa_shape
     from kvcore_swa.pool import SWAKVPool
 
@@ -35,6 +36,7 @@ def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
         swa_head_num=shape.swa_head_num,
         swa_head_dim=shape.swa_head_dim,
         swa_v_head_dim=shape.swa_v_head_dim,
+        token_to_kv_pool_class=PageMajorMHATokenToKVPool if request.layout == "page_major" else MHATokenToKVPool,
         **kwargs,
     )
 
@@ -48,6 +50,7 @@ def kvcore_register_backends():
             layout=layout,
             create_pool=create_pool,
             model_sections={"swa": SWADims},
+            layouts=("token_major", "page_major"),
             description="hybrid sliding-window pool: full-attention and window layers in two MHA pools, "
             "window writes translated inside the store",
         )

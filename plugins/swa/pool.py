@@ -166,6 +166,12 @@ class SWAKVPool(KVCache):
             return tuple(sum(p[i] for p in parts) for i in range(len(parts[0])))
         return sum(sum(p) if isinstance(p, tuple) else p for p in parts)
 
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """The full sub-pool's buffer infos, then the window sub-pool's (each as its pool reports them: per layer
+        and buffer, or per page of all layers for page-major sub-pools)."""
+        infos = [p.get_contiguous_buf_infos() for p in (self.full_kv_pool, self.swa_kv_pool) if p is not None]
+        return tuple([x for info in infos for x in info[i]] for i in range(3))  # type: ignore[return-value]
+
     def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """The window sub-pool's buffer infos alone (SGLang's split; :meth:`get_contiguous_buf_infos` lists both)."""
         return self.swa_kv_pool.get_contiguous_buf_infos() if self.swa_kv_pool is not None else ([], [], [])

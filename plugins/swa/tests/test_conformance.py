@@ -41,3 +41,21 @@ class TestSWAConformanceThroughTheMap(KVCacheConformance):
             return pool
 
         return make
+
+
+class TestSWAPageMajorConformance(KVCacheConformance):
+    """kv_cache.layout=page_major: both sub-pools page-major, the window one behind the shuffled map."""
+
+    backend = "swa"
+    config = [*CONFIG, "model.v_head_dim=24", "kv_cache.layout=page_major"]  # K and V rows alike
+    variants = [Variant("bfloat16", "triton", 1), Variant("float8_e4m3fn", "triton", 4), Variant("bfloat16", "native", 16)]
+
+    @pytest.fixture
+    def kv_pool_factory(self, kv_pool_factory):
+        def make(size, page_size, start_layer):
+            pool = kv_pool_factory(size=size, page_size=page_size, start_layer=start_layer)
+            mapping = shuffled_pages(pool.size, page_size, torch.Generator().manual_seed(size + start_layer))
+            pool.register_mapping(mapping.to(pool.device))
+            return pool
+
+        return make
