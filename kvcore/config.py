@@ -461,11 +461,6 @@ def _resolve_type(annotation: Any) -> Any:
     return args[0] if len(args) == 1 else annotation
 
 
-def _type_name(annotation: Any) -> str:
-    resolved = _resolve_type(annotation)
-    return getattr(resolved, "__name__", str(resolved))
-
-
 def structured_options(schema: type | None, raw: Any, backend: str) -> Any:
     """``kv_cache.options`` validated into a backend's options class (an instance of ``schema``), or None for a
     backend that takes no options.
