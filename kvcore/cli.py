@@ -348,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # the reports print every plan's warnings themselves (`warning ...` lines), once
+        logging.getLogger("kvcore.planner").setLevel(logging.ERROR)
     try:
         return args.func(args)
     except KVCoreError as exc:
