@@ -348,8 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    planner_log = logging.getLogger("kvcore.planner")
+    level = planner_log.level
     if not args.verbose:  # the reports print every plan's warnings themselves (`warning ...` lines), once
-        logging.getLogger("kvcore.planner").setLevel(logging.ERROR)
+        planner_log.setLevel(logging.ERROR)
     try:
         return args.func(args)
     except KVCoreError as exc:
@@ -358,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  models: {', '.join(available_options('model'))}", file=sys.stderr)
             print(f"  hardware: {', '.join(available_options('hardware'))}", file=sys.stderr)
         return 2
+    finally:
+        planner_log.setLevel(level)  # an engine calling main() keeps its own logging
 
 
 if __name__ == "__main__":
