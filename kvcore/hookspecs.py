@@ -41,8 +41,10 @@ PROJECT = "kvcore"
 #: The plugin API's version: these hook specs, the records (``BackendSpec``, ``PoolRequest``, ``PoolLayout``),
 #: the ``KVCache`` contract and the conformance kit that checks it (``kvcore.testing.KIT_VERSION`` is this
 #: value).  Raised when any of them changes incompatibly; 2 added model sections and backend options, the
-#: kernels mode as a ``KVCache`` argument, ``layer_id_override`` and SGLang's allocator argument order.
-API_VERSION = "2"
+#: kernels mode as a ``KVCache`` argument, ``layer_id_override`` and SGLang's allocator argument order; 3 made
+#: the store checks a capability (``"store"``: a test class that declares its own ``kv_capabilities`` must list
+#: it), added buffer layouts (``BackendSpec.layouts``, ``PoolRequest.layout``) and guarantees ``sizes["tokens"]``.
+API_VERSION = "3"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
