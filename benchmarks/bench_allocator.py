@@ -1,13 +1,15 @@
 """Host time of one decode step of the allocators (issue: allocators without a host sync), on a GPU.
 
 A step is what an engine's decode loop asks of the allocator: ``alloc_decode`` for 256 requests (with the CPU
-copy of their lengths), then a free group releasing the pages of the requests that finished (see ``step_fn``).  Each row times
-2000 steps with no synchronisation inside the loop (host time per step), for page sizes 1, 16 and 64:
+copy of their lengths), then a free group releasing the pages of the requests that finished.  The loop also
+allocates pages for as many new requests (``alloc``), to stay in a steady state; its time is shown apart (see
+``step_fn``).  Each row times 2000 loops with no synchronisation inside (host time per call, each phase timed
+with ``time.perf_counter``), for page sizes 1, 16 and 64:
 
-- ``kvcore``: the allocator ``kvcore_choose_allocator`` picks (the token allocator at page size 1, the paged one
-  otherwise), and the paged allocator at page size 1 too;
-- ``legacy``: the previous paged design, kept here as the reference (free lists as tensors, ``torch.unique`` in
-  ``free``), measured in the same run;
+- ``token`` / ``paged``: kvcore's allocators (``kvcore_choose_allocator`` picks the token allocator at page size
+  1 and the paged one otherwise; the paged one is timed at page size 1 too);
+- ``legacy`` / ``legacy-token``: the previous designs, kept here as the reference (free lists as tensors sliced
+  on every allocation; ``torch.unique`` in the paged ``free``, ``torch.cat`` in both), measured in the same run;
 - ``sync-free``: whether the step ran under ``torch.cuda.set_sync_debug_mode("error")`` without raising.
 
     python benchmarks/bench_allocator.py
@@ -18,11 +20,29 @@ from __future__ import annotations
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvcore import allocator_kernels as k
 
 BS, FINISHING, STEPS = 256, 8, 2000
+
+
+@triton.jit
+def _legacy_decode_kernel(seq_lens_ptr, last_loc_ptr, free_pages_ptr, out_ptr, PAGE_SIZE: tl.constexpr,
+                          BS_BLOCK: tl.constexpr):  # fmt: skip
+    # The previous design's decode kernel: new pages from the front of a plain free-list tensor.
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BS_BLOCK)
+    acc = tl.zeros([BS_BLOCK], dtype=tl.int64)
+    for start in range(0, pid, BS_BLOCK):
+        seq = tl.load(seq_lens_ptr + start + offs, mask=start + offs < pid, other=1).to(tl.int64)
+        acc += ((seq - 1) % PAGE_SIZE == 0).to(tl.int64)
+    seq = tl.load(seq_lens_ptr + pid).to(tl.int64)
+    need = (seq - 1) % PAGE_SIZE == 0
+    page = tl.load(free_pages_ptr + tl.sum(acc, axis=0), mask=need, other=0)
+    tl.store(out_ptr + pid, tl.where(need, page * PAGE_SIZE, tl.load(last_loc_ptr + pid) + 1))
 
 
 class LegacyPagedAllocator:
@@ -42,7 +62,8 @@ class LegacyPagedAllocator:
         n = k.num_new_pages_decode(seq_lens_cpu, self.page_size)
         if n > len(self.free_pages):
             return None
-        out = k.alloc_decode_triton(seq_lens, last_loc, self.free_pages, self.page_size)
+        out = torch.empty_like(seq_lens)
+        _legacy_decode_kernel[(seq_lens.numel(),)](seq_lens, last_loc, self.free_pages, out, self.page_size, 256)
         self.free_pages = self.free_pages[n:]
         return out
 
@@ -61,49 +82,93 @@ class LegacyPagedAllocator:
         self.free_pages = torch.cat((torch.unique(index // self.page_size), self.free_pages))
 
 
+class LegacyTokenAllocator(LegacyPagedAllocator):
+    """The token allocator before the device free lists: slicing on alloc, ``torch.cat`` on free."""
+
+    def alloc(self, need):
+        out, self.free_pages = self.free_pages[:need], self.free_pages[need:]
+        return out
+
+    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
+        return self.alloc(seq_lens.numel())
+
+    def free(self, index):
+        if self.group is not None:
+            self.group.append(index.clone())
+            return
+        self.free_pages = torch.cat((self.free_pages, index))
+
+
 def make(kind, page_size):
     size = 1 << 21  # 2M tokens
     if kind == "legacy":
         return LegacyPagedAllocator(size, page_size, "cuda")
+    if kind == "legacy-token":
+        return LegacyTokenAllocator(size, page_size, "cuda")
     if kind == "paged":
         return PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cuda", None, need_sort=False)
     return TokenToKVPoolAllocator(size, torch.bfloat16, "cuda", None, need_sort=False)
 
 
-def step_fn(a, page_size):
+PHASES = ("alloc_decode", "free group", "alloc")
+
+
+def step_fn(a, page_size, clock=None):
     """A closure running one decode step in a steady state: every request opens a new page (the worst case),
-    and the free group gives back the previous step's new pages and the pages of FINISHING requests (which
-    are allocated again afterwards, as new requests would take them)."""
+    a free group gives back the previous step's new pages and the pages of FINISHING requests, and ``alloc``
+    takes pages for FINISHING new requests.  With ``clock`` (a list of PHASES totals) each phase's host time
+    is added to it."""
     seq = torch.full((BS,), 3 * page_size + 1, dtype=torch.int64)  # (seq - 1) % page_size == 0: a new page each
     seq_dev = seq.cuda()
     last = (torch.arange(BS, device="cuda") + 1000) * page_size
     finished = a.alloc(FINISHING * page_size)
     previous = a.alloc_decode(seq_dev, seq, last)
+    now = time.perf_counter
 
     def step():
         nonlocal finished, previous
+        t0 = now()
         out = a.alloc_decode(seq_dev, seq, last)
+        t1 = now()
         a.free_group_begin()
         a.free(previous)
         a.free(finished)
         a.free_group_end()
-        previous = out
+        t2 = now()
         finished = a.alloc(FINISHING * page_size)
+        t3 = now()
+        previous = out
+        if clock is not None:
+            clock[0] += t1 - t0
+            clock[1] += t2 - t1
+            clock[2] += t3 - t2
 
     return step
 
 
-def host_us(step) -> float:
+def host_us(step, clock=None) -> float:
+    """Host time per call of ``step`` (best of 3 runs of STEPS calls); ``clock`` ends with that run's phase
+    times per call."""
     for _ in range(20):
         step()
     torch.cuda.synchronize()
     best = float("inf")
     for _ in range(3):
+        phases = [0.0] * len(PHASES)
+        if clock is not None:
+            clock[:] = phases
         start = time.perf_counter()
         for _ in range(STEPS):
             step()
-        best = min(best, (time.perf_counter() - start) / STEPS * 1e6)
+        us = (time.perf_counter() - start) / STEPS * 1e6
+        if us < best:
+            best = us
+            if clock is not None:
+                phases = [t / STEPS * 1e6 for t in clock]
+                best_phases = phases
         torch.cuda.synchronize()
+    if clock is not None:
+        clock[:] = best_phases
     return best
 
 
@@ -124,15 +189,21 @@ def main() -> None:
     bare = torch.zeros(1, device="cuda")
     bare_us = host_us(lambda: bare.add_(0))
     print(f"allocator decode step, {BS} requests, {FINISHING} finishing per step; bare x.add_(0) {bare_us:.2f} us")
-    print(f"{'page':>5} {'allocator':<10} {'host us/step':>13} {'/bare':>7} {'sync-free':>10}")
+    print("host us per step (alloc_decode + the free group: the issue's step), its phases, and the whole loop with")
+    print("the alloc for new requests; /bare = step / bare op")
+    print(f"{'page':>5} {'allocator':<13} {'step':>7} {'/bare':>6} {'decode':>7} {'group':>7} {'alloc':>7} "
+          f"{'loop':>7} {'sync-free':>10}")  # fmt: skip
     for page_size in (1, 16, 64):
-        kinds = ["token", "paged", "legacy"] if page_size == 1 else ["paged", "legacy"]
+        kinds = ["token", "legacy-token", "paged", "legacy"] if page_size == 1 else ["paged", "legacy"]
         for kind in kinds:
             a = make(kind, page_size)
-            step = step_fn(a, page_size)
+            clock = [0.0] * len(PHASES)
+            step = step_fn(a, page_size, clock)
             free_of_syncs = sync_free(step)
-            us = host_us(step)
-            print(f"{page_size:>5} {kind:<10} {us:>13.2f} {us / bare_us:>7.2f} {str(free_of_syncs):>10}")
+            loop = host_us(step, clock)
+            decode, group, alloc = clock
+            print(f"{page_size:>5} {kind:<13} {decode + group:>7.2f} {(decode + group) / bare_us:>6.2f} {decode:>7.2f} "
+                  f"{group:>7.2f} {alloc:>7.2f} {loop:>7.2f} {str(free_of_syncs):>10}")  # fmt: skip
 
 
 if __name__ == "__main__":

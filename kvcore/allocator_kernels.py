@@ -1,14 +1,17 @@
 """Index arithmetic for paged KV allocation: Triton kernels and their torch references.
 
-Two operations, each with a Triton version (``*_triton``, one kernel launch, no host sync) and a vectorised
-torch version (``*_native``, any device, used on the CPU and as the reference the kernels are tested against).
-Both versions of an operation take the same arguments and return the same tensor.
+Three operations (``alloc_pages``, ``alloc_extend``, ``alloc_decode``), each with a Triton version
+(``*_triton``, one kernel launch, no host sync, launched directly: :mod:`kvcore.launch`) and a vectorised torch
+version (``*_native``, any device, used on the CPU and as the reference the kernels are tested against).  Both
+versions of an operation take the same arguments, return the same tensor and mark the same pages allocated.
 
 Conventions (shared with :mod:`kvcore.allocators`):
 
 * token index of offset ``o`` in page ``p`` is ``p * page_size + o``;
-* ``free_pages`` is the allocator's free list of page ids; new pages are taken from its front, in request
-  order, and the functions here only *read* it (the caller drops the pages it used);
+* new pages come from a :class:`kvcore.free_list.PageSource` (the allocator's free list, a ring on the device):
+  the ``r``-th new page of a call is the page ``r`` places after the ring's head, in request order.  The
+  functions mark those pages ALLOCATED in the source's page states and move nothing else: the caller
+  records the take (:meth:`kvcore.free_list.FreePageList.took`);
 * ``last_loc[i]`` is the token index of request ``i``'s last prefix token; it is only read when the prefix
   ends inside a page (``prefix_lens[i] % page_size != 0``), otherwise any value (``-1`` by habit) will do.
 
@@ -24,11 +27,17 @@ one more new page.  Outputs are concatenated in request order.  Request ``i`` us
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from kvcore.free_list import ALLOCATED, TAKEN_BIAS, PageSource
+from kvcore.launch import Launcher, cdiv
+
 __all__ = [
+    "alloc_pages_native",
+    "alloc_pages_triton",
     "alloc_extend_native",
     "alloc_extend_triton",
     "alloc_decode_native",
@@ -75,7 +84,98 @@ def num_new_pages_decode(seq_lens: torch.Tensor, page_size: int) -> int:
     if page_size == 1:
         return int(seq_lens.numel())
     seq = _host_array(seq_lens)
-    return int(((seq - 1) % page_size == 0).sum())
+    if not isinstance(seq, np.ndarray):
+        return int(((seq - 1) % page_size == 0).sum())
+    if page_size & (page_size - 1) == 0:  # a power of two: a mask instead of a division
+        return int(np.count_nonzero((seq & (page_size - 1)) == 1))
+    return int(np.count_nonzero(seq % page_size == 1))
+
+
+_PAGES_BLOCK = 1024
+_LAUNCHERS: dict[tuple, Launcher] = {}
+
+
+def _launcher(kernel, device: torch.device) -> Launcher:
+    """One :class:`~kvcore.launch.Launcher` per kernel and device; the tensors ``args`` of a call name are the
+    kernel's pointer parameters, passed as addresses."""
+    key = (kernel, device)
+    launcher = _LAUNCHERS.get(key)
+    if launcher is None:
+        pointers = [name for name in kernel.arg_names if name.endswith("_ptr")]
+        launcher = _LAUNCHERS[key] = Launcher(kernel, device, pointers)
+    return launcher
+
+
+def _launch(kernel, grid: int, inputs: tuple, buffers: tuple, scalars: tuple, key: tuple) -> None:
+    """``kernel[grid](*inputs, *buffers, *scalars)`` through the direct launcher.  The key adds what Triton
+    specializes the caller's ``inputs`` on (dtype, 16-byte alignment) to ``key``; ``buffers`` are the
+    source's and the output, always int64 / int32 and freshly allocated (aligned)."""
+    inputs = tuple(t.contiguous() for t in inputs)  # the kernels read them as flat arrays
+    ptrs = tuple(t.data_ptr() for t in inputs)
+    key = (*key, *(t.dtype for t in inputs), *(p % 16 == 0 for p in ptrs))
+    tensors = (*inputs, *buffers)
+    _launcher(kernel, buffers[0].device)(key, grid, 1, (*ptrs, *(t.data_ptr() for t in buffers), *scalars), tensors)
+
+
+def _check_source(pages: PageSource, *tensors: torch.Tensor) -> None:
+    device = pages.ring.get_device()
+    for t in tensors:
+        if t.get_device() != device:
+            raise ValueError(f"allocation inputs must be on the allocator's device {pages.ring.device}, got {t.device}")
+
+
+@triton.jit
+def _page_at(ring_ptr, ctl_ptr, taken, rank, cap, BIAS: tl.constexpr):
+    """The page ``rank`` places after the ring's head (``rank`` may be a block)."""
+    head = ((taken - BIAS - tl.load(ctl_ptr)) % cap + cap) % cap
+    return tl.load(ring_ptr + ((head + rank) % cap + cap) % cap)
+
+
+def _pages_native(pages: PageSource, rank: torch.Tensor) -> torch.Tensor:
+    """Torch twin of ``_page_at``; ``rank`` entries past the source's pages are unspecified (any page)."""
+    head = (pages.taken - pages.ctl[0]) % pages.capacity
+    return pages.ring[(head + rank) % pages.capacity]
+
+
+def _mark_allocated_native(pages: PageSource, page: torch.Tensor, mask: torch.Tensor) -> None:
+    pages.state[torch.where(mask, page, pages.state.numel() - 1)] = ALLOCATED
+
+
+# --------------------------------------------------------------------------------------------------------
+# alloc_pages: whole pages
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["n_tokens", "taken"])
+def _alloc_pages_kernel(ring_ptr, ctl_ptr, state_ptr, out_ptr, n_tokens, taken, cap,
+                        PAGE_SIZE: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n_tokens
+    page = _page_at(ring_ptr, ctl_ptr, taken, i // PAGE_SIZE, cap, BIAS)
+    tl.store(out_ptr + i, page * PAGE_SIZE + i % PAGE_SIZE, mask=mask)
+    tl.store(state_ptr + page, tl.full([BLOCK], 2147483647, tl.int32), mask=mask & (i % PAGE_SIZE == 0))
+
+
+def alloc_pages_triton(pages: PageSource, num_pages: int, page_size: int) -> torch.Tensor:
+    """The token indices of the ``num_pages`` pages at the head, page after page (one launch).
+
+    :returns: int64 ``[num_pages * page_size]`` on the source's device.
+    """
+    n = num_pages * page_size
+    out = torch.empty((n,), dtype=torch.int64, device=pages.ring.device)
+    if n:
+        _launch(_alloc_pages_kernel, cdiv(n, _PAGES_BLOCK), (), (pages.ring, pages.ctl, pages.state, out),
+                (n, pages.taken + TAKEN_BIAS, pages.capacity, page_size, TAKEN_BIAS, _PAGES_BLOCK),
+                (pages.capacity, page_size))  # fmt: skip
+    return out
+
+
+def alloc_pages_native(pages: PageSource, num_pages: int, page_size: int) -> torch.Tensor:
+    """Torch reference of :func:`alloc_pages_triton`."""
+    device = pages.ring.device
+    page = _pages_native(pages, torch.arange(num_pages, device=device))
+    _mark_allocated_native(pages, page, torch.ones_like(page, dtype=torch.bool))
+    return (page[:, None] * page_size + torch.arange(page_size, device=device)).reshape(-1)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -83,14 +183,19 @@ def num_new_pages_decode(seq_lens: torch.Tensor, page_size: int) -> int:
 # --------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["taken"])
 def _alloc_extend_kernel(
     prefix_lens_ptr,
     seq_lens_ptr,
     last_loc_ptr,
-    free_pages_ptr,
+    ring_ptr,
+    ctl_ptr,
+    state_ptr,
     out_ptr,
+    taken,
+    cap,
     PAGE_SIZE: tl.constexpr,
+    BIAS: tl.constexpr,
     BS_BLOCK: tl.constexpr,
     TOKEN_BLOCK: tl.constexpr,
 ):
@@ -122,11 +227,12 @@ def _alloc_extend_kernel(
         j = (tstart + tok_offs).to(tl.int64)
         mask = j < num_tokens
         t = pre + j  # token position in the sequence
-        in_old_page = t < boundary
-        page_rank = page_start + t // PAGE_SIZE - pre_pages
-        page = tl.load(free_pages_ptr + page_rank, mask=mask & (~in_old_page), other=0).to(tl.int64)
-        loc = tl.where(in_old_page, last + 1 + j, page * PAGE_SIZE + t % PAGE_SIZE)
+        new_page = mask & (t >= boundary)
+        page = tl.where(new_page, _page_at(ring_ptr, ctl_ptr, taken, page_start + t // PAGE_SIZE - pre_pages, cap,
+                                           BIAS), 0)  # fmt: skip
+        loc = tl.where(new_page, page * PAGE_SIZE + t % PAGE_SIZE, last + 1 + j)
         tl.store(out_ptr + out_start + j, loc, mask=mask)
+        tl.store(state_ptr + page, tl.full([TOKEN_BLOCK], 2147483647, tl.int32), mask=new_page & (t % PAGE_SIZE == 0))
 
 
 def _check_extend_args(prefix_lens, seq_lens, last_loc):
@@ -146,7 +252,7 @@ def alloc_extend_triton(
     prefix_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     last_loc: torch.Tensor,
-    free_pages: torch.Tensor,
+    pages: PageSource,
     page_size: int,
     extend_num_tokens: int,
 ) -> torch.Tensor:
@@ -155,48 +261,34 @@ def alloc_extend_triton(
     :param prefix_lens: ``[bs]`` integer tokens already cached per request.
     :param seq_lens: ``[bs]`` integer sequence lengths after the extend.
     :param last_loc: ``[bs]`` integer token index of each request's last prefix token.
-    :param free_pages: int64 free page ids; must hold at least the pages the batch needs (not checked here).
+    :param pages: where new pages come from; must hold at least the pages the batch needs (not checked here).
     :param page_size: tokens per page.
     :param extend_num_tokens: ``sum(seq_lens - prefix_lens)``, known by the caller without a sync.
-    :returns: int64 ``[extend_num_tokens]`` on ``free_pages.device``.
+    :returns: int64 ``[extend_num_tokens]`` on the source's device.
     """
     _check_extend_args(prefix_lens, seq_lens, last_loc)
-    out = torch.empty((extend_num_tokens,), dtype=torch.int64, device=free_pages.device)
+    _check_source(pages, prefix_lens, seq_lens, last_loc)
+    out = torch.empty((extend_num_tokens,), dtype=torch.int64, device=pages.ring.device)
     bs = prefix_lens.numel()
     if bs == 0 or extend_num_tokens == 0:
         return out
-    _alloc_extend_kernel[(bs,)](
-        prefix_lens,
-        seq_lens,
-        last_loc,
-        free_pages,
-        out,
-        PAGE_SIZE=page_size,
-        BS_BLOCK=_BS_BLOCK,
-        TOKEN_BLOCK=_TOKEN_BLOCK,
-    )
+    _launch(_alloc_extend_kernel, bs, (prefix_lens, seq_lens, last_loc), (pages.ring, pages.ctl, pages.state, out),
+            (pages.taken + TAKEN_BIAS, pages.capacity, page_size, TAKEN_BIAS, _BS_BLOCK, _TOKEN_BLOCK),
+            (pages.capacity, page_size))  # fmt: skip
     return out
-
-
-def _gather_pages(free_pages: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
-    """``free_pages[rank]`` where ``rank`` is valid; entries with an out-of-range rank are unspecified."""
-    n = free_pages.numel()
-    if n == 0:
-        return torch.zeros_like(rank)
-    return free_pages[rank.clamp(0, n - 1)]
 
 
 def alloc_extend_native(
     prefix_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     last_loc: torch.Tensor,
-    free_pages: torch.Tensor,
+    pages: PageSource,
     page_size: int,
     extend_num_tokens: int,
 ) -> torch.Tensor:
     """Torch reference of :func:`alloc_extend_triton` (same arguments, same result, no host sync)."""
     _check_extend_args(prefix_lens, seq_lens, last_loc)
-    device = free_pages.device
+    device = pages.ring.device
     bs = prefix_lens.numel()
     if bs == 0 or extend_num_tokens == 0:
         return torch.empty((extend_num_tokens,), dtype=torch.int64, device=device)
@@ -215,9 +307,10 @@ def alloc_extend_native(
     )  # request of each output slot
     j = torch.arange(extend_num_tokens, device=device) - out_start[req]  # rank inside its request
     t = pre[req] + j  # token position in its sequence
-    in_old_page = t < pre_pages[req] * page_size
-    page = _gather_pages(free_pages, page_start[req] + t // page_size - pre_pages[req])
-    return torch.where(in_old_page, last[req] + 1 + j, page * page_size + t % page_size)
+    new_page = t >= pre_pages[req] * page_size
+    page = _pages_native(pages, page_start[req] + t // page_size - pre_pages[req])
+    _mark_allocated_native(pages, page, new_page & (t % page_size == 0))
+    return torch.where(new_page, page * page_size + t % page_size, last[req] + 1 + j)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -225,13 +318,18 @@ def alloc_extend_native(
 # --------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["taken"])
 def _alloc_decode_kernel(
     seq_lens_ptr,
     last_loc_ptr,
-    free_pages_ptr,
+    ring_ptr,
+    ctl_ptr,
+    state_ptr,
     out_ptr,
+    taken,
+    cap,
     PAGE_SIZE: tl.constexpr,
+    BIAS: tl.constexpr,
     BS_BLOCK: tl.constexpr,
 ):
     # One program per request; its new page (if it needs one) is the number of earlier requests that need one.
@@ -247,9 +345,12 @@ def _alloc_decode_kernel(
 
     seq = tl.load(seq_lens_ptr + pid).to(tl.int64)
     last = tl.load(last_loc_ptr + pid).to(tl.int64)
-    need_page = (seq - 1) % PAGE_SIZE == 0
-    page = tl.load(free_pages_ptr + page_rank, mask=need_page, other=0).to(tl.int64)
-    tl.store(out_ptr + pid, tl.where(need_page, page * PAGE_SIZE, last + 1))
+    if (seq - 1) % PAGE_SIZE == 0:
+        page = _page_at(ring_ptr, ctl_ptr, taken, page_rank, cap, BIAS)
+        tl.store(out_ptr + pid, page * PAGE_SIZE)
+        tl.store(state_ptr + page, 2147483647)
+    else:
+        tl.store(out_ptr + pid, last + 1)
 
 
 def _check_decode_args(seq_lens, last_loc):
@@ -263,41 +364,44 @@ def _check_decode_args(seq_lens, last_loc):
 def alloc_decode_triton(
     seq_lens: torch.Tensor,
     last_loc: torch.Tensor,
-    free_pages: torch.Tensor,
+    pages: PageSource,
     page_size: int,
 ) -> torch.Tensor:
     """One new token location per request, in one Triton launch (see the module docstring).
 
     :param seq_lens: ``[bs]`` integer sequence lengths including the token being decoded (each >= 1).
     :param last_loc: ``[bs]`` integer token index of each request's previous last token.
-    :param free_pages: int64 free page ids; must hold the pages the step needs (not checked here).
+    :param pages: where new pages come from; must hold the pages the step needs (not checked here).
     :param page_size: tokens per page.
-    :returns: int64 ``[bs]`` on ``free_pages.device``.
+    :returns: int64 ``[bs]`` on the source's device.
     """
     _check_decode_args(seq_lens, last_loc)
+    _check_source(pages, seq_lens, last_loc)
     bs = seq_lens.numel()
-    out = torch.empty((bs,), dtype=torch.int64, device=free_pages.device)
+    out = torch.empty((bs,), dtype=torch.int64, device=pages.ring.device)
     if bs == 0:
         return out
-    _alloc_decode_kernel[(bs,)](
-        seq_lens, last_loc, free_pages, out, PAGE_SIZE=page_size, BS_BLOCK=_BS_BLOCK
-    )
+    _launch(_alloc_decode_kernel, bs, (seq_lens, last_loc), (pages.ring, pages.ctl, pages.state, out),
+            (pages.taken + TAKEN_BIAS, pages.capacity, page_size, TAKEN_BIAS, _BS_BLOCK),
+            (pages.capacity, page_size))  # fmt: skip
     return out
 
 
 def alloc_decode_native(
     seq_lens: torch.Tensor,
     last_loc: torch.Tensor,
-    free_pages: torch.Tensor,
+    pages: PageSource,
     page_size: int,
 ) -> torch.Tensor:
     """Torch reference of :func:`alloc_decode_triton` (same arguments, same result, no host sync)."""
     _check_decode_args(seq_lens, last_loc)
-    device = free_pages.device
+    device = pages.ring.device
     if seq_lens.numel() == 0:
         return torch.empty((0,), dtype=torch.int64, device=device)
     seq = seq_lens.to(device=device, dtype=torch.int64)
     last = last_loc.to(device=device, dtype=torch.int64)
     need_page = (seq - 1) % page_size == 0
     rank = torch.cumsum(need_page.to(torch.int64), 0) - need_page.to(torch.int64)
-    return torch.where(need_page, _gather_pages(free_pages, rank) * page_size, last + 1)
+    page = _pages_native(pages, rank)
+    _mark_allocated_native(pages, page, need_page)
+    return torch.where(need_page, page * page_size, last + 1)

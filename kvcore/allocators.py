@@ -8,19 +8,19 @@ Shared rules:
 * Slot 0 (page 0 when paged) is padding and is never handed out; the free list starts at 1.  A paged
   allocator over ``size`` tokens has ``size // page_size`` pages, ids ``1 .. num_pages``, and token indices up
   to ``(num_pages + 1) * page_size - 1``: the KV buffer needs ``size + page_size`` slots.
-* Free lists are int64 tensors on the allocator's device and :meth:`~BaseTokenToKVPoolAllocator.backup_state`
-  is a cheap, exact snapshot.  The token allocator's lists are never written in place.  The paged allocator
-  keeps its lists in device ring buffers (:class:`kvcore.page_queue.PageQueue`) so that no call of the decode
-  loop (``alloc_decode`` with ``seq_lens_cpu``, ``alloc_extend`` with the CPU copies, ``free``,
-  ``free_group_end``) waits for the device; only ``available_size`` (exact by design) and an allocation that a
-  nearly full pool may not fit wait for the counts of frees still in flight.  Its ``free_pages`` /
-  ``release_pages`` are read back from the device, for inspection.
+* Both allocators keep their pages in a :class:`kvcore.free_list.FreePageList` on their device, with a
+  FREE / ALLOCATED state per page: no call of the decode loop (``alloc_decode`` with ``seq_lens_cpu``,
+  ``alloc_extend`` with the CPU copies, ``alloc``, ``free``, ``free_group_end``) waits for the device, and each
+  is one kernel launch on a GPU.  Only ``available_size`` (exact by design) and an allocation that a nearly
+  full pool may not fit wait.  A free ignores slots that are not allocated (a slot freed twice, the padding
+  slot); ``free_pages`` / ``release_pages`` are read back from the device, for inspection, and
+  :meth:`~BaseTokenToKVPoolAllocator.backup_state` is a copy-on-write snapshot.
 * An allocation that does not fit returns ``None`` and leaves the allocator as it was.
 * ``need_sort=True`` defers freed slots to ``release_pages``; they are merged into ``free_pages`` and sorted
   only when an allocation would otherwise fall short, so allocations stay as contiguous as they can.
 * Between :meth:`~BaseTokenToKVPoolAllocator.free_group_begin` and
-  :meth:`~BaseTokenToKVPoolAllocator.free_group_end`, frees are collected (as copies: the caller may reuse its
-  tensor at once) and released together at the end; groups do not nest.
+  :meth:`~BaseTokenToKVPoolAllocator.free_group_end`, frees are held back (staged on the device at once, so the
+  caller may reuse its tensor) and released together at the end; groups do not nest.
 * ``alloc_extend`` and ``alloc_decode`` take SGLang's positional order, each device tensor followed by its
   optional CPU copy (see :data:`ALLOC_EXTEND_ORDER`, :data:`ALLOC_DECODE_ORDER`).
 """
@@ -35,7 +35,7 @@ import torch
 from kvcore import allocator_kernels as _k
 from kvcore.errors import ConfigError
 from kvcore.kernel_mode import use_triton
-from kvcore.page_queue import PageQueue, distinct_sorted
+from kvcore.free_list import FreePageList
 
 __all__ = [
     "ALLOC_DECODE_ORDER",
@@ -133,15 +133,15 @@ class BaseTokenToKVPoolAllocator:
         """The KV cache object this allocator hands out locations of."""
         return self._kvcache
 
-    # -- state --------------------------------------------------------------------------------------------
+    # -- state (subclasses implement) ----------------------------------------------------------------------
 
-    def backup_state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Snapshot of the free lists, for :meth:`restore_state` (cheap: the lists are never mutated in place)."""
-        return (self.free_pages, self.release_pages)
+    def backup_state(self) -> Any:
+        """Snapshot of the free lists, for :meth:`restore_state`."""
+        raise NotImplementedError
 
-    def restore_state(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def restore_state(self, state: Any) -> None:
         """Put back the free lists saved by :meth:`backup_state`; allocations made since are forgotten."""
-        self.free_pages, self.release_pages = state
+        raise NotImplementedError
 
     def clear(self) -> None:
         """Back to the fresh state: every slot but the padding one free, no free group open."""
@@ -175,23 +175,7 @@ class BaseTokenToKVPoolAllocator:
 
     def merge_and_sort_free(self) -> None:
         """Move deferred releases into the free list and sort it (``need_sort`` mode)."""
-        if len(self.release_pages) > 0:
-            merged = torch.cat((self.free_pages, self.release_pages))
-            self.free_pages = torch.sort(merged).values
-            self.release_pages = _empty_index(self.device)
-
-    def _ensure_free_pages(self, num_pages: int) -> bool:
-        """True when ``num_pages`` pages can be taken from the front of ``free_pages``.
-
-        Merges deferred releases first when that is what makes them fit; leaves everything as it was when
-        even that would not be enough.
-        """
-        if num_pages <= len(self.free_pages):
-            return True
-        if num_pages > len(self.free_pages) + len(self.release_pages):
-            return False
-        self.merge_and_sort_free()
-        return True
+        raise NotImplementedError
 
     def _hold_in_group(self, free_index: torch.Tensor) -> bool:
         """Inside a free group, keep a copy of ``free_index`` for :meth:`free_group_end` and return True.
@@ -202,12 +186,6 @@ class BaseTokenToKVPoolAllocator:
             return False
         self.free_group.append(free_index.clone())
         return True
-
-    def _release(self, ids: torch.Tensor, *, prepend: bool) -> None:
-        if self.need_sort:
-            self.release_pages = torch.cat((ids, self.release_pages) if prepend else (self.release_pages, ids))
-        else:
-            self.free_pages = torch.cat((ids, self.free_pages) if prepend else (self.free_pages, ids))
 
     # -- to implement -------------------------------------------------------------------------------------
 
@@ -242,16 +220,122 @@ class BaseTokenToKVPoolAllocator:
         )
 
 
-class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
+class _DeviceListAllocator(BaseTokenToKVPoolAllocator):
+    """What the token and paged allocators share: their pages in a :class:`~kvcore.free_list.FreePageList`.
+
+    ``free_pages`` / ``release_pages`` are read back from the device (for inspection; they wait for it).
+    Frees inside a free group are staged on the device at once (the caller may reuse its tensor) and moved to
+    the free list by :meth:`free_group_end`, so a group costs one launch per free plus one.
+    """
+
+    _to_front = False  # where freed pages go in the free list
+
+    def clear(self) -> None:
+        if getattr(self, "_pages", None) is None:
+            self._pages = FreePageList(self.size // self.page_size, self.page_size, self.device,
+                                       use_triton=self._use_triton, to_front=self._to_front,
+                                       need_sort=self.need_sort)  # fmt: skip
+        else:
+            self._pages.clear()
+        self.is_not_in_free_group = True
+        self.free_group = []
+
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """The free page ids in the order they will be handed out (waits for the device: for inspection)."""
+        return self._pages.ids()
+
+    @property
+    def release_pages(self) -> torch.Tensor:
+        """Freed pages deferred by ``need_sort`` (waits for the device: for inspection)."""
+        return self._pages.held_ids()
+
+    def available_size(self) -> int:
+        """Exact: waits for the device on a GPU (the only call here that does, besides the inspections)."""
+        free, held = self._pages.exact()
+        return (free + held) * self.page_size
+
+    def backup_state(self) -> tuple:
+        """A copy-on-write snapshot: free until the next allocation or free, which copies the lists once."""
+        return self._pages.snapshot()
+
+    def restore_state(self, state: tuple) -> None:
+        self._pages.restore(state)
+
+    def merge_and_sort_free(self) -> None:
+        if self._pages.exact()[1]:
+            self._pages.merge_held()
+
+    def _ensure_free_pages(self, num_pages: int) -> bool:
+        """True when ``num_pages`` pages can be taken from the head of the free list; merges held pages when
+        that is what makes them fit.  Decides from the host's counts: no wait while they show enough pages;
+        only a nearly full pool waits for the device."""
+        pages = self._pages
+        if num_pages <= pages.known:
+            return True
+        for wait in (False, True):
+            pages.refresh(wait)
+            if num_pages <= pages.known:
+                return True
+            if num_pages <= pages.known + pages.held_known:
+                pages.merge_held()
+                return True
+        return False
+
+    def _source(self):
+        self._pages.before_write()
+        return self._pages.source()
+
+    def _take_pages(self, num_pages: int) -> Optional[torch.Tensor]:
+        """The token indices of ``num_pages`` whole pages from the head, or None when they do not fit."""
+        if not self._ensure_free_pages(num_pages):
+            return None
+        out = self._pages_impl(self._source(), num_pages, self.page_size)
+        self._pages.took(num_pages)
+        return out
+
+    # -- freeing ------------------------------------------------------------------------------------------
+
+    def free_group_begin(self) -> None:
+        """Start a group: frees are staged and given back together by :meth:`free_group_end`.
+
+        :raises RuntimeError: when a group is already open; end it first (groups do not nest).
+        """
+        if not self.is_not_in_free_group:
+            raise RuntimeError(
+                "free_group_begin: a free group is already open (its frees are pending); call free_group_end "
+                "first (free groups do not nest)"
+            )
+        self.is_not_in_free_group = False
+
+    def free_group_end(self) -> None:
+        """Give back everything freed since :meth:`free_group_begin` (one launch)."""
+        if not self.is_not_in_free_group:
+            self.is_not_in_free_group = True
+            self._pages.commit_staged()
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """Give back the pages holding ``free_index`` (each allocated page once, in the order of first
+        occurrence; slots that are not allocated, the padding one included, are ignored).
+
+        Empty input is a no-op; inside a free group the pages are staged until :meth:`free_group_end`.  Never
+        waits for the device.
+        """
+        if free_index.numel():
+            self._pages.release(free_index, staged=not self.is_not_in_free_group)
+
+
+class TokenToKVPoolAllocator(_DeviceListAllocator):
     """Allocator of single token slots ``1 .. size`` (``page_size == 1``).
+
+    Slots are taken from the head of the free list and freed slots go to its tail (SGLang's order).
 
     :param size: number of allocatable token slots; the KV buffer needs ``size + 1`` (slot 0 is padding).
     :param dtype: KV cache dtype (recorded for the engine).
     :param device: device of the index tensors.
     :param kvcache: the KV cache object, returned by :meth:`get_kvcache`.
     :param need_sort: defer frees and hand out sorted slots (see the module docstring).
-    :param kernels: accepted for symmetry with the paged allocator (``auto|triton|native``); the token
-        allocator needs no kernel.
+    :param kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``native``.
     :raises ConfigError: for a non-positive size or an unknown / unrunnable kernel mode.
     """
 
@@ -265,36 +349,16 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         kernels: str = "auto",
     ):
         super().__init__(size, 1, dtype, device, kvcache, need_sort, kernels)
+        self._pages_impl = _k.alloc_pages_triton if self._use_triton else _k.alloc_pages_native
+        self._pages = None
         self.clear()
 
-    def clear(self) -> None:
-        self.free_pages = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
-        self.release_pages = _empty_index(self.device)
-        self.is_not_in_free_group = True
-        self.free_group = []
-
-    def available_size(self) -> int:
-        return len(self.free_pages) + len(self.release_pages)
-
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
-        """Take ``need_size`` token slots from the front of the free list.
+        """Take ``need_size`` token slots from the head of the free list.
 
         :returns: int64 ``[need_size]`` token indices, or ``None`` (nothing changed) when fewer are free.
         """
-        if not self._ensure_free_pages(need_size):
-            return None
-        select_index = self.free_pages[:need_size]
-        self.free_pages = self.free_pages[need_size:]
-        return select_index
-
-    def free(self, free_index: torch.Tensor) -> None:
-        """Give token slots back (appended to the free list, or deferred when ``need_sort``).
-
-        Empty input is a no-op; inside a free group the slots are held until :meth:`free_group_end`.
-        """
-        if free_index.numel() == 0 or self._hold_in_group(free_index):
-            return
-        self._release(free_index.to(dtype=torch.int64).reshape(-1), prepend=False)
+        return self._take_pages(need_size)
 
     def alloc_extend(
         self,
@@ -323,11 +387,12 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         return self.alloc(seq_lens.numel())
 
 
-class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
+class PagedTokenToKVPoolAllocator(_DeviceListAllocator):
     """Allocator of whole pages of ``page_size`` token slots; pages ``1 .. size // page_size``.
 
     Token index of offset ``o`` in page ``p`` is ``p * page_size + o``; the KV buffer needs
-    ``(size // page_size + 1) * page_size`` slots (page 0 is padding).
+    ``(size // page_size + 1) * page_size`` slots (page 0 is padding).  Freed pages go to the head of the
+    free list (reused first, as in SGLang).
 
     :param size: allocatable tokens (rounded down to whole pages).
     :param page_size: tokens per page.
@@ -335,11 +400,12 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     :param device: device of the index tensors.
     :param kvcache: the KV cache object, returned by :meth:`get_kvcache`.
     :param need_sort: defer frees and hand out sorted pages (see the module docstring).
-    :param kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``native`` for
-        :meth:`alloc_extend` / :meth:`alloc_decode`.
+    :param kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``native``.
     :raises ConfigError: for a non-positive size or page size, a size under one page, or an unknown /
         unrunnable kernel mode.
     """
+
+    _to_front = True
 
     def __init__(
         self,
@@ -357,59 +423,14 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             raise ConfigError(
                 f"size={size} holds no whole page of page_size={page_size}; give a size of at least one page"
             )
-        self._page_offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
         if self._use_triton:
+            self._pages_impl = _k.alloc_pages_triton
             self._extend_impl, self._decode_impl = _k.alloc_extend_triton, _k.alloc_decode_triton
         else:
+            self._pages_impl = _k.alloc_pages_native
             self._extend_impl, self._decode_impl = _k.alloc_extend_native, _k.alloc_decode_native
+        self._pages = None
         self.clear()
-
-    def clear(self) -> None:
-        self._free = PageQueue(self.num_pages, self.device)
-        self._free.clear(torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device))
-        self._released = PageQueue(self.num_pages, self.device)
-        self.is_not_in_free_group = True
-        self.free_group = []
-
-    # -- the free lists, kept on the device (kvcore.page_queue) ---------------------------------------------
-
-    @property
-    def free_pages(self) -> torch.Tensor:
-        """The free page ids in the order they will be handed out (reads the device: for inspection)."""
-        return self._free.ids()
-
-    @property
-    def release_pages(self) -> torch.Tensor:
-        """Freed pages deferred by ``need_sort`` (reads the device: for inspection)."""
-        return self._released.ids()
-
-    def available_size(self) -> int:
-        """Exact: waits for the counts of frees still in flight on a GPU (the only call here that does)."""
-        return (self._free.exact() + self._released.exact()) * self.page_size
-
-    def backup_state(self) -> tuple:
-        return (self._free.snapshot(), self._released.snapshot())
-
-    def restore_state(self, state: tuple) -> None:
-        free, released = state
-        self._free.restore(free)
-        self._released.restore(released)
-
-    def merge_and_sort_free(self) -> None:
-        if self._released.known or self._released.refresh(wait=True):
-            self._free.absorb(self._released)
-
-    def _ensure_free_pages(self, num_pages: int) -> bool:
-        """As the base class's, deciding from the host's counts: no wait while they show enough pages, and
-        only a nearly full pool waits for the counts of frees still in flight."""
-        for wait in (False, True):
-            free, released = self._free.refresh(wait), self._released.refresh(wait)
-            if num_pages <= free:
-                return True
-            if num_pages <= free + released:
-                self._free.absorb(self._released)
-                return True
-        return False
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """Take ``need_size // page_size`` whole pages and return their token indices, page after page.
@@ -422,11 +443,7 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
                 f"paged alloc needs whole pages: need_size={need_size} is not a multiple of "
                 f"page_size={self.page_size}; round it up, or use alloc_extend for a partial last page"
             )
-        num_pages = need_size // self.page_size
-        if not self._ensure_free_pages(num_pages):
-            return None
-        out_pages = self._free.take(num_pages)
-        return (out_pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+        return self._take_pages(need_size // self.page_size)
 
     def alloc_extend(
         self,
@@ -470,8 +487,9 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         num_new_pages = _k.num_new_pages_extend(pre_c, seq_c, self.page_size)
         if not self._ensure_free_pages(num_new_pages):
             return None
-        new_pages = self._free.take(num_new_pages)
-        return self._extend_impl(prefix_lens, seq_lens, last_loc, new_pages, self.page_size, extend_num_tokens)
+        out = self._extend_impl(prefix_lens, seq_lens, last_loc, self._source(), self.page_size, extend_num_tokens)
+        self._pages.took(num_new_pages)
+        return out
 
     def alloc_decode(
         self,
@@ -496,17 +514,6 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         )
         if not self._ensure_free_pages(num_new_pages):
             return None
-        return self._decode_impl(seq_lens, last_loc, self._free.take(num_new_pages), self.page_size)
-
-    def free(self, free_index: torch.Tensor) -> None:
-        """Give back the pages holding ``free_index`` (its distinct ``free_index // page_size``, ascending).
-
-        Freed pages go to the front of the free list (reused first, as in SGLang), or are deferred when
-        ``need_sort``.  Empty input is a no-op; inside a free group they are held until
-        :meth:`free_group_end`.  Every token of a freed page is freed: free whole requests' pages only.
-        Never waits for the device: duplicates are dropped on the device (:mod:`kvcore.page_queue`).
-        """
-        if free_index.numel() == 0 or self._hold_in_group(free_index):
-            return
-        ordered, first = distinct_sorted(free_index.to(torch.int64) // self.page_size)
-        (self._released if self.need_sort else self._free).put(ordered, first, front=True)
+        out = self._decode_impl(seq_lens, last_loc, self._source(), self.page_size)
+        self._pages.took(num_new_pages)
+        return out

@@ -55,9 +55,15 @@ class _Leaky(TokenToKVPoolAllocator):
 
 
 class _PaddingToo(TokenToKVPoolAllocator):
-    def clear(self):
-        super().clear()
-        self.free_pages = torch.cat([torch.zeros(1, dtype=torch.int64, device=self.device), self.free_pages])
+    """Hands out the padding slot in place of its first slot."""
+
+    def alloc(self, need_size):
+        out = super().alloc(need_size)
+        if out is not None and out.numel() and not hasattr(self, "_done"):
+            self._done = True
+            out = out.clone()
+            out[0] = 0
+        return out
 
 
 def _messages(exc: BaseException) -> str:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcore import allocator_kernels as K
+from kvcore.free_list import ALLOCATED, PageSource
 from kvcore.errors import ConfigError
 from kvcore.allocators import (
     BaseTokenToKVPoolAllocator,
@@ -91,6 +92,11 @@ def random_batch(rng: random.Random, ps: int, bs: int, max_len: int):
     return pre, seq, last
 
 
+def allocated(source: PageSource) -> list[int]:
+    """The pages a kernel marked allocated."""
+    return torch.nonzero(source.state[:-1] == ALLOCATED).reshape(-1).tolist()  # the last: a spare slot
+
+
 def tensors(*lists, dtype=torch.int64):
     return [torch.tensor(x, dtype=dtype, device=DEVICE) for x in lists]
 
@@ -117,9 +123,11 @@ def test_alloc_extend_kernel_matches_reference_and_model(ps, seed):
     n = sum(seq) - sum(pre)
     results = {}
     for name, fn in EXTEND_IMPLS.items():
-        out = fn(pre_t, seq_t, last_t, free_t, ps, n)
+        source = PageSource.of(free_t)
+        out = fn(pre_t, seq_t, last_t, source, ps, n)
         assert out.dtype == torch.int64 and out.shape == (n,)
         assert out.tolist() == expected, name
+        assert allocated(source) == sorted(free[:used]), name
         results[name] = out
     assert torch.equal(results["triton"], results["native"])
 
@@ -144,9 +152,11 @@ def test_alloc_decode_kernel_matches_reference_and_model(ps, seed):
     last_t, free_t = tensors(last, free)
     results = {}
     for name, fn in DECODE_IMPLS.items():
-        out = fn(seq_t, last_t, free_t, ps)
+        source = PageSource.of(free_t)
+        out = fn(seq_t, last_t, source, ps)
         assert out.dtype == torch.int64 and out.shape == (bs,)
         assert out.tolist() == expected, name
+        assert allocated(source) == sorted(free[:used]), name
         results[name] = out
     assert torch.equal(results["triton"], results["native"])
 
@@ -164,34 +174,34 @@ def test_kernels_large_batch_and_long_request():
     pre_t, seq_t, last_t, free_t = tensors(pre, seq, last, free)
     n = sum(seq) - sum(pre)
     for fn in EXTEND_IMPLS.values():
-        assert fn(pre_t, seq_t, last_t, free_t, ps, n).tolist() == expected
+        assert fn(pre_t, seq_t, last_t, PageSource.of(free_t), ps, n).tolist() == expected
 
     dseq = [s + 1 for s in seq]
     dlast = [5000 * ps + (s - 1) % ps for s in seq]
     expected, _ = model_decode(dseq, dlast, free, ps)
     for fn in DECODE_IMPLS.values():
-        assert fn(*tensors(dseq, dlast), free_t, ps).tolist() == expected
+        assert fn(*tensors(dseq, dlast), PageSource.of(free_t), ps).tolist() == expected
 
 
 @pytest.mark.parametrize("impl", KERNELS)
 def test_kernels_empty_inputs(impl):
-    free = torch.arange(1, 5, device=DEVICE)
+    free = PageSource.of(torch.arange(1, 5, device=DEVICE))
     (z,) = tensors([])
     assert EXTEND_IMPLS[impl](z, z, z, free, 4, 0).numel() == 0
     assert DECODE_IMPLS[impl](z, z, free, 4).numel() == 0
     one, four, fourteen = tensors([3], [4], [14])
     assert EXTEND_IMPLS[impl](one, one, fourteen, free, 4, 0).numel() == 0  # zero-token extend
     # No free page needed, empty free list.
-    out = EXTEND_IMPLS[impl](one, four, fourteen, z, 4, 1)
+    out = EXTEND_IMPLS[impl](one, four, fourteen, PageSource.of(z), 4, 1)
     assert out.tolist() == [15]
 
 
 def test_kernel_arg_shape_errors():
     a = torch.tensor([1, 2])
     with pytest.raises(ValueError, match="one length"):
-        K.alloc_extend_native(a, a, torch.tensor([1]), a, 4, 2)
+        K.alloc_extend_native(a, a, torch.tensor([1]), PageSource.of(a), 4, 2)
     with pytest.raises(ValueError, match="seq_lens and last_loc"):
-        K.alloc_decode_native(a, torch.tensor([1]), a, 4)
+        K.alloc_decode_native(a, torch.tensor([1]), PageSource.of(a), 4)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -369,8 +379,9 @@ def test_nested_free_group_begin_is_refused_and_keeps_pending_frees(kind, ps):
     x = a.alloc(8 * ps)
     a.free_group_begin()
     a.free(x[: 2 * ps])
-    with pytest.raises(RuntimeError, match=f"already open with {2 * ps} pending"):
+    with pytest.raises(RuntimeError, match="already open .*call free_group_end first"):
         a.free_group_begin()
+    assert a.available_size() == 0  # still held back
     a.free(x[2 * ps : 3 * ps])
     a.free_group_end()
     assert a.available_size() == 3 * ps and a.is_not_in_free_group

@@ -18,8 +18,17 @@ Every recipe splits a row's last dimension into blocks of ``block`` values that 
     largest exponent), so the largest magnitude scales into [256, 512) and saturates at 448.
 
 Rounding: e2m1 codes round to the nearest value, ties away from zero (the seed's boundaries 0.25, 0.75, ...,
-5); e4m3 codes are torch's ``.to(torch.float8_e4m3fn)`` (nearest even), saturated at 448.  Scaling by a power
+5); a negative value keeps its sign bit even when it rounds to zero (code 8, -0), and code 8 decodes to -0.0.
+e4m3 codes are torch's ``.to(torch.float8_e4m3fn)`` (nearest even) of the value clamped to [-448, 448] first,
+so they do not depend on whether the installed torch saturates or makes NaN on overflow.  Scaling by a power
 of two is exact, so fp4_e2m1 and mxfp8 bytes depend on nothing but these rules.
+
+The references are the specification of the kernels' bytes on every device, so every float32 operation in
+them is one IEEE operation, rounded once, on the CPU and on CUDA alike: divisions are tensor by tensor (CUDA
+torch turns ``tensor / python_float`` into a multiplication by the rounded reciprocal, one bit off at times),
+powers of two are built from their bits (subnormal 2**-127 included; no ``exp2``), and e2m1 codes come from
+comparisons and integer operations.  Nothing is copied from the host (no ``torch.tensor`` of constants), so
+the torch paths can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -73,16 +82,23 @@ RECIPES = {
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """Float32 values (already scaled) -> e2m1 codes 0..15 (uint8), saturating at +-6."""
-    bounds = torch.tensor(E2M1_BOUNDS, dtype=torch.float32, device=x.device)
-    magnitude = torch.bucketize(x.abs(), bounds, right=True).to(torch.uint8)  # count of bounds <= |x|
+    """Float32 values (already scaled) -> e2m1 codes 0..15 (uint8), saturating at +-6: the magnitude code is the
+    count of :data:`E2M1_BOUNDS` at or below ``|x|`` (the kernels' comparisons; NaN gives 0), bit 3 ``x < 0``."""
+    a = x.abs()
+    magnitude = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for bound in E2M1_BOUNDS:
+        magnitude += (a >= bound).to(torch.uint8)
     return magnitude | (x < 0).to(torch.uint8) << 3
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    magnitude = values[(codes & 7).long()]
-    return torch.where((codes & 8) != 0, -magnitude, magnitude)
+    """e2m1 codes (any integer dtype, 0..15) -> float32; code 8 is -0.0 (the sign of zero is kept)."""
+    c = codes.to(torch.int32)
+    exponent, mantissa = (c >> 1) & 3, c & 1
+    # twice the magnitude: m for exponent 0 (subnormal), (2 + m) * 2**(exponent - 1) otherwise
+    twice = torch.where(exponent == 0, mantissa, (2 + mantissa) << (exponent - 1).clamp(min=0))
+    magnitude = twice.to(torch.float32) * 0.5
+    return torch.where((c & 8) != 0, -magnitude, magnitude)  # negation flips the sign bit: -0.0 for code 8
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -116,8 +132,30 @@ def floor_log2(v: torch.Tensor) -> torch.Tensor:
     return k - 1
 
 
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """``2**k`` as float32 for integer ``k`` in [-149, 128], built from its bits: exact, subnormals
+    (``k < -126``) included, ``k = 128`` is inf; the same on every device (the kernels build it the same way)."""
+    k = k.to(torch.int32)
+    normal = (k + 127).clamp(min=1) << 23
+    subnormal = torch.ones_like(k) << (k + 149).clamp(0, 22)
+    return torch.where(k >= -126, normal, subnormal).view(torch.float32)
+
+
+def _like(value: float, x: torch.Tensor) -> torch.Tensor:
+    """``value`` as a float32 0-d tensor on ``x``'s device, filled there (no host copy): dividing by it is an
+    IEEE division on CUDA too, where dividing by a Python float multiplies by its rounded reciprocal."""
+    return torch.full((), value, dtype=torch.float32, device=x.device)
+
+
+def _global_scale(global_scale: float | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(global_scale, torch.Tensor):
+        return global_scale.to(device=x.device, dtype=torch.float32)  # no copy when it is already there
+    return _like(float(global_scale), x)
+
+
 def _e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Float32 -> e4m3fn bytes, nearest even, saturated at 448."""
+    """Float32 -> e4m3fn bytes, nearest even, saturated at +-448 (clamped first: torch <= 2.11 makes NaN of
+    what rounds past 448, newer torch saturates; the clamp gives both the saturating bytes)."""
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
@@ -137,15 +175,15 @@ def quantize(x: torch.Tensor, recipe: Recipe, global_scale: float | torch.Tensor
     zero = amax == 0
     if recipe.scale_kind == "ue8m0":
         if recipe.value_bits == 4:
-            e = ceil_log2(torch.where(zero, 1.0, amax) / E2M1_MAX)
+            e = ceil_log2(torch.where(zero, 1.0, amax) / _like(E2M1_MAX, amax))
         else:
             e = floor_log2(torch.where(zero, 1.0, amax)) - E4M3_EMAX
         e = torch.where(zero, -UE8M0_BIAS, e.clamp(-UE8M0_BIAS, UE8M0_BIAS))
         scales = (e + UE8M0_BIAS).to(torch.uint8)
-        scaled = blocks * torch.exp2(-e.float())  # exact: a power of two
+        scaled = blocks * pow2(-e)  # exact unless the product is subnormal (then rounded once, as the kernel)
     else:  # e4m3 block scales under a global scale
-        g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
-        scales = _e4m3(amax / E2M1_MAX / g)
+        g = _global_scale(global_scale, x)
+        scales = _e4m3(amax / _like(E2M1_MAX, amax) / g)
         step = _e4m3_value(scales) * g
         scaled = torch.where(step == 0, 0.0, blocks / torch.where(step == 0, 1.0, step))
     if recipe.value_bits == 4:
@@ -164,7 +202,7 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, recipe: Recipe, dtype: 
         values = _e4m3_value(data)
     blocks = values.reshape(*values.shape[:-1], -1, recipe.block)
     if recipe.scale_kind == "ue8m0":
-        step = torch.exp2(scales.float() - UE8M0_BIAS)
+        step = pow2(scales.to(torch.int32) - UE8M0_BIAS)  # byte 0 is 2**-127, a float32 subnormal
     else:
-        step = _e4m3_value(scales) * torch.as_tensor(global_scale, dtype=torch.float32, device=data.device)
+        step = _e4m3_value(scales) * _global_scale(global_scale, data)
     return (blocks * step.unsqueeze(-1)).reshape(values.shape).to(dtype)

@@ -3,9 +3,17 @@ dequantize rows by location; bit-exact with the torch references of :mod:`kvcore
 interpreter and on GPUs.
 
 Hopper has no e2m1 conversion, so codes are made with integer and comparison operations: exponents are read
-from float32 bits (``ceil``/``floor`` of ``log2`` exact), powers of two are built from bits, divisions are
-``div_rn`` (IEEE, like torch), e4m3 bytes come from :func:`kvcore.fp8.f32_to_e4m3fn_bits` (the interpreter's
-own float -> fp8 cast rounds wrongly) and are decoded by :func:`kvcore.fp8.e4m3fn_bits_to_f32`.
+from float32 bits (``ceil``/``floor`` of ``log2`` exact), powers of two are built from bits (the subnormal
+2**-127 of scale byte 0 included), e2m1 values are decoded from bits with their sign bit (code 8 is -0.0:
+Triton 3.6 compiles a float ``-x`` as ``0 - x``, which makes +0.0 of +0.0; triton-lang/triton#10270), e4m3
+bytes come from :func:`kvcore.fp8.f32_to_e4m3fn_bits` (the interpreter's own float -> fp8 cast rounds
+wrongly) of values clamped to [-448, 448] on both sides (so the bytes do not depend on ``SATURATE``) and are
+decoded by :func:`kvcore.fp8.e4m3fn_bits_to_f32`.
+
+Every float32 product and quotient is one IEEE operation, as in the torch references: compiled for CUDA
+(``PTX``) they are inline ``mul.rn.f32`` / ``div.rn.f32``, which neither flush subnormals to zero (some
+Triton releases lower ``div_rn`` to ``div.rn.ftz.f32``; triton-lang/triton#8557) nor fuse into an FMA, whatever
+the Triton release; interpreted they are numpy's.
 
 One launch stores (or reads) K and V of ``N`` tokens: grid ``(token blocks, 2 x heads)``, one program per
 block of tokens and one head of K (``program_id(1) < H``) or V.  A program holds its tokens' whole head row:
@@ -38,16 +46,41 @@ BLOCK_N = 4
 
 @triton.jit
 def _pow2(k):
-    """2**k as float32 for integer ``k`` in [-126, 127], built from its bits (exact)."""
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+    """2**k as float32 for integer ``k`` in [-149, 128], built from its bits (exact; ``k < -126`` subnormal, 128
+    inf), like :func:`kvcore_fp4.formats.pow2`."""
+    normal = tl.maximum(k + 127, 1) << 23
+    subnormal = tl.full(k.shape, 1, tl.int32) << tl.minimum(tl.maximum(k + 149, 0), 22)
+    return tl.where(k >= -126, normal, subnormal).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _block_exponent(amax, VALUE_BITS: tl.constexpr):
+def _mul_rn(a, b, PTX: tl.constexpr):
+    """``a * b`` in float32, rounded once to nearest even, subnormals kept (never fused into an FMA)."""
+    if PTX:
+        r = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                      pack=1)  # fmt: skip
+    else:
+        r = a * b
+    return r
+
+
+@triton.jit
+def _div_rn(a, b, PTX: tl.constexpr):
+    """``a / b`` in float32, IEEE (rounded once to nearest even), subnormals kept."""
+    if PTX:
+        r = tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                      pack=1)  # fmt: skip
+    else:
+        r = tl.math.div_rn(a, b)
+    return r
+
+
+@triton.jit
+def _block_exponent(amax, VALUE_BITS: tl.constexpr, PTX: tl.constexpr):
     """The UE8M0 exponent of blocks with largest magnitude ``amax``: ``ceil(log2(amax / 6))`` for e2m1 values,
     ``floor(log2(amax)) - 8`` for e4m3 values; -127 for a zero block (and anything below 2**-127)."""
     if VALUE_BITS == 4:
-        v = tl.math.div_rn(amax, tl.zeros_like(amax) + _E2M1_MAX)
+        v = _div_rn(amax, tl.full(amax.shape, _E2M1_MAX, tl.float32), PTX)
     else:
         v = amax
     bits = v.to(tl.int32, bitcast=True)
@@ -70,18 +103,19 @@ def _e2m1_codes(x):
 
 @triton.jit
 def _e2m1_values(code):
+    """e2m1 codes -> float32, from bits: magnitude codes 2..7 are exponent ``(c >> 1) - 1`` with mantissa bit
+    ``c & 1``, code 1 is 0.5, code 0 is 0; bit 3 becomes the float's sign bit (code 8 is -0.0)."""
     c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    magnitude = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * _pow2(e - 1))
-    return tl.where((c & 8) != 0, -magnitude, magnitude)
+    mag = c & 7
+    bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 0x3F000000, 0))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
                    D: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr,
                    VALUE_BITS: tl.constexpr, E4M3_SCALE: tl.constexpr, SATURATE: tl.constexpr,
-                   DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr):  # fmt: skip
+                   DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """One head of ``BLOCK_N`` tokens: ``src`` points at the head of token 0 (tokens ``sn`` apart, values
     ``sd``); ``data`` / ``scale`` at the head in cache row 0 (rows ``DATA_ROW`` / ``SCALE_ROW`` bytes apart)."""
     blk = tl.arange(0, NB_PAD)
@@ -101,18 +135,21 @@ def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
         xo = xe
         amax = tl.max(tl.abs(xe), axis=2)
     if E4M3_SCALE:  # nvfp4: an e4m3 block scale of amax / 6 under the global scale g
-        s = tl.math.div_rn(tl.math.div_rn(amax, tl.zeros_like(amax) + _E2M1_MAX), tl.zeros_like(amax) + g)
-        scale_byte = f32_to_e4m3fn_bits(tl.minimum(s, _E4M3_MAX), SATURATE)
-        step = e4m3fn_bits_to_f32(scale_byte) * g
+        gs = tl.broadcast_to(g, amax.shape)  # not 0 + g, which makes +0.0 of -0.0
+        s = _div_rn(_div_rn(amax, tl.full(amax.shape, _E2M1_MAX, tl.float32), PTX), gs, PTX)
+        # clamped on both sides, as the reference: a negative g makes s negative, and torch <= 2.11's encoding
+        # (SATURATE False) would make NaN of anything past -448
+        scale_byte = f32_to_e4m3fn_bits(tl.minimum(tl.maximum(s, -_E4M3_MAX), _E4M3_MAX), SATURATE)
+        step = _mul_rn(e4m3fn_bits_to_f32(scale_byte), gs, PTX)
         zero = (step == 0)[:, :, None]
         safe = tl.where(zero, 1.0, step[:, :, None])
-        xe = tl.where(zero, 0.0, tl.math.div_rn(xe, safe))
-        xo = tl.where(zero, 0.0, tl.math.div_rn(xo, safe))
+        xe = tl.where(zero, 0.0, _div_rn(xe, safe, PTX))
+        xo = tl.where(zero, 0.0, _div_rn(xo, safe, PTX))
     else:
-        e = tl.where(amax == 0, -127, _block_exponent(amax, VALUE_BITS))
+        e = tl.where(amax == 0, -127, _block_exponent(amax, VALUE_BITS, PTX))
         up = _pow2(-e)[:, :, None]
-        xe = xe * up
-        xo = xo * up
+        xe = _mul_rn(xe, up, PTX)
+        xo = _mul_rn(xo, up, PTX)
         scale_byte = e + _BIAS
     tl.store(scale + rows[:, None] * SCALE_ROW + blk[None, :], scale_byte.to(tl.uint8), mask=mask_b)
     if VALUE_BITS == 4:
@@ -129,7 +166,7 @@ def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
 def _dequantize_head(dst, dn, dd, data, scale, rows, tok, mask_n, g,
                      D: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr,
                      VALUE_BITS: tl.constexpr, E4M3_SCALE: tl.constexpr, OUT: tl.constexpr, HW_CVT: tl.constexpr,
-                     DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr):  # fmt: skip
+                     DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """:func:`_quantize_head`'s inverse into ``dst`` (``OUT``: 0 float32, 1 float16, 2 bfloat16)."""
     blk = tl.arange(0, NB_PAD)
     mask_b = mask_n[:, None] & (blk < NB)[None, :]
@@ -138,21 +175,21 @@ def _dequantize_head(dst, dn, dd, data, scale, rows, tok, mask_n, g,
     mask = mask_b[:, :, None]
     sb = tl.load(scale + rows[:, None] * SCALE_ROW + blk[None, :], mask=mask_b, other=0).to(tl.int32)
     if E4M3_SCALE:
-        step = e4m3fn_bits_to_f32(sb) * g
+        step = _mul_rn(e4m3fn_bits_to_f32(sb), tl.broadcast_to(g, sb.shape), PTX)
     else:
-        step = _pow2(sb - _BIAS)
+        step = _pow2(sb - _BIAS)  # byte 0 is 2**-127, a subnormal
     step = step[:, :, None]
     base = dst + tok[:, None, None] * dn
     if VALUE_BITS == 4:
         k = blk[:, None] * PER + i[None, :]
         byte = tl.load(data + rows[:, None, None] * DATA_ROW + k[None, :, :], mask=mask, other=0).to(tl.int32)
         j = blk[:, None] * BLOCK + 2 * i[None, :]
-        _store_out(base + (j * dd)[None, :, :], _e2m1_values(byte & 15) * step, mask, OUT, HW_CVT)
-        _store_out(base + ((j + 1) * dd)[None, :, :], _e2m1_values(byte >> 4) * step, mask, OUT, HW_CVT)
+        _store_out(base + (j * dd)[None, :, :], _mul_rn(_e2m1_values(byte & 15), step, PTX), mask, OUT, HW_CVT)
+        _store_out(base + ((j + 1) * dd)[None, :, :], _mul_rn(_e2m1_values(byte >> 4), step, PTX), mask, OUT, HW_CVT)
     else:
         j = blk[:, None] * BLOCK + i[None, :]
         byte = tl.load(data + rows[:, None, None] * DATA_ROW + j[None, :, :], mask=mask, other=0)
-        _store_out(base + (j * dd)[None, :, :], e4m3fn_bits_to_f32(byte) * step, mask, OUT, HW_CVT)
+        _store_out(base + (j * dd)[None, :, :], _mul_rn(e4m3fn_bits_to_f32(byte), step, PTX), mask, OUT, HW_CVT)
 
 
 @triton.jit
@@ -176,7 +213,7 @@ def _rows_kernel(
     E4M3_SCALE: tl.constexpr, SATURATE: tl.constexpr, KD_LAYER: tl.constexpr, KS_LAYER: tl.constexpr,
     VD_LAYER: tl.constexpr, VS_LAYER: tl.constexpr, KD_ROW: tl.constexpr, KS_ROW: tl.constexpr,
     VD_ROW: tl.constexpr, VS_ROW: tl.constexpr, GATHER: tl.constexpr, OUT: tl.constexpr,
-    HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr,
+    HW_CVT: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Store (``GATHER`` False: ``k_ptr`` / ``v_ptr`` are the inputs) or gather (the outputs) ``n_tokens``
     rows at ``loc``; grid ``(token blocks, 2 H)``.  The two parts (K and V of MHA; nope and rope of an MLA
@@ -197,10 +234,10 @@ def _rows_kernel(
         data, scale = k_data + lay * KD_LAYER + hp * KB, k_scale + lay * KS_LAYER + hp * NBK
         if GATHER:
             _dequantize_head(k_ptr + hp * k_sh, k_sn, k_sd, data, scale, rows, tok, mask_n, g, DK, NBK, NBK_PAD,
-                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, KD_ROW, KS_ROW)  # fmt: skip
+                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, KD_ROW, KS_ROW, PTX)  # fmt: skip
         else:
             _quantize_head(k_ptr + hp * k_sh, k_sn, k_sd, data, scale, rows, tok, mask_n, g, DK, NBK, NBK_PAD,
-                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, KD_ROW, KS_ROW)  # fmt: skip
+                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, KD_ROW, KS_ROW, PTX)  # fmt: skip
     else:
         h = hp - H
         g = 1.0
@@ -209,10 +246,10 @@ def _rows_kernel(
         data, scale = v_data + lay * VD_LAYER + h * VB, v_scale + lay * VS_LAYER + h * NBV
         if GATHER:
             _dequantize_head(v_ptr + h * v_sh, v_sn, v_sd, data, scale, rows, tok, mask_n, g, DV, NBV, NBV_PAD,
-                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, VD_ROW, VS_ROW)  # fmt: skip
+                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, VD_ROW, VS_ROW, PTX)  # fmt: skip
         else:
             _quantize_head(v_ptr + h * v_sh, v_sn, v_sd, data, scale, rows, tok, mask_n, g, DV, NBV, NBV_PAD,
-                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, VD_ROW, VS_ROW)  # fmt: skip
+                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, VD_ROW, VS_ROW, PTX)  # fmt: skip
 
 
 _OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -260,6 +297,8 @@ class BlockRows:
                        r.value_bits, r.scale_kind == "e4m3", torch_e4m3fn_saturates(), kd.stride(0), ks.stride(0),
                        vd.stride(0), vs.stride(0), kd.stride(1), ks.stride(1), vd.stride(1), vs.stride(1))  # fmt: skip
         self._hw_cvt = not triton_interpreting()
+        # IEEE float32 products and quotients as inline PTX: compiled kernels on NVIDIA GPUs only
+        self._ptx = self._hw_cvt and kd.device.type == "cuda" and torch.version.hip is None
         self.launch = Launcher(_rows_kernel, kd.device, _POINTERS)
 
     def _run(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool) -> None:
@@ -275,7 +314,7 @@ class BlockRows:
         key = (gather, k.dtype, v.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, lp & 15)
         self.launch(key, -(-n // BLOCK_N), 2 * self.parts.heads, (
             *self._addresses, layer, lp, loc.stride(0), n, kp, kss[0], kss[1], kss[2], vp, vss[0], vss[1], vss[2],
-            *self._fixed, gather, out, self._hw_cvt, BLOCK_N,
+            *self._fixed, gather, out, self._hw_cvt, self._ptx, BLOCK_N,
         ), (*self._buffers, loc, k, v))  # fmt: skip
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -163,8 +163,6 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if free_index.numel() == 0:
             return
         idx = free_index.reshape(-1).long()
-        swa = self.full_to_swa_index_mapping[idx]
-        swa = swa[swa > 0]
-        if swa.numel():
-            self.swa_attn_allocator.free(swa)
+        # Unmapped locations map to the padding slot, which a free ignores: no mask, no wait for the device.
+        self.swa_attn_allocator.free(self.full_to_swa_index_mapping[idx])
         self.full_to_swa_index_mapping[idx] = 0

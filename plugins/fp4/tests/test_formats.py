@@ -137,12 +137,31 @@ def _error(x: torch.Tensor, y: torch.Tensor) -> float:
 BOUNDS = {"fp4_e2m1": (0.113, 0.121), "nvfp4": (0.096, 0.065), "mxfp8": (0.030, 0.036), "float8_e4m3fn": (0.027, 0.081)}
 
 
+def saturating_e4m3fn(x: torch.Tensor) -> torch.Tensor:
+    """A plain fp8 cache's store and read: one cast, no scale, overflow saturated at +-448.  What torch's own
+    cast does with overflow changed between releases (torch <= 2.11 makes NaN of anything that rounds past
+    448, newer torch saturates; :mod:`kvcore.fp8`), so clamp first: the saturating store on every torch, and
+    on the saturating ones the same bytes as the bare cast (and as kvcore's fp8 store there)."""
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+
+
+def test_the_saturating_fp8_store_matches_a_saturating_torch():
+    x = torch.tensor([447.0, 448.0, 455.0, 463.9, 464.0, 465.0, 1e4, -1e4, -465.0, 3.3, -0.0, 1e-3])
+    y = saturating_e4m3fn(x)
+    assert not y.isnan().any()
+    assert y.abs().max().item() == 448.0 and y[2:9].abs().eq(448.0).all()
+    from kvcore.fp8 import torch_e4m3fn_saturates
+
+    if torch_e4m3fn_saturates():  # this torch saturates by itself: the clamp changes no byte
+        assert torch.equal(y.view(torch.int32), x.to(torch.float8_e4m3fn).float().view(torch.int32))
+
+
 @pytest.mark.parametrize("outliers", [False, True], ids=["normal", "outliers"])
 @pytest.mark.parametrize("name", [*sorted(RECIPES), "float8_e4m3fn"])
 def test_round_trip_error_is_bounded(name, outliers):
     x = _rows(2, (512, 128), outliers)[1:]  # without the zero block
     if name == "float8_e4m3fn":  # the plain fp8 cache: one cast, no scale
-        y = x.to(torch.float8_e4m3fn).float()
+        y = saturating_e4m3fn(x)
     else:
         recipe = RECIPES[name]
         y = dequantize(*quantize(x, recipe), recipe)
@@ -159,3 +178,78 @@ def test_fp4_errors_stay_within_a_block_step(recipe):
     blocks_x, blocks_y = x.reshape(64, -1, 16), y.reshape(64, -1, 16)
     amax = blocks_x.abs().amax(-1, keepdim=True)
     assert bool(((blocks_y - blocks_x).abs() <= amax / 3 * (1 + 1 / 16) + 1e-6).all())
+
+
+# -- what the kernels are checked against must be exact and the same on every device ---------------------
+
+
+def test_e2m1_decode_keeps_the_sign_of_zero_and_every_value():
+    from kvcore_fp4.formats import e2m1_decode, e2m1_encode
+
+    codes = torch.arange(16, dtype=torch.uint8)
+    got = e2m1_decode(codes)
+    want = torch.tensor([e2m1_value(c) for c in range(16)])
+    want[8] = -0.0  # sign | 000 | 0 is negative zero
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    # and a negative value that rounds to zero keeps its sign bit: code 8, decoded -0.0
+    assert e2m1_encode(torch.tensor([-0.2, 0.2, 0.0])).tolist() == [8, 0, 0]
+
+
+def test_powers_of_two_are_exact_down_to_the_subnormals():
+    from kvcore_fp4.formats import pow2
+
+    k = torch.arange(-149, 129, dtype=torch.int32)
+    want = torch.tensor([math.ldexp(1.0, int(e)) if e < 128 else math.inf for e in k], dtype=torch.float32)
+    assert torch.equal(pow2(k).view(torch.int32), want.view(torch.int32))
+
+
+def test_ue8m0_scale_byte_0_decodes_as_2_to_the_minus_127():
+    """Blocks below 6 x 2**-126 get scale byte 0, which is the float32 subnormal 2**-127, not zero."""
+    for recipe in (RECIPES["fp4_e2m1"], RECIPES["mxfp8"]):
+        x = torch.zeros(1, recipe.block)
+        x[0, :4] = torch.tensor([3e-38, -1e-38, 5e-39, -2e-39])
+        data, scales = quantize(x, recipe)
+        assert scales.tolist() == [[0]]
+        y = dequantize(data, scales, recipe)
+        theirs = decode_row(data[0].tolist(), scales[0].tolist(), recipe.name)
+        assert y[0].tolist() == theirs and y[0, 0].item() != 0
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_the_references_copy_nothing_from_the_host(name, monkeypatch):
+    """``kvcore bench`` captures the torch paths in CUDA graphs, where a host -> device copy is an error: the
+    references build no tensors from Python data (a global scale given as a float is filled on the device)."""
+    recipe = RECIPES[name]
+    x = _rows(4)
+    g = torch.tensor(0.25) if recipe.global_scale else 1.0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor made from host data in a reference path")
+
+    monkeypatch.setattr(torch, "tensor", refuse)
+    monkeypatch.setattr(torch, "as_tensor", refuse)
+    monkeypatch.setattr(torch, "from_numpy", refuse)
+    for scale in (g, 0.25) if recipe.global_scale else (g,):
+        data, scales = quantize(x, recipe, scale)
+        dequantize(data, scales, recipe, torch.bfloat16, scale)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("global_scale", [1.0, 3.0, 0.0173])
+def test_the_references_give_the_same_bytes_on_every_device(name, global_scale):
+    """The references are the kernels' specification, so the test device must compute what the CPU does: CUDA
+    torch divides by a Python float through its rounded reciprocal, one bit off at times (compiled runs)."""
+    from kvcore.testing.tensors import test_device
+
+    recipe = RECIPES[name]
+    if not recipe.global_scale and global_scale != 1.0:
+        pytest.skip("a global scale is nvfp4's alone")
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(256, 64, generator=g) * torch.logspace(-6, 6, 256)[:, None]  # float32: every mantissa bit
+    x[0, 5] = 6.0 * 1.0625  # a block scale amax / 6 on an e4m3 tie
+    cpu = quantize(x, recipe, global_scale)
+    dev = quantize(x.to(test_device()), recipe, global_scale)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, dev))
+    back = dequantize(*cpu, recipe, torch.float32, global_scale)
+    back_dev = dequantize(*(t.to(test_device()) for t in cpu), recipe, torch.float32, global_scale)
+    assert torch.equal(back.view(torch.int32), back_dev.cpu().view(torch.int32))

@@ -99,3 +99,68 @@ def test_mla_rows_store_and_read_like_the_reference(kv_format):
     recipe = RECIPES[kv_format]
     assert bits_equal(want[1], dequantize(*quantize(rope, recipe), recipe))  # rope quantized on its own
     assert bits_equal(fast.get_key_buffer(1)[loc], torch.cat(fast.get_mla_kv_buffer(1, loc), -1))
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("kv_format", ["fp4_e2m1", "nvfp4"])
+def test_gather_keeps_the_sign_of_zero(kv_format, dst_dtype):
+    """Code 8 (a small negative value rounded to zero) reads back as -0.0, as the reference decodes it: built
+    from the sign bit, never as ``-magnitude`` (which compiled Triton 3.6 turns into ``0 - 0 = +0``; the
+    interpreter of a newer Triton negates correctly, so only compiled runs on such a Triton catch that)."""
+    fast, ref = pools(kv_format, 32, 16)
+    k = torch.zeros(2, 3, 32)
+    k[:, :, 0] = 6.0
+    k[:, :, 1:16] = -0.05  # -> code 8
+    k[:, :, 16:] = -1e-3  # a block of its own: its own scale, no code 8
+    v = -k[..., :16]
+    loc = torch.tensor([3, 7], device=DEVICE)
+    for p in (fast, ref):
+        p.set_kv_buffer(0, loc, k.to(DEVICE), v.to(DEVICE))
+    assert bool(((fast.k_data[0, loc] & 0x0F) == 8).any() | ((fast.k_data[0, loc] >> 4) == 8).any())
+    got, want = fast.get_kv_buffer_by_loc(0, loc, dst_dtype), ref.get_kv_buffer_by_loc(0, loc, dst_dtype)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+    assert torch.signbit(want[0][:, :, 1]).all() and (want[0][:, :, 1] == 0).all()
+
+
+@pytest.mark.parametrize("kv_format", ["fp4_e2m1", "mxfp8"])
+def test_tiny_blocks_read_through_the_subnormal_scale(kv_format):
+    """Blocks below 6 x 2**-126 get UE8M0 byte 0: 2**-127, a float32 subnormal; their values read back as
+    products with it (subnormal themselves), not as zeros."""
+    fast, ref = pools(kv_format, 32, 32)
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(3, 3, 32, generator=g) * 1e-38
+    k[1] *= 1e-2  # subnormal inputs
+    loc = torch.tensor([1, 9, 4], device=DEVICE)
+    for p in (fast, ref):
+        p.set_kv_buffer(0, loc, k.to(DEVICE), k.to(DEVICE))
+    for name, buf in fast.buffers().items():
+        assert bits_equal(buf, ref.buffers()[name]), name
+    assert int((fast.k_scale[0, loc] == 0).sum()) > 0
+    got, want = fast.get_kv_buffer_by_loc(0, loc, torch.float32), ref.get_kv_buffer_by_loc(0, loc, torch.float32)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+    assert int((want[0] != 0).sum()) > 0
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # amax / 6 / g past float32: inf, as meant
+@pytest.mark.parametrize("saturate", [True, False], ids=["saturating-torch", "nan-torch"])
+@pytest.mark.parametrize("scales", [(-5.99e-12, -4.9e-13), (1e-36, 3e30), (-3e38, 7e37), (2e-40, -3.0)],
+                         ids=["negative", "tiny-huge", "huge", "subnormal"])
+def test_nvfp4_store_with_any_global_scale(scales, saturate, monkeypatch):
+    """Whatever finite nonzero float32 a global scale holds (the conformance kit fills it with random bytes:
+    negative, tiny, huge; a zero one makes 0/0 of zero blocks, NaN, outside the contract), the kernel writes the
+    reference's bytes, on a torch whose e4m3 cast saturates and on one that makes NaN of overflow (torch <=
+    2.11): block scales are clamped to [-448, 448] on both sides before encoding."""
+    import kvcore.fp8
+
+    monkeypatch.setattr(kvcore.fp8, "torch_e4m3fn_saturates", lambda: saturate)
+    fast, ref = pools("nvfp4", 64, 16)
+    for p in (fast, ref):
+        p.global_scale[1, 0] = torch.tensor(scales, dtype=torch.float32, device=DEVICE)
+    k, v = inputs(7, 64, 16, 3)
+    loc = torch.tensor([5, 27, 9, 4, 13, 22, 8], device=DEVICE)
+    for p in (fast, ref):
+        p.set_kv_buffer(1, loc, k, v)
+    for name, buf in fast.buffers().items():
+        assert bits_equal(buf, ref.buffers()[name]), name
+    got, want = fast.get_kv_buffer_by_loc(1, loc, torch.float32), ref.get_kv_buffer_by_loc(1, loc, torch.float32)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])

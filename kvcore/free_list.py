@@ -1,0 +1,376 @@
+"""The free pages of an allocator, kept on its device and counted on the host without waiting
+(:class:`FreePageList`).
+
+An allocator's decode loop (``alloc_decode``, ``free``, ``free_group_end``) must never make the host wait for
+the device, yet it must know how many pages it may hand out.  Dropping duplicate pages from a free (the
+tokens of one page come in together) is data-dependent, and so is the number of pages a free gives back;
+``torch.unique`` or a boolean mask would read the device.  Here instead:
+
+* Every page has a **state**, FREE or ALLOCATED, on the device.  A free keeps a page only if it is allocated
+  and this is its first occurrence in the call (an ``atomic_min`` of the position marks the first), so
+  duplicates, pages freed twice and the padding page are dropped on the device, in one pass, without sorting
+  and without any shape that depends on the data.  Kept pages go in the order of their first occurrence.
+* The lists are device buffers of fixed size: the **ring** (the free list: taken from its head; freed pages
+  go in at the head, reused first, or at the tail), **held** (pages released under ``need_sort``: merged
+  into the ring, sorted, when an allocation falls short) and **staged** (pages freed inside a free group,
+  moved to the ring or to held by :meth:`FreePageList.commit_staged`).
+* The host decides every take, so it knows ``taken`` (pages ever taken) exactly; the device keeps
+  ``OFFSET`` (the ring's head is ``(taken - OFFSET) mod capacity``), ``ADDED`` (pages ever put in the ring:
+  the ring holds ``capacity + ADDED - taken``), ``HELD`` and ``STAGED`` (the two lists' lengths).
+* A kernel that adds pages also writes the new ``ADDED`` (or ``HELD``) into a word of host memory (pinned,
+  written by the kernel itself: no copy, no event), tagged with an **epoch**.  The host's counts are lower
+  bounds built from the last word it read: an allocation that fits under them never waits; one that does not
+  (a nearly full pool) re-reads the words and, failing that, waits for the device (:meth:`FreePageList.exact`,
+  which ``available_size`` uses by design).  ``clear``, ``restore`` and a merge start a new epoch, so a word
+  written for an abandoned state (a kernel still in flight) is ignored.
+
+Snapshots are copy-on-write: :meth:`FreePageList.snapshot` shares the buffers, and the next launch that would
+write them copies them first, so a backup that is restored before anything changes costs no copy.
+
+Both implementations (a Triton kernel per operation, launched directly through :class:`kvcore.launch.Launcher`,
+and a torch reference) keep the same buffers and give the same results.  The torch one on a GPU reads the
+counts of a staged commit and a merge (it is the reference, not the hot path); on the CPU nothing waits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore.launch import Launcher
+
+__all__ = ["ALLOCATED", "FREE", "FreePageList", "PageSource", "TAKEN_BIAS", "head_of"]
+
+FREE, ALLOCATED = -1, 2**31 - 1  # page states (int32)
+OFFSET, ADDED, HELD, STAGED = 0, 1, 2, 3  # the fields of ``ctl``
+TO_FRONT, TO_BACK, TO_HELD, TO_STAGED = 0, 1, 2, 3  # where a free puts its pages
+#: ``taken`` goes to the kernels biased by this, so Triton always types it int64 (an int that fits in 32 bits
+#: would be typed int32, and ``taken`` grows past 2**31 on a long-running server).
+TAKEN_BIAS = 1 << 40
+_LOW = (1 << 40) - 1  # a published count's bits; the epoch sits above them
+_EPOCHS = 1 << 23
+_BLOCK = 1024
+
+
+class PageSource(NamedTuple):
+    """What the allocation kernels read new pages from: the ring, its control words, the page states and the
+    host's ``taken`` (:mod:`kvcore.allocator_kernels`)."""
+
+    ring: torch.Tensor
+    ctl: torch.Tensor
+    state: torch.Tensor
+    taken: int
+    capacity: int
+
+    @classmethod
+    def of(cls, free_pages: torch.Tensor) -> PageSource:
+        """A source handing out ``free_pages`` in order (for tests and tools: a fresh ring holding them)."""
+        n, device = free_pages.numel(), free_pages.device
+        ring = torch.cat((free_pages.to(torch.int64), torch.zeros(1, dtype=torch.int64, device=device)))
+        top = int(free_pages.max()) if n else 0
+        state = torch.full((top + 2,), FREE, dtype=torch.int32, device=device)
+        return cls(ring, torch.zeros(4, dtype=torch.int64, device=device), state, 0, max(n, 1))
+
+
+def head_of(ctl: torch.Tensor, taken: int, capacity: int) -> torch.Tensor:
+    """The ring's head position (a 0-d device tensor): ``(taken - OFFSET) mod capacity``."""
+    return (taken - ctl[OFFSET]) % capacity
+
+
+@triton.jit(do_not_specialize=["n", "taken", "epoch_bits"])
+def _release_kernel(
+    src_ptr, n, ring_ptr, held_ptr, staged_ptr, ctl_ptr, state_ptr, words_ptr,
+    taken, epoch_bits, cap,
+    PAGE_SIZE: tl.constexpr, FROM_STAGED: tl.constexpr, DEST: tl.constexpr, BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    # One program.  Pass 1 marks each allocated page with its first position in ``src`` (atomic_min: a FREE
+    # page, -1, stays as it is); pass 2 counts the pages kept (only when they go in front of the head, whose
+    # new position depends on it); pass 3 writes them in order and marks them FREE.
+    taken = taken - BIAS
+    offset = tl.load(ctl_ptr + 0)
+    added = tl.load(ctl_ptr + 1)
+    held = tl.load(ctl_ptr + 2)
+    staged = tl.load(ctl_ptr + 3)
+    lanes = tl.arange(0, BLOCK)
+    zero = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+    if FROM_STAGED:
+        total = staged
+    else:
+        total = zero + n
+        for start in range(0, n, BLOCK):
+            i = start + lanes
+            page = tl.load(src_ptr + i, mask=i < n, other=0).to(tl.int64) // PAGE_SIZE
+            ok = (i < n) & (page >= 0) & (page <= cap)
+            tl.atomic_min(state_ptr + page, i.to(tl.int32), mask=ok)
+        tl.debug_barrier()
+
+    kept = zero
+    if DEST == 0:
+        for start in range(0, total, BLOCK):
+            i = start + lanes
+            if FROM_STAGED:
+                keep = i < total
+            else:
+                page = tl.load(src_ptr + i, mask=i < total, other=0).to(tl.int64) // PAGE_SIZE
+                ok = (i < total) & (page >= 0) & (page <= cap)
+                keep = ok & (tl.load(state_ptr + page, mask=ok, other=-1, volatile=True) == i)
+            kept += tl.sum(keep.to(tl.int64), axis=0)
+
+    head = ((taken - offset) % cap + cap) % cap
+    if DEST == 0:
+        base = head - kept
+    elif DEST == 1:
+        base = head + cap + added - taken
+    elif DEST == 2:
+        base = held
+    else:
+        base = staged
+    written = zero
+    for start in range(0, total, BLOCK):
+        i = start + lanes
+        if FROM_STAGED:
+            keep = i < total
+            page = tl.load(staged_ptr + i, mask=keep, other=0)
+        else:
+            page = tl.load(src_ptr + i, mask=i < total, other=0).to(tl.int64) // PAGE_SIZE
+            ok = (i < total) & (page >= 0) & (page <= cap)
+            keep = ok & (tl.load(state_ptr + page, mask=ok, other=-1, volatile=True) == i)
+        k = keep.to(tl.int32)
+        rank = written + (tl.cumsum(k, axis=0) - k).to(tl.int64)
+        if DEST <= 1:
+            tl.store(ring_ptr + ((base + rank) % cap + cap) % cap, page, mask=keep)
+        elif DEST == 2:
+            tl.store(held_ptr + base + rank, page, mask=keep)
+        else:
+            tl.store(staged_ptr + base + rank, page, mask=keep)
+        if not FROM_STAGED:
+            tl.store(state_ptr + page, tl.full([BLOCK], -1, tl.int32), mask=keep)
+        written += tl.sum(k.to(tl.int64), axis=0)
+
+    if DEST == 0:
+        tl.store(ctl_ptr + 0, offset + written)
+    if DEST <= 1:
+        tl.store(ctl_ptr + 1, added + written)
+        tl.store(words_ptr + 0, epoch_bits | ((added + written) & 0xFFFFFFFFFF))
+    elif DEST == 2:
+        tl.store(ctl_ptr + 2, held + written)
+        tl.store(words_ptr + 1, epoch_bits | ((held + written) & 0xFFFFFFFFFF))
+    else:
+        tl.store(ctl_ptr + 3, staged + written)
+    if FROM_STAGED:
+        tl.store(ctl_ptr + 3, zero)
+
+
+class FreePageList:
+    """Pages ``1 .. capacity`` of one allocator: which are free, in which order; see the module docstring.
+
+    :param capacity: the number of pages (ids ``1 .. capacity``; page 0 is padding and never handed out).
+    :param page_size: tokens per page: frees take token indices and keep ``index // page_size``.
+    :param device: where the lists live.
+    :param use_triton: Triton kernels (else the torch reference).
+    :param to_front: freed pages go to the head of the ring (reused first) rather than its tail.
+    :param need_sort: freed pages are held back and merged sorted when an allocation falls short.
+    """
+
+    def __init__(self, capacity: int, page_size: int, device: torch.device, *, use_triton: bool,
+                 to_front: bool, need_sort: bool):  # fmt: skip
+        self.capacity, self.page_size, self.device = int(capacity), int(page_size), torch.device(device)
+        self.use_triton, self.need_sort = use_triton, need_sort
+        self._release_to = TO_HELD if need_sort else (TO_FRONT if to_front else TO_BACK)
+        self._on_gpu = self.device.type == "cuda"
+        if self._on_gpu and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._device_index = self.device.index if self._on_gpu else -1
+        self._words_tensor = torch.zeros(2, dtype=torch.int64, pin_memory=self._on_gpu)
+        self._words = self._words_tensor.numpy()
+        self._epoch = 0
+        self._launch = Launcher(_release_kernel, self.device, (
+            "src_ptr", "ring_ptr", "held_ptr", "staged_ptr", "ctl_ptr", "state_ptr", "words_ptr"
+        )) if use_triton else None  # fmt: skip
+        self.clear()
+
+    # -- state ----------------------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Every page free, in ascending order; nothing held or staged."""
+        cap, dev = self.capacity, self.device
+        self.ring = torch.zeros(cap + 1, dtype=torch.int64, device=dev)  # + a spare slot for masked writes
+        self.ring[:cap] = torch.arange(1, cap + 1, dtype=torch.int64, device=dev)
+        self.held = torch.zeros(cap + 1, dtype=torch.int64, device=dev)
+        self.staged = torch.zeros(cap + 1, dtype=torch.int64, device=dev)
+        self.state = torch.full((cap + 2,), FREE, dtype=torch.int32, device=dev)  # + a spare slot
+        self.ctl = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.taken = 0
+        self._added = 0  # a lower bound of ctl[ADDED]
+        self._held = 0  # a lower bound of ctl[HELD]
+        self._shared = False
+        self._new_epoch()
+
+    def snapshot(self) -> tuple:
+        """Everything :meth:`restore` needs (no copy now; the next write copies the buffers instead)."""
+        self._shared = True
+        return (self.ring, self.held, self.staged, self.state, self.ctl, self.taken, self._added, self._held)
+
+    def restore(self, snapshot: tuple) -> None:
+        self.ring, self.held, self.staged, self.state, self.ctl, self.taken, self._added, self._held = snapshot
+        self._shared = True  # it may be restored again: copy before writing
+        self._new_epoch()
+
+    def before_write(self) -> None:
+        """Copy the buffers a snapshot shares; every launch that writes them calls this first."""
+        if self._shared:
+            self.ring, self.held, self.staged = self.ring.clone(), self.held.clone(), self.staged.clone()
+            self.state, self.ctl = self.state.clone(), self.ctl.clone()
+            self._shared = False
+            self._ptrs = None
+
+    def _new_epoch(self) -> None:
+        self._epoch = self._epoch % (_EPOCHS - 1) + 1  # 1 .. 2**23 - 1: epoch_bits always needs 64 bits
+        bits = self._epoch << 40
+        self._words[0], self._words[1] = bits | (self._added & _LOW), bits | self._held
+        self._ptrs = None
+
+    # -- counts ---------------------------------------------------------------------------------------------
+
+    @property
+    def known(self) -> int:
+        """A lower bound of the pages in the ring (exact on the CPU)."""
+        return self.capacity + self._added - self.taken
+
+    @property
+    def held_known(self) -> int:
+        """A lower bound of the pages held back under ``need_sort``."""
+        return self._held
+
+    def refresh(self, wait: bool = False) -> int:
+        """Read the counts the kernels published; with ``wait``, read the device's own counts instead (exact:
+        on a GPU this waits for the device).  Returns :attr:`known`."""
+        if wait:
+            self._added, self._held = self.ctl[ADDED : HELD + 1].tolist()
+            return self.known
+        ring, held = int(self._words[0]), int(self._words[1])
+        if ring >> 40 == self._epoch:
+            self._added += ((ring & _LOW) - self._added) & _LOW
+        if held >> 40 == self._epoch:
+            self._held = max(self._held, held & _LOW)
+        return self.known
+
+    def exact(self) -> tuple[int, int]:
+        """``(ring, held)`` page counts, exact (waits for the device on a GPU)."""
+        self.refresh(wait=True)
+        return self.known, self._held
+
+    def ids(self) -> torch.Tensor:
+        """The ring's pages in the order they will be handed out (waits; for inspection)."""
+        n = self.exact()[0]
+        head = int(head_of(self.ctl, self.taken, self.capacity))
+        return self.ring[(head + torch.arange(n, device=self.device)) % self.capacity]
+
+    def held_ids(self) -> torch.Tensor:
+        """The pages held back, in the order they were freed (waits; for inspection)."""
+        return self.held[: self.exact()[1]].clone()
+
+    # -- updates --------------------------------------------------------------------------------------------
+
+    def source(self) -> PageSource:
+        """The ring as allocation kernels read it (call :meth:`before_write` first: they mark pages)."""
+        return PageSource(self.ring, self.ctl, self.state, self.taken, self.capacity)
+
+    def took(self, n: int) -> None:
+        """Record that a kernel took the ``n`` pages at the head (``n <= known``, which the caller checks)."""
+        self.taken += n
+
+    def release(self, index: torch.Tensor, *, staged: bool = False) -> None:
+        """Give back the pages holding token indices ``index`` (allocated ones, each once, in order of first
+        occurrence): to the ring, held back under ``need_sort``, or ``staged`` until :meth:`commit_staged`."""
+        self._put(index, staged, False)
+
+    def commit_staged(self) -> None:
+        """Move the staged pages where a release would have put them."""
+        self._put(None, False, True)
+
+    def merge_held(self) -> None:
+        """Append the held pages to the ring and sort the ring (ascending from its head)."""
+        self.before_write()
+        cap = self.capacity
+        i = torch.arange(cap, dtype=torch.int64, device=self.device)
+        count = cap + self.ctl[ADDED] - self.taken
+        mine = self.ring[(head_of(self.ctl, self.taken, cap) + i) % cap]
+        theirs = self.held[(i - count).clamp(0, cap)]
+        after_last = torch.iinfo(torch.int64).max
+        merged = torch.where(i < count, mine, torch.where(i - count < self.ctl[HELD], theirs, after_last))
+        self.ring[:cap] = torch.sort(merged).values
+        self.ctl[OFFSET] = self.taken  # the head is now position 0
+        self.ctl[ADDED] += self.ctl[HELD]
+        self.ctl[HELD] = 0
+        self._added, self._held = self._added + self._held, 0
+        self._new_epoch()
+
+    def _put(self, index: torch.Tensor | None, staged: bool, from_staged: bool) -> None:
+        self.before_write()
+        dest = TO_STAGED if staged else self._release_to
+        if self.use_triton:
+            self._put_triton(index, dest, from_staged)
+        else:
+            self._put_native(index, dest, from_staged)
+        self._count_locally()
+
+    def _count_locally(self) -> None:
+        if not self._on_gpu:  # nothing to wait for: the counts are exact at once
+            self.refresh()
+
+    def _put_triton(self, index: torch.Tensor | None, dest: int, from_staged: bool) -> None:
+        if self._ptrs is None:
+            self._ptrs = (self.ring.data_ptr(), self.held.data_ptr(), self.staged.data_ptr(), self.ctl.data_ptr(),
+                          self.state.data_ptr(), self._words_tensor.data_ptr())  # fmt: skip
+        src = self.staged if index is None else index.contiguous()  # read as a flat array
+        if src.get_device() != self._device_index:
+            raise ValueError(f"free takes indices on {self.device}, got {src.device}")
+        n = 0 if index is None else index.numel()
+        key = (src.dtype, src.data_ptr() % 16 == 0, dest, from_staged)
+        ring, held, staged, ctl, state, words = self._ptrs
+        self._launch(key, 1, 1, (
+            src.data_ptr(), n, ring, held, staged, ctl, state, words, self.taken + TAKEN_BIAS,
+            self._epoch << 40, self.capacity, self.page_size, from_staged, dest, TAKEN_BIAS, _BLOCK,
+        ), lambda: (src, self.ring, self.held, self.staged, self.ctl, self.state, self._words_tensor))  # fmt: skip
+
+    def _put_native(self, index: torch.Tensor | None, dest: int, from_staged: bool) -> None:
+        cap, ctl, dev = self.capacity, self.ctl, self.device
+        if from_staged:
+            total = int(ctl[STAGED])  # the reference reads the count (on a GPU: waits)
+            page, keep = self.staged[:total], torch.ones(total, dtype=torch.bool, device=dev)
+        else:
+            page = index.reshape(-1).to(device=dev, dtype=torch.int64) // self.page_size
+            ok = (page >= 0) & (page <= cap)
+            page = torch.where(ok, page, cap + 1)  # the spare state slot
+            pos = torch.arange(page.numel(), dtype=torch.int32, device=dev)
+            self.state.scatter_reduce_(0, page, pos, "amin")
+            keep = ok & (self.state[page] == pos)
+            self.state[cap + 1] = FREE
+        k = keep.to(torch.int64)
+        written = k.sum()
+        rank = torch.cumsum(k, 0) - k
+        head = head_of(ctl, self.taken, cap)
+        if dest == TO_FRONT:
+            base, target, size = head - written, self.ring, cap
+        elif dest == TO_BACK:
+            base, target, size = head + cap + ctl[ADDED] - self.taken, self.ring, cap
+        else:
+            base, target, size = ctl[HELD if dest == TO_HELD else STAGED], (self.held if dest == TO_HELD else self.staged), None
+        where = base + rank if size is None else (base + rank) % size
+        target.index_put_((torch.where(keep, where, cap),), page)  # dropped pages: the spare slot
+        if not from_staged:
+            self.state.index_put_((torch.where(keep, page, cap + 1),), torch.tensor(FREE, dtype=torch.int32, device=dev))
+        if dest == TO_FRONT:
+            ctl[OFFSET] += written
+        field = {TO_FRONT: ADDED, TO_BACK: ADDED, TO_HELD: HELD, TO_STAGED: STAGED}[dest]
+        ctl[field] += written
+        if from_staged:
+            ctl[STAGED] = 0
+        if dest != TO_STAGED:
+            word = (ctl[field] & _LOW) | (self._epoch << 40)
+            self._words_tensor[int(dest == TO_HELD)].copy_(word, non_blocking=True)

@@ -1,0 +1,190 @@
+"""kvcore.free_list: the allocators' device free lists, against plain Python lists on random operations (both
+implementations), and the decode loop of both allocators under CUDA's sync debug mode on a GPU."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from kvcore import allocator_kernels as K
+from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from kvcore.free_list import ALLOCATED, FREE, FreePageList
+
+COMPILED = os.environ.get("KVCORE_TEST_COMPILED") == "1"
+DEVICE = torch.device("cuda" if COMPILED else "cpu")
+IMPLS = [True, False]  # use_triton
+
+
+class Model:
+    """What a :class:`FreePageList` holds, as Python lists."""
+
+    def __init__(self, capacity: int, page_size: int, to_front: bool, need_sort: bool):
+        self.ps, self.to_front, self.need_sort = page_size, to_front, need_sort
+        self.ring, self.held, self.staged = list(range(1, capacity + 1)), [], []
+        self.allocated: set[int] = set()
+
+    def take(self, n: int) -> list[int]:
+        out, self.ring = self.ring[:n], self.ring[n:]
+        self.allocated |= set(out)
+        return out
+
+    def release(self, tokens: list[int], staged: bool) -> None:
+        kept = []
+        for t in tokens:
+            page = t // self.ps
+            if page in self.allocated:
+                self.allocated.discard(page)
+                kept.append(page)
+        self._put(kept, staged)
+
+    def commit(self) -> None:
+        staged, self.staged = self.staged, []
+        self._put(staged, False)
+
+    def _put(self, pages: list[int], staged: bool) -> None:
+        if staged:
+            self.staged += pages
+        elif self.need_sort:
+            self.held += pages
+        elif self.to_front:
+            self.ring = pages + self.ring
+        else:
+            self.ring = self.ring + pages
+
+    def merge(self) -> None:
+        self.ring, self.held = sorted(self.ring + self.held), []
+
+
+def _tokens(rng: random.Random, pages: list[int], ps: int) -> list[int]:
+    """Token indices of ``pages`` (some tokens of each, some twice, shuffled a little), plus strays: the
+    padding page, out-of-range and negative tokens."""
+    tokens = [p * ps + rng.randrange(ps) for p in pages for _ in range(rng.randint(1, 2))]
+    if tokens and rng.random() < 0.5:
+        i = rng.randrange(len(tokens))
+        tokens.insert(rng.randrange(len(tokens) + 1), tokens[i])
+    if rng.random() < 0.3:
+        tokens.insert(rng.randrange(len(tokens) + 1), rng.randrange(ps))  # the padding page
+    return tokens
+
+
+@pytest.mark.parametrize("use_triton", IMPLS, ids=["triton", "native"])
+@pytest.mark.parametrize("to_front,need_sort", [(True, False), (False, False), (True, True)],
+                         ids=["front", "back", "need_sort"])  # fmt: skip
+@pytest.mark.parametrize("seed", range(3))
+def test_random_operations_match_lists(use_triton, to_front, need_sort, seed):
+    if COMPILED and not use_triton:
+        pass  # the torch reference runs on the GPU too
+    rng = random.Random(seed)
+    capacity, ps = rng.choice([(7, 1), (13, 3), (40, 2)])
+    fl = FreePageList(capacity, ps, DEVICE, use_triton=use_triton, to_front=to_front, need_sort=need_sort)
+    model = Model(capacity, ps, to_front, need_sort)
+    pages_impl = K.alloc_pages_triton if use_triton else K.alloc_pages_native
+    in_group, snap = False, None
+    for step in range(60):
+        op = rng.choice(["take", "take", "release", "release", "group", "merge", "snapshot", "restore"])
+        if op == "take":
+            n = rng.randint(0, max(0, fl.exact()[0]))
+            fl.before_write()
+            got = pages_impl(fl.source(), n, ps)
+            fl.took(n)
+            assert (got[::ps] // ps).tolist() == model.take(n), f"step {step}: take({n})"
+        elif op == "release" and model.allocated:
+            chosen = rng.sample(sorted(model.allocated), rng.randint(1, len(model.allocated)))
+            tokens = _tokens(rng, chosen, ps)
+            if rng.random() < 0.2:  # a page freed again: ignored
+                tokens += _tokens(rng, chosen[:1], ps)
+            fl.release(torch.tensor(tokens, dtype=torch.int64, device=DEVICE), staged=in_group)
+            model.release(tokens, in_group)
+        elif op == "group":
+            if in_group:
+                fl.commit_staged()
+                model.commit()
+            in_group = not in_group
+        elif op == "merge" and not in_group:
+            fl.merge_held()
+            model.merge()
+        elif op == "snapshot" and not in_group:
+            snap = (fl.snapshot(), (list(model.ring), list(model.held), set(model.allocated)))
+        elif op == "restore" and snap is not None and not in_group:
+            fl.restore(snap[0])
+            model.ring, model.held, model.allocated = list(snap[1][0]), list(snap[1][1]), set(snap[1][2])
+        assert fl.ids().tolist() == model.ring, f"step {step} ({op})"
+        assert fl.held_ids().tolist() == model.held, f"step {step} ({op})"
+        assert fl.exact() == (len(model.ring), len(model.held))
+        state = fl.state[1 : capacity + 1].tolist()
+        assert [p + 1 for p, s in enumerate(state) if s == ALLOCATED] == sorted(model.allocated)
+        assert all(s in (FREE, ALLOCATED) for s in state), "a free left a position mark behind"
+
+
+def test_counts_from_an_abandoned_state_are_ignored():
+    """A word published for a state that a restore abandoned (a kernel still in flight on a GPU) must not
+    count: here it is written by hand, as a late kernel would."""
+    fl = FreePageList(8, 1, DEVICE, use_triton=False, to_front=True, need_sort=False)
+    snap = fl.snapshot()
+    taken = K.alloc_pages_native(fl.source(), 4, 1)
+    fl.took(4)
+    old_epoch = fl._epoch
+    fl.restore(snap)
+    fl._words[0] = (old_epoch << 40) | 100  # "100 pages added" in the abandoned epoch
+    assert fl.refresh() == 8 and fl.exact() == (8, 0)
+    assert taken.tolist() == [1, 2, 3, 4] and fl.ids().tolist() == list(range(1, 9))
+
+
+@pytest.mark.parametrize("use_triton", IMPLS, ids=["triton", "native"])
+def test_long_frees_cross_the_kernel_block(use_triton):
+    """More tokens than one block of the release kernel, pages repeating across blocks."""
+    ps, capacity = 2, 1500
+    fl = FreePageList(capacity, ps, DEVICE, use_triton=use_triton, to_front=True, need_sort=False)
+    fl.before_write()
+    got = (K.alloc_pages_triton if use_triton else K.alloc_pages_native)(fl.source(), capacity, ps)
+    fl.took(capacity)
+    order = list(range(capacity, 0, -1))
+    tokens = [p * ps + 1 for p in order] + [p * ps for p in order[::3]]  # every page, then a third again
+    fl.release(torch.tensor(tokens, device=DEVICE))
+    assert got.numel() == capacity * ps and fl.ids().tolist() == order
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The decode loop on a GPU
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the sync check needs a CUDA device (run compiled on the GPU)")
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("kind", ["paged", "token"])
+def test_the_decode_loop_never_waits_for_the_device(kind, page_size):
+    """alloc_decode (with the CPU lengths an engine has), alloc, free and free groups under sync debug mode
+    "error": any call that made the host wait for the device would raise."""
+    if kind == "token" and page_size != 1:
+        pytest.skip("the token allocator has one-token pages")
+    bs, steps, finishing = 256, 6, 8
+    size = bs * 64 * page_size
+    if kind == "token":
+        a = TokenToKVPoolAllocator(size, torch.bfloat16, "cuda", None, need_sort=False)
+    else:
+        a = PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cuda", None, need_sort=False)
+    seq = torch.ones(bs, dtype=torch.int64)
+    last = a.alloc_extend(torch.zeros(bs, dtype=torch.int64, device="cuda"), seq * 0, seq.cuda(), seq,
+                          torch.full((bs,), -1, dtype=torch.int64, device="cuda"), bs)  # fmt: skip
+    finished = [a.alloc(finishing * page_size) for _ in range(steps)]  # pages of requests that end in the loop
+    lengths = [seq + k + 1 for k in range(steps)]
+    on_device = [x.cuda() for x in lengths]
+    start = a.available_size()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k in range(steps):
+            last = a.alloc_decode(on_device[k], lengths[k], last)
+            a.free_group_begin()
+            a.free(finished[k])
+            a.free_group_end()
+            again = a.alloc(page_size)  # a new request's first page
+            a.free(again)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    new_pages = sum(int(((x - 1) % page_size == 0).sum()) for x in lengths)
+    assert a.available_size() == start + (steps * finishing - new_pages) * page_size  # exact (and may wait)
