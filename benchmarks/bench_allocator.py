@@ -37,8 +37,9 @@ def _legacy_decode_kernel(seq_lens_ptr, last_loc_ptr, free_pages_ptr, out_ptr, P
     offs = tl.arange(0, BS_BLOCK)
     acc = tl.zeros([BS_BLOCK], dtype=tl.int64)
     for start in range(0, pid, BS_BLOCK):
-        seq = tl.load(seq_lens_ptr + start + offs, mask=start + offs < pid, other=1).to(tl.int64)
-        acc += ((seq - 1) % PAGE_SIZE == 0).to(tl.int64)
+        mask = start + offs < pid
+        seq = tl.load(seq_lens_ptr + start + offs, mask=mask, other=0).to(tl.int64)
+        acc += (mask & ((seq - 1) % PAGE_SIZE == 0)).to(tl.int64)
     seq = tl.load(seq_lens_ptr + pid).to(tl.int64)
     need = (seq - 1) % PAGE_SIZE == 0
     page = tl.load(free_pages_ptr + tl.sum(acc, axis=0), mask=need, other=0)
