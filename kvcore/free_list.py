@@ -200,7 +200,7 @@ class FreePageList:
         cap, dev = self.capacity, self.device
         self.ring = torch.zeros(cap + 1, dtype=torch.int64, device=dev)  # + a spare slot for masked writes
         self.ring[:cap] = torch.arange(1, cap + 1, dtype=torch.int64, device=dev)
-        self.held = torch.zeros(cap + 1, dtype=torch.int64, device=dev)
+        self.held = torch.zeros(cap + 1 if self.need_sort else 1, dtype=torch.int64, device=dev)  # only need_sort holds
         self.staged = torch.zeros(cap + 1, dtype=torch.int64, device=dev)
         self.state = torch.full((cap + 2,), FREE, dtype=torch.int32, device=dev)  # + a spare slot
         self.ctl = torch.zeros(4, dtype=torch.int64, device=dev)
@@ -300,7 +300,7 @@ class FreePageList:
         i = torch.arange(cap, dtype=torch.int64, device=self.device)
         count = cap + self.ctl[ADDED] - self.taken
         mine = self.ring[(head_of(self.ctl, self.taken, cap) + i) % cap]
-        theirs = self.held[(i - count).clamp(0, cap)]
+        theirs = self.held[(i - count).clamp(0, self.held.numel() - 1)]
         after_last = torch.iinfo(torch.int64).max
         merged = torch.where(i < count, mine, torch.where(i - count < self.ctl[HELD], theirs, after_last))
         self.ring[:cap] = torch.sort(merged).values
