@@ -158,13 +158,13 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         local = self.local_layer(layer)
         self._wait_for_layer(local)
         loc = loc.reshape(-1).long()
-        kg, vg = self._globals(local)
         dst = dst_dtype or self.dtype
         if self._use_triton:
             k = torch.empty((loc.numel(), self.head_num, self.head_dim), dtype=dst, device=self.k_data.device)
             v = torch.empty((loc.numel(), self.head_num, self.v_head_dim), dtype=dst, device=self.k_data.device)
             self._rows.gather(local, loc, k, v)
             return k, v
+        kg, vg = self._globals(local)  # the kernel reads them itself
         k = dequantize(self.k_data[local, loc], self.k_scale[local, loc], self.recipe, dst, kg)
         v = dequantize(self.v_data[local, loc], self.v_scale[local, loc], self.recipe, dst, vg)
         return k, v
