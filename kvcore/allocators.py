@@ -50,10 +50,6 @@ ALLOC_EXTEND_ORDER = "alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_l
 ALLOC_DECODE_ORDER = "alloc_decode(seq_lens, seq_lens_cpu, last_loc)"
 
 
-def _empty_index(device: torch.device) -> torch.Tensor:
-    return torch.empty((0,), dtype=torch.int64, device=device)
-
-
 def _check_call(order: str, tensors: dict[str, Any], optional: dict[str, Any]) -> None:
     """Required tensors present, optional CPU copies tensors or None.  The error spells out SGLang's order,
     which is what a call written for another order trips over."""

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from kvcore.launch import Launcher
 
-__all__ = ["ALLOCATED", "FREE", "FreePageList", "PageSource", "TAKEN_BIAS", "head_of"]
+__all__ = ["ALLOCATED", "FREE", "TAKEN_BIAS", "FreePageList", "PageSource", "head_of"]
 
 FREE, ALLOCATED = -1, 2**31 - 1  # page states (int32)
 OFFSET, ADDED, HELD, STAGED = 0, 1, 2, 3  # the fields of ``ctl``
