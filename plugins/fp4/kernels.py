@@ -40,8 +40,9 @@ _E2M1_MAX = tl.constexpr(E2M1_MAX)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _EMAX = tl.constexpr(E4M3_EMAX)
 _BIAS = tl.constexpr(UE8M0_BIAS)
-#: tokens per program (their rows are held whole)
-BLOCK_N = 4
+#: tokens per program (their rows are held whole): few at decode sizes, where more programs spread a handful of
+#: rows over more SMs, more from ``LARGE_FROM`` tokens on, where tiny programs leave the memory system idle
+BLOCK_N, BLOCK_N_LARGE, LARGE_FROM = 4, 32, 512
 
 
 @triton.jit
@@ -311,10 +312,11 @@ class BlockRows:
         kss, vss = k.stride(), v.stride()
         kp, vp, lp = k.data_ptr(), v.data_ptr(), loc.data_ptr()
         out = _OUT[k.dtype] if gather else 0
-        key = (gather, k.dtype, v.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, lp & 15)
-        self.launch(key, -(-n // BLOCK_N), 2 * self.parts.heads, (
+        block_n = BLOCK_N_LARGE if n >= LARGE_FROM else BLOCK_N
+        key = (gather, k.dtype, v.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, lp & 15, block_n)
+        self.launch(key, -(-n // block_n), 2 * self.parts.heads, (
             *self._addresses, layer, lp, loc.stride(0), n, kp, kss[0], kss[1], kss[2], vp, vss[0], vss[1], vss[2],
-            *self._fixed, gather, out, self._hw_cvt, self._ptx, BLOCK_N,
+            *self._fixed, gather, out, self._hw_cvt, self._ptx, block_n,
         ), (*self._buffers, loc, k, v))  # fmt: skip
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -164,3 +164,25 @@ def test_nvfp4_store_with_any_global_scale(scales, saturate, monkeypatch):
         assert bits_equal(buf, ref.buffers()[name]), name
     got, want = fast.get_kv_buffer_by_loc(1, loc, torch.float32), ref.get_kv_buffer_by_loc(1, loc, torch.float32)
     assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("kv_format", sorted(RECIPES))
+def test_the_large_token_tile_matches_the_reference(kv_format, monkeypatch):
+    """From ``LARGE_FROM`` tokens on the kernels take ``BLOCK_N_LARGE`` tokens a program; lowered here so an
+    interpreted run reaches that tile (and a ragged last tile) at a small size."""
+    import kvcore_fp4.kernels as kernels
+
+    monkeypatch.setattr(kernels, "LARGE_FROM", 8)
+    dk, dv = WIDTHS[kv_format]
+    fast, ref = pools(kv_format, dk, dv)
+    n = kernels.BLOCK_N_LARGE + 5
+    k, v = inputs(n, dk, dv, 7)
+    loc = torch.randperm(24, device=DEVICE)[: min(n, 23)] + 1
+    k, v = k[: loc.numel()], v[: loc.numel()]
+    for p in (fast, ref):
+        p.set_kv_buffer(1, loc, k, v)
+    for name, buf in fast.buffers().items():
+        assert bits_equal(buf, ref.buffers()[name]), name
+    read = torch.cat((loc, loc.flip(0)))  # more rows than one large tile
+    got, want = fast.get_kv_buffer_by_loc(1, read, torch.float32), ref.get_kv_buffer_by_loc(1, read, torch.float32)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
