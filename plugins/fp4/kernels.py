@@ -41,8 +41,11 @@ _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _EMAX = tl.constexpr(E4M3_EMAX)
 _BIAS = tl.constexpr(UE8M0_BIAS)
 #: tokens per program (their rows are held whole): few at decode sizes, where more programs spread a handful of
-#: rows over more SMs, more from ``LARGE_FROM`` tokens on, where tiny programs leave the memory system idle
-BLOCK_N, BLOCK_N_LARGE, LARGE_FROM = 4, 32, 512
+#: rows over more SMs; from ``LARGE_FROM`` tokens on, ``BLOCK_N_LARGE[(gather, value bits)]``.  Measured on an
+#: H200 at 32k tokens (benchmarks/RESULTS.md): the fp4 store gains up to 16 tokens a program, the fp4 gather
+#: loses with every token past 4 (its nibble decode spills), and both MXFP8 directions gain up to 32.
+BLOCK_N, LARGE_FROM = 4, 512
+BLOCK_N_LARGE = {(False, 4): 16, (True, 4): 4, (False, 8): 32, (True, 8): 32}
 
 
 @triton.jit
@@ -312,7 +315,7 @@ class BlockRows:
         kss, vss = k.stride(), v.stride()
         kp, vp, lp = k.data_ptr(), v.data_ptr(), loc.data_ptr()
         out = _OUT[k.dtype] if gather else 0
-        block_n = BLOCK_N_LARGE if n >= LARGE_FROM else BLOCK_N
+        block_n = BLOCK_N_LARGE[gather, self.parts.recipe.value_bits] if n >= LARGE_FROM else BLOCK_N
         key = (gather, k.dtype, v.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, lp & 15, block_n)
         self.launch(key, -(-n // block_n), 2 * self.parts.heads, (
             *self._addresses, layer, lp, loc.stride(0), n, kp, kss[0], kss[1], kss[2], vp, vss[0], vss[1], vss[2],

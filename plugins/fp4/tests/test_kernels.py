@@ -168,14 +168,15 @@ def test_nvfp4_store_with_any_global_scale(scales, saturate, monkeypatch):
 
 @pytest.mark.parametrize("kv_format", sorted(RECIPES))
 def test_the_large_token_tile_matches_the_reference(kv_format, monkeypatch):
-    """From ``LARGE_FROM`` tokens on the kernels take ``BLOCK_N_LARGE`` tokens a program; lowered here so an
-    interpreted run reaches that tile (and a ragged last tile) at a small size."""
+    """From ``LARGE_FROM`` tokens on the kernels take ``BLOCK_N_LARGE`` tokens a program (per direction and
+    value width); lowered here so an interpreted run reaches those tiles (and a ragged last tile) at a small
+    size."""
     import kvcore_fp4.kernels as kernels
 
     monkeypatch.setattr(kernels, "LARGE_FROM", 8)
     dk, dv = WIDTHS[kv_format]
     fast, ref = pools(kv_format, dk, dv)
-    n = kernels.BLOCK_N_LARGE + 5
+    n = max(kernels.BLOCK_N_LARGE.values()) + 5
     k, v = inputs(n, dk, dv, 7)
     loc = torch.randperm(24, device=DEVICE)[: min(n, 23)] + 1
     k, v = k[: loc.numel()], v[: loc.numel()]
