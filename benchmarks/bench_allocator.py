@@ -3,7 +3,8 @@
 A step is what an engine's decode loop asks of the allocator: ``alloc_decode`` for 256 requests (with the CPU
 copy of their lengths), then a free group releasing the pages of the requests that finished.  The loop also
 allocates pages for as many new requests (``alloc``), to stay in a steady state; its time is shown apart (see
-``step_fn``).  Each row times 2000 loops with no synchronisation inside (host time per call, each phase timed
+``step_fn``).  ``decode+free`` times the plainer step the issue names, ``alloc_decode`` then one ``free`` of the
+previous step's locations, without a group (see ``plain_step_fn``).  Each row times 2000 loops with no synchronisation inside (host time per call, each phase timed
 with ``time.perf_counter``), for page sizes 1, 16 and 64:
 
 - ``token`` / ``paged``: kvcore's allocators (``kvcore_choose_allocator`` picks the token allocator at page size
@@ -147,6 +148,23 @@ def step_fn(a, page_size, clock=None):
     return step
 
 
+def plain_step_fn(a, page_size):
+    """A closure running ``alloc_decode`` of BS requests (each opening a page) and one ``free`` of the previous
+    step's locations: a steady state with no free group."""
+    seq = torch.full((BS,), 3 * page_size + 1, dtype=torch.int64)
+    seq_dev = seq.cuda()
+    last = (torch.arange(BS, device="cuda") + 1000) * page_size
+    previous = a.alloc_decode(seq_dev, seq, last)
+
+    def step():
+        nonlocal previous
+        out = a.alloc_decode(seq_dev, seq, last)
+        a.free(previous)
+        previous = out
+
+    return step
+
+
 def host_us(step, clock=None) -> float:
     """Host time per call of ``step`` (best of 3 runs of STEPS calls); ``clock`` ends with that run's phase
     times per call."""
@@ -190,10 +208,10 @@ def main() -> None:
     bare = torch.zeros(1, device="cuda")
     bare_us = host_us(lambda: bare.add_(0))
     print(f"allocator decode step, {BS} requests, {FINISHING} finishing per step; bare x.add_(0) {bare_us:.2f} us")
-    print("host us per step (alloc_decode + the free group: the issue's step), its phases, and the whole loop with")
-    print("the alloc for new requests; /bare = step / bare op")
+    print("host us per step (alloc_decode + a free group), its phases, and the whole loop with the alloc for new")
+    print("requests; decode+free = alloc_decode + one free, no group (the issue's words); /bare = per bare op")
     print(f"{'page':>5} {'allocator':<13} {'step':>7} {'/bare':>6} {'decode':>7} {'group':>7} {'alloc':>7} "
-          f"{'loop':>7} {'sync-free':>10}")  # fmt: skip
+          f"{'loop':>7} {'sync-free':>10} {'decode+free':>12} {'/bare':>6}")  # fmt: skip
     for page_size in (1, 16, 64):
         kinds = ["token", "legacy-token", "paged", "legacy"] if page_size == 1 else ["paged", "legacy"]
         for kind in kinds:
@@ -203,8 +221,10 @@ def main() -> None:
             free_of_syncs = sync_free(step)
             loop = host_us(step, clock)
             decode, group, alloc = clock
+            plain = host_us(plain_step_fn(make(kind, page_size), page_size))
             print(f"{page_size:>5} {kind:<13} {decode + group:>7.2f} {(decode + group) / bare_us:>6.2f} {decode:>7.2f} "
-                  f"{group:>7.2f} {alloc:>7.2f} {loop:>7.2f} {str(free_of_syncs):>10}")  # fmt: skip
+                  f"{group:>7.2f} {alloc:>7.2f} {loop:>7.2f} {str(free_of_syncs):>10} {plain:>12.2f} "
+                  f"{plain / bare_us:>6.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -77,15 +77,17 @@ def num_new_pages_extend(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, page
 
 
 def num_new_pages_decode(seq_lens: torch.Tensor, page_size: int) -> int:
-    """New pages a decode step needs: how many requests' new token opens a page.
+    """New pages a decode step needs: how many requests' new token opens a page (``seq % page_size == 1``).
 
-    Syncs with the device when ``seq_lens`` lives on one; pass a CPU copy on the hot path.
+    Syncs with the device when ``seq_lens`` lives on one; pass a CPU copy on the hot path (counted through a
+    numpy view: it runs every decode step, and numpy on a few hundred ints costs a fraction of torch's
+    dispatch).
     """
     if page_size == 1:
-        return int(seq_lens.numel())
-    seq = _host_array(seq_lens)
-    if not isinstance(seq, np.ndarray):
-        return int(((seq - 1) % page_size == 0).sum())
+        return seq_lens.numel()
+    if not seq_lens.is_cpu:
+        return int(((seq_lens - 1) % page_size == 0).sum())
+    seq = seq_lens.numpy()
     if page_size & (page_size - 1) == 0:  # a power of two: a mask instead of a division
         return int(np.count_nonzero((seq & (page_size - 1)) == 1))
     return int(np.count_nonzero(seq % page_size == 1))
@@ -109,12 +111,24 @@ def _launcher(kernel, device: torch.device) -> Launcher:
 def _launch(kernel, grid: int, inputs: tuple, buffers: tuple, scalars: tuple, key: tuple) -> None:
     """``kernel[grid](*inputs, *buffers, *scalars)`` through the direct launcher.  The key adds what Triton
     specializes the caller's ``inputs`` on (dtype, 16-byte alignment) to ``key``; ``buffers`` are the
-    source's and the output, always int64 / int32 and freshly allocated (aligned)."""
-    inputs = tuple(t.contiguous() for t in inputs)  # the kernels read them as flat arrays
-    ptrs = tuple(t.data_ptr() for t in inputs)
-    key = (*key, *(t.dtype for t in inputs), *(p % 16 == 0 for p in ptrs))
-    tensors = (*inputs, *buffers)
-    _launcher(kernel, buffers[0].device)(key, grid, 1, (*ptrs, *(t.data_ptr() for t in buffers), *scalars), tensors)
+    source's and the output, always int64 / int32 and freshly allocated (aligned).
+
+    Plain loops, no generators: this runs on every allocation, and each generator costs a fraction of a
+    microsecond of host time."""
+    tensors, addresses, meta = [], [], list(key)
+    for t in inputs:
+        if not t.is_contiguous():
+            t = t.contiguous()  # the kernels read them as flat arrays
+        p = t.data_ptr()
+        tensors.append(t)
+        addresses.append(p)
+        meta.append(t.dtype)
+        meta.append(p % 16 == 0)
+    for t in buffers:
+        tensors.append(t)
+        addresses.append(t.data_ptr())
+    launcher = _launcher(kernel, buffers[0].device)
+    launcher(tuple(meta), grid, 1, (*addresses, *scalars), tensors)
 
 
 def _check_source(pages: PageSource, *tensors: torch.Tensor) -> None:

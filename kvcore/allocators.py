@@ -62,6 +62,14 @@ def _check_call(order: str, tensors: dict[str, Any], optional: dict[str, Any]) -
             raise TypeError(f"{name} must be a CPU tensor or None, got {type(value).__name__}; the arguments are {order}")
 
 
+def _check_decode_call(seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> None:
+    """:func:`_check_call` for ``alloc_decode``, with a fast path for the usual call (it runs every step)."""
+    if isinstance(seq_lens, torch.Tensor) and isinstance(last_loc, torch.Tensor):
+        if seq_lens_cpu is None or isinstance(seq_lens_cpu, torch.Tensor):
+            return
+    _check_call(ALLOC_DECODE_ORDER, {"seq_lens": seq_lens, "last_loc": last_loc}, {"seq_lens_cpu": seq_lens_cpu})
+
+
 def _given(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -379,7 +387,7 @@ class TokenToKVPoolAllocator(_DeviceListAllocator):
     ) -> Optional[torch.Tensor]:
         """With one-token pages a decode step is ``alloc(len(seq_lens))`` (SGLang's order, see
         :data:`ALLOC_DECODE_ORDER`)."""
-        _check_call(ALLOC_DECODE_ORDER, {"seq_lens": seq_lens, "last_loc": last_loc}, {"seq_lens_cpu": seq_lens_cpu})
+        _check_decode_call(seq_lens, seq_lens_cpu, last_loc)
         return self.alloc(seq_lens.numel())
 
 
@@ -504,7 +512,7 @@ class PagedTokenToKVPoolAllocator(_DeviceListAllocator):
         :param last_loc: ``[bs]`` token index of each request's previous last token.
         :returns: int64 ``[bs]``, or ``None`` (nothing changed) when too few pages are free.
         """
-        _check_call(ALLOC_DECODE_ORDER, {"seq_lens": seq_lens, "last_loc": last_loc}, {"seq_lens_cpu": seq_lens_cpu})
+        _check_decode_call(seq_lens, seq_lens_cpu, last_loc)
         num_new_pages = _k.num_new_pages_decode(
             seq_lens_cpu if seq_lens_cpu is not None else seq_lens, self.page_size
         )
