@@ -304,6 +304,7 @@ class BlockRows:
         # IEEE float32 products and quotients as inline PTX: compiled kernels on NVIDIA GPUs only
         self._ptx = self._hw_cvt and kd.device.type == "cuda" and torch.version.hip is None
         self.launch = Launcher(_rows_kernel, kd.device, _POINTERS)
+        self._large = {gather: BLOCK_N_LARGE[gather, r.value_bits] for gather in (False, True)}
 
     def _run(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool) -> None:
         n = loc.shape[0]
@@ -314,9 +315,9 @@ class BlockRows:
             raise ValueError(f"loc and the rows must be on {self.device}, got {loc.device}, {k.device}, {v.device}")
         kss, vss = k.stride(), v.stride()
         kp, vp, lp = k.data_ptr(), v.data_ptr(), loc.data_ptr()
-        out = _OUT[k.dtype] if gather else 0
-        block_n = BLOCK_N_LARGE[gather, self.parts.recipe.value_bits] if n >= LARGE_FROM else BLOCK_N
+        block_n = self._large[gather] if n >= LARGE_FROM else BLOCK_N
         key = (gather, k.dtype, v.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, lp & 15, block_n)
+        out = _OUT[k.dtype] if gather else 0
         self.launch(key, -(-n // block_n), 2 * self.parts.heads, (
             *self._addresses, layer, lp, loc.stride(0), n, kp, kss[0], kss[1], kss[2], vp, vss[0], vss[1], vss[2],
             *self._fixed, gather, out, self._hw_cvt, self._ptx, block_n,
@@ -326,9 +327,8 @@ class BlockRows:
         """Quantize ``k`` ``[N, heads, k_width]`` and ``v`` ``[N, heads, v_width]`` (any strides, float32 /
         float16 / bfloat16) into rows ``loc`` of local layer ``layer``: one launch, the bytes of
         :func:`kvcore_fp4.formats.quantize` of each part."""
-        for what, x in (("k", k), ("v", v)):
-            if x.dtype not in _OUT:
-                raise ValueError(f"{what} rows must be float32/float16/bfloat16 to be quantized, got {x.dtype}")
+        if k.dtype not in _OUT or v.dtype not in _OUT:
+            raise ValueError(f"k and v rows must be float32/float16/bfloat16 to be quantized, got {k.dtype}, {v.dtype}")
         self._run(layer, loc, k, v, gather=False)
 
     def gather(self, layer: int, loc: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:

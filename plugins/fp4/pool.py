@@ -23,6 +23,20 @@ def _read_dtype(dtype: torch.dtype, kv_format: str) -> tuple[torch.dtype, str]:
     return dtype, kv_format
 
 
+def _refuse_scales(kv_format: str, k_scale, v_scale) -> None:
+    """Block-scaled rows carry their own scales: a K/V scale other than None or 1.0 is an error."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and not (isinstance(scale, (int, float)) and scale == 1.0):
+            raise ValueError(f"{kv_format} rows carry their own block scales; pass {name}=None")
+
+
+def _flat_loc(loc: torch.Tensor) -> torch.Tensor:
+    """Locations as a 1-D int32/int64 tensor (the kernels read either; no copy for the usual 1-D call)."""
+    if loc.dtype is not torch.int64 and loc.dtype is not torch.int32:
+        raise ValueError(f"loc must be an int32/int64 tensor, got {loc.dtype}")
+    return loc if loc.dim() == 1 else loc.reshape(-1)
+
+
 class _Lossy:
     """The conformance kit's lossy-storage protocol (``kvcore.testing.LOSSY``) for the block-scaled pools."""
 
@@ -92,6 +106,7 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
             r, head_num, self.k_data, self.k_scale, self.head_dim, self.v_data, self.v_scale, self.v_head_dim,
             self.global_scale,
         ))  # fmt: skip
+        self._out_device = self.k_data.device  # where reads allocate their results
         self._finalize_allocation()
 
     # -- buffers ------------------------------------------------------------------------------------------
@@ -128,26 +143,32 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         """Quantize K ``[N, H, Dk]`` and V ``[N, H, Dv]`` (any float dtype) into rows ``loc`` of ``layer``.
 
         Block-scaled rows carry their own scales: ``k_scale`` / ``v_scale`` must be None (or 1.0)."""
-        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if scale is not None and not (isinstance(scale, (int, float)) and scale == 1.0):
-                raise ValueError(f"{self.kv_format} rows carry their own block scales; pass {name}=None")
+        if k_scale is not None or v_scale is not None:
+            _refuse_scales(self.kv_format, k_scale, v_scale)
         local = self.local_layer(layer, layer_id_override)
-        loc = loc.reshape(-1).long()
-        n = loc.numel()
-        for what, x, width in (("cache_k", cache_k, self.head_dim), ("cache_v", cache_v, self.v_head_dim)):
-            if tuple(x.shape) != (n, self.head_num, width) and tuple(x.shape) != (n, self.head_num * width):
-                raise ValueError(f"layer {layer}: {what} must be [N, H, D] = {(n, self.head_num, width)}, got {tuple(x.shape)}")
+        loc = _flat_loc(loc)
+        n = loc.shape[0]
+        # the usual call passes [N, H, D] rows: compared as they are, no view made
+        if cache_k.shape != (n, self.head_num, self.head_dim):
+            cache_k = self._as_rows(layer, "cache_k", cache_k, n, self.head_dim)
+        if cache_v.shape != (n, self.head_num, self.v_head_dim):
+            cache_v = self._as_rows(layer, "cache_v", cache_v, n, self.v_head_dim)
         if self._use_triton:
             if n:
-                k = cache_k.reshape(n, self.head_num, self.head_dim)
-                self._rows.store(local, loc, k, cache_v.reshape(n, self.head_num, self.v_head_dim))
+                self._rows.store(local, loc, cache_k, cache_v)
             return
         kg, vg = self._globals(local)
-        for data, scales, x, g, width in ((self.k_data, self.k_scale, cache_k, kg, self.head_dim),
-                                          (self.v_data, self.v_scale, cache_v, vg, self.v_head_dim)):  # fmt: skip
-            codes, block_scales = quantize(x.reshape(n, self.head_num, width), self.recipe, g)
+        loc = loc.long()
+        for data, scales, x, g in ((self.k_data, self.k_scale, cache_k, kg), (self.v_data, self.v_scale, cache_v, vg)):
+            codes, block_scales = quantize(x, self.recipe, g)
             data[local, loc] = codes
             scales[local, loc] = block_scales
+
+    def _as_rows(self, layer, what: str, x: torch.Tensor, n: int, width: int) -> torch.Tensor:
+        """``[N, H * D]`` rows as ``[N, H, D]``; any other shape is an error."""
+        if tuple(x.shape) != (n, self.head_num * width):
+            raise ValueError(f"layer {layer}: {what} must be [N, H, D] = {(n, self.head_num, width)}, got {tuple(x.shape)}")
+        return x.reshape(n, self.head_num, width)
 
     # -- reads --------------------------------------------------------------------------------------------
 
@@ -157,14 +178,16 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         pool's ``dtype``): only those rows are read."""
         local = self.local_layer(layer)
         self._wait_for_layer(local)
-        loc = loc.reshape(-1).long()
+        loc = _flat_loc(loc)
         dst = dst_dtype or self.dtype
         if self._use_triton:
-            k = torch.empty((loc.numel(), self.head_num, self.head_dim), dtype=dst, device=self.k_data.device)
-            v = torch.empty((loc.numel(), self.head_num, self.v_head_dim), dtype=dst, device=self.k_data.device)
+            n, device = loc.shape[0], self._out_device
+            k = torch.empty((n, self.head_num, self.head_dim), dtype=dst, device=device)
+            v = torch.empty((n, self.head_num, self.v_head_dim), dtype=dst, device=device)
             self._rows.gather(local, loc, k, v)
             return k, v
         kg, vg = self._globals(local)  # the kernel reads them itself
+        loc = loc.long()
         k = dequantize(self.k_data[local, loc], self.k_scale[local, loc], self.recipe, dst, kg)
         v = dequantize(self.v_data[local, loc], self.v_scale[local, loc], self.recipe, dst, vg)
         return k, v
@@ -252,6 +275,7 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
             r, 1, self.kv_data[..., :nd], self.kv_scale[..., :ns], kv_lora_rank, self.kv_data[..., nd:],
             self.kv_scale[..., ns:], qk_rope_head_dim, self.global_scale,
         ))  # fmt: skip
+        self._out_device = self.kv_data.device  # where reads allocate their results
         self._finalize_allocation()
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -275,25 +299,32 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         """Quantize nope ``[N, 1, kv_lora_rank]`` and rope ``[N, 1, qk_rope_head_dim]`` (or ``[N, W]``) into rows
         ``loc``, each part with its own block scales (one launch)."""
         local = self.local_layer(layer, layer_id_override)
-        loc = loc.reshape(-1).long()
-        n = loc.numel()
-        parts = []
-        for what, x, width in (("cache_k_nope", cache_k_nope, self.kv_lora_rank), ("cache_k_rope", cache_k_rope,
-                                                                                   self.qk_rope_head_dim)):  # fmt: skip
-            if x.numel() != n * width or x.shape[0] != n:
-                raise ValueError(f"layer {layer}: {what} must be [N, 1, {width}] with N = {n}, got {tuple(x.shape)}")
-            parts.append(x.reshape(n, 1, width))
+        loc = _flat_loc(loc)
+        n = loc.shape[0]
+        # the usual call passes [N, 1, W] parts: compared as they are, no view made
+        if cache_k_nope.shape != (n, 1, self.kv_lora_rank):
+            cache_k_nope = self._as_part(layer, "cache_k_nope", cache_k_nope, n, self.kv_lora_rank)
+        if cache_k_rope.shape != (n, 1, self.qk_rope_head_dim):
+            cache_k_rope = self._as_part(layer, "cache_k_rope", cache_k_rope, n, self.qk_rope_head_dim)
         if n == 0:
             return
         if self._use_triton:
-            self._rows.store(local, loc, *parts)
+            self._rows.store(local, loc, cache_k_nope, cache_k_rope)
             return
         nd, ns = self._split
-        for (data, scales), x, g in zip(((slice(0, nd), slice(0, ns)), (slice(nd, None), slice(ns, None))), parts,
-                                        self._globals(local)):  # fmt: skip
+        loc = loc.long()
+        for (data, scales), x, g in zip(((slice(0, nd), slice(0, ns)), (slice(nd, None), slice(ns, None))),
+                                        (cache_k_nope, cache_k_rope), self._globals(local)):  # fmt: skip
             codes, block_scales = quantize(x, self.recipe, g)
             self.kv_data[local, loc, :, data] = codes
             self.kv_scale[local, loc, :, scales] = block_scales
+
+    @staticmethod
+    def _as_part(layer, what: str, x: torch.Tensor, n: int, width: int) -> torch.Tensor:
+        """A part of ``N`` rows of ``width`` values in any shape (``[N, W]``, ``[N, 1, W]``) as ``[N, 1, W]``."""
+        if x.numel() != n * width or x.shape[0] != n:
+            raise ValueError(f"layer {layer}: {what} must be [N, 1, {width}] with N = {n}, got {tuple(x.shape)}")
+        return x.reshape(n, 1, width)
 
     def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v=None, k_scale=None, v_scale=None,
                       layer_id_override: int | None = None) -> None:  # fmt: skip
@@ -312,15 +343,17 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         dequantized to ``dst_dtype`` (default the pool's ``dtype``): only those rows are read."""
         local = self.local_layer(layer)
         self._wait_for_layer(local)
-        loc = loc.reshape(-1).long()
+        loc = _flat_loc(loc)
         dst = dst_dtype or self.dtype
         if self._use_triton:
-            nope = torch.empty((loc.numel(), 1, self.kv_lora_rank), dtype=dst, device=self.kv_data.device)
-            rope = torch.empty((loc.numel(), 1, self.qk_rope_head_dim), dtype=dst, device=self.kv_data.device)
+            n, device = loc.shape[0], self._out_device
+            nope = torch.empty((n, 1, self.kv_lora_rank), dtype=dst, device=device)
+            rope = torch.empty((n, 1, self.qk_rope_head_dim), dtype=dst, device=device)
             self._rows.gather(local, loc, nope, rope)
             return nope, rope
         nd, ns = self._split
         gn, gr = self._globals(local)
+        loc = loc.long()
         data, scales = self.kv_data[local, loc], self.kv_scale[local, loc]
         nope = dequantize(data[..., :nd], scales[..., :ns], self.recipe, dst, gn)
         rope = dequantize(data[..., nd:], scales[..., ns:], self.recipe, dst, gr)

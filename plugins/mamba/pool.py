@@ -101,6 +101,7 @@ class MambaPool:
             )  # fmt: skip
         self._use_triton = use_triton(kernels, device)
         self._movers: list[RowMover] | None = None
+        self._device_index = temporal.get_device()  # -1 on the CPU
         self.mem_usage = self.mamba_cache.mem_usage_bytes() / GB
         self.clear()
 
@@ -175,11 +176,14 @@ class MambaPool:
     def copy_from(self, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
         """States of slots ``dst_index[i]`` <- those of ``src_index[i]``, every layer and state tensor, as if all
         sources were read first; one launch per pair of state tensors (one for a DeltaNet's or Mamba2's)."""
-        src = src_index.reshape(-1).to(device=self.device, dtype=torch.int64)
-        dst = dst_index.reshape(-1).to(device=self.device, dtype=torch.int64)
+        src, dst = self._slots(src_index), self._slots(dst_index)
         if src.numel() != dst.numel():
             raise ValueError(f"copy_from: {src.numel()} sources but {dst.numel()} targets")
         if src.numel() == 0:
+            return
+        if self._use_triton and self._movers is not None:  # the usual call: movers bound at the first one
+            for mover in self._movers:
+                mover(dst, src)
             return
         rows = self.state_rows()
         pairs = [(rows[i], rows[i + 1] if i + 1 < len(rows) else None) for i in range(0, len(rows), 2)]
@@ -187,10 +191,17 @@ class MambaPool:
             for first, second in pairs:
                 move_token_rows_native(first, second, dst, src)
             return
-        if self._movers is None:
-            self._movers = [RowMover(first, second) for first, second in pairs]
+        self._movers = [RowMover(first, second) for first, second in pairs]
         for mover in self._movers:
             mover(dst, src)
+
+    def _slots(self, index: torch.Tensor) -> torch.Tensor:
+        """Slot indices as a 1-D int64 tensor on the pool's device (no op for one that already is)."""
+        if index.dim() != 1:
+            index = index.reshape(-1)
+        if index.dtype is not torch.int64 or index.get_device() != self._device_index:
+            index = index.to(device=self.device, dtype=torch.int64)
+        return index
 
     def fork_from(self, src_index: torch.Tensor) -> Optional[torch.Tensor]:
         """A new slot holding a copy of slot ``src_index``'s states, or None when no slot is free."""

@@ -80,6 +80,38 @@ def test_empty_store_and_read():
     assert int(fast.k_data.count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("kernels", ["triton", "native"])
+def test_other_input_forms_store_and_read_the_same_rows(kernels):
+    """int32 and 2-D locations, and K / V as ``[N, H * D]``, store the bytes and read the values of the usual
+    call (1-D int64 locations, ``[N, H, D]`` rows) in both paths; MLA parts as ``[N, W]`` likewise."""
+    from kvcore_fp4.pool import MLATokenToKVPoolFP4
+
+    args = dict(size=24, page_size=4, dtype=torch.bfloat16, head_num=3, head_dim=64, layer_num=1, device=DEVICE,
+                enable_memory_saver=False, kv_format="nvfp4")  # fmt: skip
+    usual, other = MHATokenToKVPoolFP4(kernels=kernels, **args), MHATokenToKVPoolFP4(kernels=kernels, **args)
+    k, v = inputs(4, 64, 64, 6)
+    k, v = k.contiguous(), v.contiguous()
+    loc = torch.tensor([5, 27, 9, 4], device=DEVICE)
+    usual.set_kv_buffer(0, loc, k, v)
+    other.set_kv_buffer(0, loc.to(torch.int32).reshape(2, 2), k.reshape(4, -1), v.reshape(4, -1))
+    for name, buf in usual.buffers().items():
+        assert bits_equal(buf, other.buffers()[name]), name
+    got, want = other.get_kv_buffer_by_loc(0, loc.to(torch.int32).reshape(2, 2)), usual.get_kv_buffer_by_loc(0, loc)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="int32/int64"):
+        usual.set_kv_buffer(0, loc.float(), k, v)
+
+    margs = dict(size=24, page_size=4, dtype=torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=32, layer_num=1,
+                 device=DEVICE, enable_memory_saver=False, kv_format="mxfp8", kernels=kernels)  # fmt: skip
+    usual, other = MLATokenToKVPoolFP4(**margs), MLATokenToKVPoolFP4(**margs)
+    nope, rope = k[:, :1, :64].contiguous(), v[:, :1, :32].contiguous()
+    usual.set_mla_kv_buffer(0, loc, nope, rope)
+    other.set_mla_kv_buffer(0, loc.to(torch.int32), nope.reshape(4, 64), rope.reshape(4, 32))
+    assert bits_equal(usual.kv_data, other.kv_data) and bits_equal(usual.kv_scale, other.kv_scale)
+    with pytest.raises(ValueError, match=r"cache_k_rope must be \[N, 1, 32\]"):
+        usual.set_mla_kv_buffer(0, loc, nope, rope[:3])
+
+
 @pytest.mark.parametrize("kv_format", sorted(RECIPES))
 def test_mla_rows_store_and_read_like_the_reference(kv_format):
     from kvcore_fp4.pool import MLATokenToKVPoolFP4
