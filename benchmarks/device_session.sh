@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call on a GPU machine that reaches no package registry: install kvcore there, then run the phases named,
+# in order, each with its output kept under $OUT (default /tmp/kvcore-out) and its last lines printed.
+#
+#   bash benchmarks/device_session.sh [tests] [alloc] [bench] [quick] [fp4] [check]
+#
+#   tests  the compiled suite: KVCORE_TEST_COMPILED=1 python -m pytest -q -n 12   ($OUT/tests.txt)
+#   alloc  python benchmarks/bench_allocator.py                                     ($OUT/alloc.txt)
+#   bench  kvcore bench (host-cost and graph-replay tables of every family)          ($OUT/bench.txt)
+#   quick  kvcore bench --quick                                                      ($OUT/quick.txt)
+#   fp4    python benchmarks/bench_fp4.py                                            ($OUT/fp4.txt)
+#   check  kvcore check acme --device cuda (the example vendor package)              ($OUT/check.txt)
+#
+# That machine lacks omegaconf: put its wheel under .whl first (ignored by git) and carry .whl with the call:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl omegaconf==2.4.0
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvcore-out}
+mkdir -p "$OUT"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "device_session: no wheels under .whl (see the header)"; exit 2; }
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e examples/vendor-plugin -e examples/second-vendor-plugin \
+    >"$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 2; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+
+status=0
+run() {  # run NAME COMMAND...: output to $OUT/NAME.txt, its tail printed, a failure remembered
+    local name=$1
+    shift
+    echo "== $name: $*"
+    local start=$SECONDS
+    "$@" >"$OUT/$name.txt" 2>&1
+    local rc=$?
+    tail -n 40 "$OUT/$name.txt"
+    echo "== $name: rc $rc, $((SECONDS - start)) s"
+    [ $rc -eq 0 ] || status=1
+}
+
+for phase in "$@"; do
+    case $phase in
+        tests) run tests env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -n 12 -p no:cacheprovider ;;
+        alloc) run alloc python3 benchmarks/bench_allocator.py ;;
+        bench) run bench python3 -m kvcore bench ;;
+        quick) run quick python3 -m kvcore bench --quick ;;
+        fp4) run fp4 python3 benchmarks/bench_fp4.py ;;
+        check) run check python3 -m kvcore check acme --device cuda ;;
+        *) echo "device_session: unknown phase $phase (tests, alloc, bench, quick, fp4, check)"; status=2 ;;
+    esac
+done
+exit $status
