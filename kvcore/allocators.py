@@ -229,7 +229,8 @@ class _DeviceListAllocator(BaseTokenToKVPoolAllocator):
 
     ``free_pages`` / ``release_pages`` are read back from the device (for inspection; they wait for it).
     Frees inside a free group are staged on the device at once (the caller may reuse its tensor) and moved to
-    the free list by :meth:`free_group_end`, so a group costs one launch per free plus one.
+    the free list by :meth:`free_group_end`, so a group costs one launch per free plus one (an empty group,
+    what most decode steps end, costs none).
     """
 
     _to_front = False  # where freed pages go in the free list
@@ -313,7 +314,7 @@ class _DeviceListAllocator(BaseTokenToKVPoolAllocator):
         self.is_not_in_free_group = False
 
     def free_group_end(self) -> None:
-        """Give back everything freed since :meth:`free_group_begin` (one launch)."""
+        """Give back everything freed since :meth:`free_group_begin` (one launch; none for an empty group)."""
         if not self.is_not_in_free_group:
             self.is_not_in_free_group = True
             self._pages.commit_staged()

@@ -207,6 +207,7 @@ class FreePageList:
         self.taken = 0
         self._added = 0  # a lower bound of ctl[ADDED]
         self._held = 0  # a lower bound of ctl[HELD]
+        self._staged_any = False  # whether a release was staged since the last commit
         self._shared = False
         self._new_epoch()
 
@@ -217,6 +218,7 @@ class FreePageList:
 
     def restore(self, snapshot: tuple) -> None:
         self.ring, self.held, self.staged, self.state, self.ctl, self.taken, self._added, self._held = snapshot
+        self._staged_any = True  # the snapshot may hold staged pages: the next commit launches
         self._shared = True  # it may be restored again: copy before writing
         self._new_epoch()
 
@@ -287,11 +289,15 @@ class FreePageList:
     def release(self, index: torch.Tensor, *, staged: bool = False) -> None:
         """Give back the pages holding token indices ``index`` (allocated ones, each once, in order of first
         occurrence): to the ring, held back under ``need_sort``, or ``staged`` until :meth:`commit_staged`."""
+        self._staged_any |= staged
         self._put(index, staged, False)
 
     def commit_staged(self) -> None:
-        """Move the staged pages where a release would have put them."""
-        self._put(None, False, True)
+        """Move the staged pages where a release would have put them (nothing to launch when nothing was staged
+        since the last commit: an engine's free group is empty on most decode steps)."""
+        if self._staged_any:
+            self._staged_any = False
+            self._put(None, False, True)
 
     def merge_held(self) -> None:
         """Append the held pages to the ring and sort the ring (ascending from its head)."""

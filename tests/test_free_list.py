@@ -131,6 +131,32 @@ def test_counts_from_an_abandoned_state_are_ignored():
     assert taken.tolist() == [1, 2, 3, 4] and fl.ids().tolist() == list(range(1, 9))
 
 
+def test_an_empty_free_group_launches_nothing(monkeypatch):
+    """Most decode steps of an engine end an empty free group: its commit must cost no launch.  A commit after a
+    staged release launches once; after a restore it launches (the snapshot may hold staged pages)."""
+    fl = FreePageList(8, 1, DEVICE, use_triton=False, to_front=True, need_sort=False)
+    launches, put = [], fl._put
+    monkeypatch.setattr(fl, "_put", lambda index, staged, from_staged: (launches.append(from_staged),
+                                                                          put(index, staged, from_staged)))  # fmt: skip
+    fl.commit_staged()
+    assert launches == []
+    taken = K.alloc_pages_native(fl.source(), 2, 1)
+    fl.took(2)
+    fl.release(taken, staged=True)
+    assert fl.exact() == (6, 0)  # staged: not free yet
+    fl.commit_staged()
+    fl.commit_staged()
+    assert launches == [False, True] and fl.exact() == (8, 0)
+    fl.restore(fl.snapshot())
+    fl.commit_staged()
+    assert launches == [False, True, True] and fl.exact() == (8, 0)
+
+    alloc = PagedTokenToKVPoolAllocator(64, 4, torch.bfloat16, DEVICE, None, need_sort=False, kernels="native")
+    monkeypatch.setattr(FreePageList, "_put", lambda *args: pytest.fail("an empty group launched"))
+    alloc.free_group_begin()
+    alloc.free_group_end()
+
+
 @pytest.mark.parametrize("use_triton", IMPLS, ids=["triton", "native"])
 def test_long_frees_cross_the_kernel_block(use_triton):
     """More tokens than one block of the release kernel, pages repeating across blocks."""
