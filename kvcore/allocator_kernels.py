@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kvcore.free_list import ALLOCATED, TAKEN_BIAS, PageSource
-from kvcore.launch import Launcher, cdiv
+from kvcore.launch import cdiv, launcher_for
 
 __all__ = [
     "alloc_pages_native",
@@ -94,20 +94,6 @@ def num_new_pages_decode(seq_lens: torch.Tensor, page_size: int) -> int:
 
 
 _PAGES_BLOCK = 1024
-_LAUNCHERS: dict[tuple, Launcher] = {}
-
-
-def _launcher(kernel, device: torch.device) -> Launcher:
-    """One :class:`~kvcore.launch.Launcher` per kernel and device; the tensors ``args`` of a call name are the
-    kernel's pointer parameters, passed as addresses."""
-    key = (kernel, device)
-    launcher = _LAUNCHERS.get(key)
-    if launcher is None:
-        pointers = [name for name in kernel.arg_names if name.endswith("_ptr")]
-        launcher = _LAUNCHERS[key] = Launcher(kernel, device, pointers)
-    return launcher
-
-
 def _launch(kernel, grid: int, inputs: tuple, buffers: tuple, scalars: tuple, key: tuple) -> None:
     """``kernel[grid](*inputs, *buffers, *scalars)`` through the direct launcher.  The key adds what Triton
     specializes the caller's ``inputs`` on (dtype, 16-byte alignment) to ``key``; ``buffers`` are the
@@ -127,8 +113,7 @@ def _launch(kernel, grid: int, inputs: tuple, buffers: tuple, scalars: tuple, ke
     for t in buffers:
         tensors.append(t)
         addresses.append(t.data_ptr())
-    launcher = _launcher(kernel, buffers[0].device)
-    launcher(tuple(meta), grid, 1, (*addresses, *scalars), tensors)
+    launcher_for(kernel, buffers[0].device)(tuple(meta), grid, 1, (*addresses, *scalars), tensors)
 
 
 def _check_source(pages: PageSource, *tensors: torch.Tensor) -> None:

@@ -38,7 +38,7 @@ import triton
 
 from kvcore.kernel_mode import triton_interpreting
 
-__all__ = ["Launcher", "alignment", "cdiv", "direct_launch_enabled"]
+__all__ = ["Launcher", "alignment", "cdiv", "direct_launch_enabled", "launcher_for"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -122,8 +122,8 @@ class Launcher:
 
     def __call__(self, key: Any, grid_x: int, grid_y: int, args: Sequence[Any],
                  tensors: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] = (),
-                 num_warps: int = 4) -> None:  # fmt: skip
-        """Launch ``kernel[grid_x, grid_y](*args, num_warps=num_warps)``.
+                 num_warps: int = 4, grid_z: int = 1) -> None:  # fmt: skip
+        """Launch ``kernel[grid_x, grid_y, grid_z](*args, num_warps=num_warps)``.
 
         :param key: a launch key (see the module docstring); hashable.
         :param args: every parameter of the kernel in signature order, constexpr values included; the
@@ -136,10 +136,10 @@ class Launcher:
         if entry is not None and not _launch_hooks_installed():
             launch, head, compiled = entry
             if self.check:
-                self._check(key, grid_x, grid_y, self._with_tensors(args, tensors), num_warps, compiled)
-            launch(grid_x, grid_y, 1, self._stream(self._device_index), *head, *args)
+                self._check(key, (grid_x, grid_y, grid_z), self._with_tensors(args, tensors), num_warps, compiled)
+            launch(grid_x, grid_y, grid_z, self._stream(self._device_index), *head, *args)
             return
-        compiled = self.kernel[(grid_x, grid_y)](*self._with_tensors(args, tensors), num_warps=num_warps)
+        compiled = self.kernel[(grid_x, grid_y, grid_z)](*self._with_tensors(args, tensors), num_warps=num_warps)
         if self.direct and compiled is not None and entry is None:
             self._compiled[key] = (*_entry(compiled), compiled)
 
@@ -153,11 +153,25 @@ class Launcher:
             args[position] = tensor
         return args
 
-    def _check(self, key, grid_x, grid_y, args, num_warps, compiled) -> None:
-        chosen = self.kernel.warmup(*args, grid=(grid_x, grid_y), num_warps=num_warps)
+    def _check(self, key, grid, args, num_warps, compiled) -> None:
+        chosen = self.kernel.warmup(*args, grid=grid, num_warps=num_warps)
         chosen = chosen.result() if hasattr(chosen, "result") else chosen
         if chosen is not compiled:
             raise AssertionError(
                 f"launch key {key!r} of {self.kernel.__name__} names another specialization than the one Triton "
                 "chooses for these arguments: the key misses something Triton specializes on"
             )
+
+
+_LAUNCHERS: dict[tuple, Launcher] = {}
+
+
+def launcher_for(kernel, device: torch.device) -> Launcher:
+    """One shared :class:`Launcher` per module-level kernel and device, for kernels whose pointer parameters,
+    and only those, are named ``*_ptr`` (a call then passes the tensors behind them, in signature order)."""
+    key = (kernel, device)
+    launcher = _LAUNCHERS.get(key)
+    if launcher is None:
+        pointers = [name for name in kernel.arg_names if name.endswith("_ptr")]
+        launcher = _LAUNCHERS[key] = Launcher(kernel, device, pointers)
+    return launcher

@@ -17,7 +17,9 @@ Larger N: the device marks the source rows and flags whether any target is anoth
 without overlap one launch per buffer copies the rows in a single parallel pass, with overlap the rows go
 through a scratch buffer (gather, then scatter, a group of layers at a time, at most
 ``MOVE_SCRATCH_BYTES``).  The path not taken exits at once: no host sync decides anything, and both paths
-are CUDA-graph safe (the large path takes its flag and scratch from torch's caching allocator).
+are CUDA-graph safe (the large path takes its flag and scratch from torch's caching allocator).  Every
+launch, on both paths, is direct (:mod:`kvcore.launch`), with its pointers as addresses: the caller's
+locations are checked to be on the buffers' device first.
 ``benchmarks/RESULTS.md`` has the measurements behind the thresholds.
 """
 
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.launch import Launcher, cdiv
+from kvcore.launch import Launcher, cdiv, launcher_for
 from kvcore.token_rows import TokenRows
 
 # Tiling (bytes).
@@ -236,7 +238,7 @@ def _move_plan(n: int, k_row_bytes: int, v_row_bytes: int) -> tuple[int, int]:
     return n_pad, max(1, min(tile, row_cap))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _copy_rows_kernel(
     src_ptr,
     dst_ptr,
@@ -285,6 +287,23 @@ def _copy_rows_kernel(
     tl.store(dst_ptr + layer * dst_layer_stride + dst_rows[:, None] * ROW + cols[None, :], vals, mask=mask)
 
 
+def _launch(kernel, grid: tuple, args: tuple, key: tuple, num_warps: int = 4) -> None:
+    """``kernel[grid](*args)`` launched directly (:mod:`kvcore.launch`).  ``args`` are every parameter in
+    signature order, tensors where the kernel takes pointers; they go as addresses, and the key adds their
+    dtypes and 16-byte alignments to ``key``, which must name every other argument Triton specializes on."""
+    tensors, addresses, meta = [], [], list(key)
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            p = a.data_ptr()
+            tensors.append(a)
+            addresses.append(p)
+            meta.append(a.dtype)
+            meta.append(p % 16 == 0)
+        else:
+            addresses.append(a)
+    launcher_for(kernel, tensors[0].device)(tuple(meta), grid[0], grid[1], addresses, tensors, num_warps, grid[2])
+
+
 def _copy_rows(src, dst, src_idx, dst_idx, n, guard=None, guard_mode=0):
     """Launch :func:`_copy_rows_kernel` over all layers of ``src``/``dst`` ([Lg, rows, W] word views)."""
     row = src.shape[2]
@@ -292,13 +311,13 @@ def _copy_rows(src, dst, src_idx, dst_idx, n, guard=None, guard_mode=0):
     block_n = max(1, min(_COPY_TILE_WORDS // block_c, next_pow2(n)))
     dummy = src_idx if src_idx is not None else dst_idx
     grid = (cdiv(n, block_n), cdiv(row, block_c), src.shape[0])
-    _copy_rows_kernel[grid](
-        src, dst, dummy if src_idx is None else src_idx, dummy if dst_idx is None else dst_idx,
-        1 if src_idx is None else src_idx.stride(0), 1 if dst_idx is None else dst_idx.stride(0), n,
-        src.stride(0), dst.stride(0), guard if guard is not None else dummy,
-        ROW=row, SRC_INDEXED=src_idx is not None, DST_INDEXED=dst_idx is not None, GUARD=guard_mode,
-        BLOCK_N=block_n, BLOCK_C=block_c, num_warps=_COPY_NUM_WARPS,
-    )  # fmt: skip
+    strides = (1 if src_idx is None else src_idx.stride(0), 1 if dst_idx is None else dst_idx.stride(0),
+               src.stride(0), dst.stride(0))  # fmt: skip
+    constexprs = (row, src_idx is not None, dst_idx is not None, guard_mode, block_n, block_c)
+    _launch(_copy_rows_kernel, grid, (
+        src, dst, dummy if src_idx is None else src_idx, dummy if dst_idx is None else dst_idx, strides[0],
+        strides[1], n, strides[2], strides[3], guard if guard is not None else dummy, *constexprs,
+    ), (strides, constexprs), _COPY_NUM_WARPS)  # fmt: skip
 
 
 def _move_via_scratch(
@@ -317,7 +336,7 @@ def _move_via_scratch(
         _copy_rows(buf, part, None, tgt_loc, n, guard, guard_mode)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _mark_sources_kernel(marks_ptr, src_ptr, src_stride, n, BLOCK: tl.constexpr):
     """marks[src[i]] = 1 for every i (marks starts zeroed)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -326,7 +345,7 @@ def _mark_sources_kernel(marks_ptr, src_ptr, src_stride, n, BLOCK: tl.constexpr)
     tl.store(marks_ptr + src, tl.full([BLOCK], 1, tl.int8), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _flag_overlaps_kernel(marks_ptr, tgt_ptr, src_ptr, tgt_stride, src_stride, flag_ptr, n, BLOCK: tl.constexpr):
     """flag = 1 when some target row is another location's source row.
 
@@ -346,11 +365,11 @@ def _flag_overlaps(rows: int, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> t
     n = tgt_loc.shape[0]
     marks = torch.zeros(rows, dtype=torch.int8, device=tgt_loc.device)
     flag = torch.zeros(1, dtype=torch.int32, device=tgt_loc.device)
-    grid = (cdiv(n, _FLAG_BLOCK),)
-    _mark_sources_kernel[grid](marks, src_loc, src_loc.stride(0), n, BLOCK=_FLAG_BLOCK)
-    _flag_overlaps_kernel[grid](
-        marks, tgt_loc, src_loc, tgt_loc.stride(0), src_loc.stride(0), flag, n, BLOCK=_FLAG_BLOCK
-    )  # fmt: skip
+    grid = (cdiv(n, _FLAG_BLOCK), 1, 1)
+    strides = (tgt_loc.stride(0), src_loc.stride(0))
+    _launch(_mark_sources_kernel, grid, (marks, src_loc, strides[1], n, _FLAG_BLOCK), (strides, _FLAG_BLOCK))
+    _launch(_flag_overlaps_kernel, grid, (marks, tgt_loc, src_loc, *strides, flag, n, _FLAG_BLOCK),
+            (strides, _FLAG_BLOCK))  # fmt: skip
     return flag
 
 
@@ -382,6 +401,7 @@ class RowMover:
         self._paging = (first.tokens_per_page, first.rows_per_page, first.first_row,
                         v_rows.tokens_per_page, v_rows.rows_per_page, v_rows.first_row)  # fmt: skip
         self._plans: dict[int, tuple] = {}
+        self._words = tuple(_row_words(b.rows) for b in self.buffers)  # the large path's word views
         self.launch = Launcher(_move_kv_kernel, k_cache.device, ("k_ptr", "v_ptr", "tgt_ptr", "src_ptr"))
         self._cache_ptrs, self._device_index = (k_cache.data_ptr(), v_cache.data_ptr()), k_cache.get_device()
 
@@ -402,13 +422,13 @@ class RowMover:
         n = _check_locs(tgt_loc, src_loc)
         if n == 0:
             return
-        if n > MOVE_MAX_TOKENS:
-            self._move_large(tgt_loc, src_loc, n)
-            return
-        device = self._device_index
+        device = self._device_index  # checked here: the launches take addresses, which the driver does not check
         if tgt_loc.get_device() != device or src_loc.get_device() != device:
             raise ValueError(f"tgt_loc and src_loc must be on {self._caches[0].device}, got {tgt_loc.device} and "
                              f"{src_loc.device}")  # fmt: skip
+        if n > MOVE_MAX_TOKENS:
+            self._move_large(tgt_loc, src_loc, n)
+            return
         n_pad, k_tile, v_tile, n_col, num_warps = plan = self._plan(n)
         tp, sp = tgt_loc.data_ptr(), src_loc.data_ptr()
         key = (tgt_loc.dtype, src_loc.dtype, tp & 15, sp & 15, plan)
@@ -423,8 +443,7 @@ class RowMover:
         # property of the tokens (a token's row is the same function of it in each buffer), and no token
         # exceeds its buffer's row count.
         flag = _flag_overlaps(max(b.rows.shape[1] for b in self.buffers), tgt_loc, src_loc)
-        for token_rows in self.buffers:
-            words = _row_words(token_rows.rows)
+        for token_rows, words in zip(self.buffers, self._words):
             tgt, src = token_rows.row_of(tgt_loc), token_rows.row_of(src_loc)
             _copy_rows(words, words, src, tgt, n, flag, 1)
             _move_via_scratch(words, tgt, src, flag, 2)

@@ -111,6 +111,17 @@ def test_move_kv_cache_largest_single_launch_and_fallback():
         _check_move(k_cache, v_cache, tgt.to(DEVICE), src.to(DEVICE, torch.int32))
 
 
+@pytest.mark.skipif(not COMPILED, reason="locations on another device than the buffers need buffers on a GPU")
+@pytest.mark.parametrize("n", [8, row_move.MOVE_MAX_TOKENS + 1])
+def test_locations_on_another_device_are_refused(n):
+    """Moves launch with addresses, which the driver does not check: CPU locations for GPU buffers must raise,
+    on both paths, before anything is launched."""
+    k_cache = torch.zeros((2, n + 8, 1, 8), dtype=torch.uint8, device=DEVICE)
+    v_cache = torch.zeros((2, n + 8, 1, 8), dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="must be on"):
+        row_move.move_rows_triton(k_cache, v_cache, torch.arange(n) + 1, torch.arange(n) + 2)
+
+
 def test_move_kv_cache_fallback_layer_groups(monkeypatch):
     # Force the gather/scatter fallback with a scratch of one layer, so it runs layer group by group.
     monkeypatch.setattr(row_move, "MOVE_MAX_TOKENS", 4)
