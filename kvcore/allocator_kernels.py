@@ -10,8 +10,10 @@ Conventions (shared with :mod:`kvcore.allocators`):
 * token index of offset ``o`` in page ``p`` is ``p * page_size + o``;
 * new pages come from a :class:`kvcore.free_list.PageSource` (the allocator's free list, a ring on the device):
   the ``r``-th new page of a call is the page ``r`` places after the ring's head, in request order.  The
-  functions mark those pages ALLOCATED in the source's page states and move nothing else: the caller
-  records the take (:meth:`kvcore.free_list.FreePageList.took`);
+  functions mark those pages ALLOCATED in the source's page states; ``alloc_pages`` and ``alloc_extend`` move
+  nothing else (the caller, who knows how many pages they take, records it:
+  :meth:`kvcore.free_list.FreePageList.took`), ``alloc_decode`` counts its pages itself and moves the ring's
+  head by them on the device (:meth:`kvcore.free_list.FreePageList.decode_source`);
 * ``last_loc[i]`` is the token index of request ``i``'s last prefix token; it is only read when the prefix
   ends inside a page (``prefix_lens[i] % page_size != 0``), otherwise any value (``-1`` by habit) will do.
 
@@ -22,7 +24,7 @@ one more new page.  Outputs are concatenated in request order.  Request ``i`` us
 
 ``alloc_decode``: ``seq_lens`` already counts the token being decoded.  Request ``i`` takes a new page iff
 ``(seq_lens[i] - 1) % page_size == 0`` and its location is then ``new_page * page_size``; otherwise it is
-``last_loc[i] + 1``.
+``last_loc[i] + 1``.  One program walks the requests in blocks (the count of pages taken is a running sum).
 """
 
 from __future__ import annotations
@@ -317,7 +319,7 @@ def alloc_extend_native(
 # --------------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["taken"])
+@triton.jit(do_not_specialize=["bs", "taken", "bits"])
 def _alloc_decode_kernel(
     seq_lens_ptr,
     last_loc_ptr,
@@ -325,31 +327,39 @@ def _alloc_decode_kernel(
     ctl_ptr,
     state_ptr,
     out_ptr,
+    words_ptr,
+    bs,
     taken,
     cap,
+    bits,
     PAGE_SIZE: tl.constexpr,
     BIAS: tl.constexpr,
     BS_BLOCK: tl.constexpr,
 ):
-    # One program per request; its new page (if it needs one) is the number of earlier requests that need one.
-    pid = tl.program_id(0)
-    bs_offs = tl.arange(0, BS_BLOCK)
-    acc = tl.zeros([BS_BLOCK], dtype=tl.int64)
-    for start in range(0, pid, BS_BLOCK):
-        idx = start + bs_offs
-        mask = idx < pid
-        seq = tl.load(seq_lens_ptr + idx, mask=mask, other=0).to(tl.int64)
-        acc += tl.where(mask & ((seq - 1) % PAGE_SIZE == 0), 1, 0).to(tl.int64)
-    page_rank = tl.sum(acc, axis=0)
-
-    seq = tl.load(seq_lens_ptr + pid).to(tl.int64)
-    last = tl.load(last_loc_ptr + pid).to(tl.int64)
-    if (seq - 1) % PAGE_SIZE == 0:
-        page = _page_at(ring_ptr, ctl_ptr, taken, page_rank, cap, BIAS)
-        tl.store(out_ptr + pid, page * PAGE_SIZE)
-        tl.store(state_ptr + page, 2147483647)
-    else:
-        tl.store(out_ptr + pid, last + 1)
+    # One program, over the requests in blocks: a request whose new token opens a page takes the next page
+    # from the head (its rank among such requests); the count of pages taken moves OFFSET and ADDED back (the
+    # host does not count them) and is published with ``bits`` (kvcore.free_list).
+    taken = taken - BIAS
+    offset = tl.load(ctl_ptr + 0)
+    added = tl.load(ctl_ptr + 1)
+    head = ((taken - offset) % cap + cap) % cap
+    lanes = tl.arange(0, BS_BLOCK)
+    count = tl.sum(tl.zeros([BS_BLOCK], dtype=tl.int64), axis=0)
+    for start in range(0, bs, BS_BLOCK):
+        i = start + lanes
+        mask = i < bs
+        seq = tl.load(seq_lens_ptr + i, mask=mask, other=1).to(tl.int64)
+        last = tl.load(last_loc_ptr + i, mask=mask, other=0).to(tl.int64)
+        need = mask & ((seq - 1) % PAGE_SIZE == 0)
+        k = need.to(tl.int32)
+        rank = count + (tl.cumsum(k, axis=0) - k).to(tl.int64)
+        page = tl.load(ring_ptr + ((head + rank) % cap + cap) % cap, mask=need, other=0)
+        tl.store(out_ptr + i, tl.where(need, page * PAGE_SIZE, last + 1), mask=mask)
+        tl.store(state_ptr + page, tl.full([BS_BLOCK], 2147483647, tl.int32), mask=need)
+        count += tl.sum(k.to(tl.int64), axis=0)
+    tl.store(ctl_ptr + 0, offset - count)
+    tl.store(ctl_ptr + 1, added - count)
+    tl.store(words_ptr + 0, bits | ((added - count) & 0xFFFFFFFF))
 
 
 def _check_decode_args(seq_lens, last_loc):
@@ -366,7 +376,9 @@ def alloc_decode_triton(
     pages: PageSource,
     page_size: int,
 ) -> torch.Tensor:
-    """One new token location per request, in one Triton launch (see the module docstring).
+    """One new token location per request, in one Triton launch (see the module docstring).  The pages taken
+    are counted on the device: the source's ``OFFSET`` and ``ADDED`` move back by that count, published into
+    ``pages.words[0]`` with ``pages.word_bits`` (:meth:`kvcore.free_list.FreePageList.decode_source`).
 
     :param seq_lens: ``[bs]`` integer sequence lengths including the token being decoded (each >= 1).
     :param last_loc: ``[bs]`` integer token index of each request's previous last token.
@@ -380,8 +392,8 @@ def alloc_decode_triton(
     out = torch.empty((bs,), dtype=torch.int64, device=pages.ring.device)
     if bs == 0:
         return out
-    _launch(_alloc_decode_kernel, bs, (seq_lens, last_loc), (pages.ring, pages.ctl, pages.state, out),
-            (pages.taken + TAKEN_BIAS, pages.capacity, page_size, TAKEN_BIAS, _BS_BLOCK),
+    _launch(_alloc_decode_kernel, 1, (seq_lens, last_loc), (pages.ring, pages.ctl, pages.state, out, pages.words),
+            (bs, pages.taken + TAKEN_BIAS, pages.capacity, pages.word_bits, page_size, TAKEN_BIAS, _BS_BLOCK),
             (pages.capacity, page_size))  # fmt: skip
     return out
 
@@ -392,7 +404,7 @@ def alloc_decode_native(
     pages: PageSource,
     page_size: int,
 ) -> torch.Tensor:
-    """Torch reference of :func:`alloc_decode_triton` (same arguments, same result, no host sync)."""
+    """Torch reference of :func:`alloc_decode_triton` (same arguments, same result and counts, no host sync)."""
     _check_decode_args(seq_lens, last_loc)
     device = pages.ring.device
     if seq_lens.numel() == 0:
@@ -400,7 +412,12 @@ def alloc_decode_native(
     seq = seq_lens.to(device=device, dtype=torch.int64)
     last = last_loc.to(device=device, dtype=torch.int64)
     need_page = (seq - 1) % page_size == 0
-    rank = torch.cumsum(need_page.to(torch.int64), 0) - need_page.to(torch.int64)
-    page = _pages_native(pages, rank)
+    k = need_page.to(torch.int64)
+    page = _pages_native(pages, torch.cumsum(k, 0) - k)
     _mark_allocated_native(pages, page, need_page)
+    count = k.sum()
+    pages.ctl[0] -= count
+    pages.ctl[1] -= count
+    word = (pages.ctl[1] & 0xFFFFFFFF) | pages.word_bits
+    pages.words[0].copy_(word, non_blocking=True)
     return torch.where(need_page, page * page_size, last + 1)

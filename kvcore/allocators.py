@@ -509,16 +509,17 @@ class PagedTokenToKVPoolAllocator(_DeviceListAllocator):
         (:data:`ALLOC_DECODE_ORDER`).
 
         :param seq_lens: ``[bs]`` sequence lengths including the new token (device, each >= 1).
-        :param seq_lens_cpu: CPU copy of ``seq_lens``, to count new pages without a device sync (optional).
+        :param seq_lens_cpu: CPU copy of ``seq_lens``, to count new pages without a device sync when the pool
+            is nearly full (optional; otherwise the step's pages are counted on the device).
         :param last_loc: ``[bs]`` token index of each request's previous last token.
         :returns: int64 ``[bs]``, or ``None`` (nothing changed) when too few pages are free.
         """
         _check_decode_call(seq_lens, seq_lens_cpu, last_loc)
-        num_new_pages = _k.num_new_pages_decode(
-            seq_lens_cpu if seq_lens_cpu is not None else seq_lens, self.page_size
-        )
-        if not self._ensure_free_pages(num_new_pages):
-            return None
-        out = self._decode_impl(seq_lens, last_loc, self._source(), self.page_size)
-        self._pages.took(num_new_pages)
-        return out
+        most = seq_lens.numel()  # every request may open a page: if that fits, nothing is counted on the host
+        pages = self._pages
+        if most > pages.known and most > pages.refresh():
+            most = _k.num_new_pages_decode(seq_lens_cpu if seq_lens_cpu is not None else seq_lens, self.page_size)
+            if not self._ensure_free_pages(most):
+                return None
+        pages.before_write()
+        return self._decode_impl(seq_lens, last_loc, pages.decode_source(most), self.page_size)

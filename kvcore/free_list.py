@@ -14,15 +14,19 @@ tokens of one page come in together) is data-dependent, and so is the number of 
   go in at the head, reused first, or at the tail), **held** (pages released under ``need_sort``: merged
   into the ring, sorted, when an allocation falls short) and **staged** (pages freed inside a free group,
   moved to the ring or to held by :meth:`FreePageList.commit_staged`).
-* The host decides every take, so it knows ``taken`` (pages ever taken) exactly; the device keeps
-  ``OFFSET`` (the ring's head is ``(taken - OFFSET) mod capacity``), ``ADDED`` (pages ever put in the ring:
-  the ring holds ``capacity + ADDED - taken``), ``HELD`` and ``STAGED`` (the two lists' lengths).
-* A kernel that adds pages also writes the new ``ADDED`` (or ``HELD``) into a word of host memory (pinned,
-  written by the kernel itself: no copy, no event), tagged with an **epoch**.  The host's counts are lower
-  bounds built from the last word it read: an allocation that fits under them never waits; one that does not
-  (a nearly full pool) re-reads the words and, failing that, waits for the device (:meth:`FreePageList.exact`,
-  which ``available_size`` uses by design).  ``clear``, ``restore`` and a merge start a new epoch, so a word
-  written for an abandoned state (a kernel still in flight) is ignored.
+* The host knows ``taken`` (pages taken by allocations whose size it decided) exactly; the device keeps
+  ``OFFSET`` (the ring's head is ``(taken - OFFSET) mod capacity``), ``ADDED`` (pages put in the ring, less
+  the pages decode steps took: the ring holds ``capacity + ADDED - taken``), ``HELD`` and ``STAGED`` (the two
+  lists' lengths).  A decode step counts the pages it takes on the device (how many requests open a page is
+  data the host would have to count every step) and moves ``OFFSET`` and ``ADDED`` back by that count.
+* Every launch that changes ``ADDED`` carries a sequence number and writes the new ``ADDED`` with it into a
+  word of host memory (pinned, written by the kernel itself: no copy, no event), tagged with an **epoch**;
+  the held list's length gets a word too.  The host's counts are lower bounds: ``ADDED`` as of the last
+  word it read, plus, for each later launch, nothing for a free and minus the request count for a decode
+  step (the most pages it can take).  An allocation that fits under them never waits; one that does not (a
+  nearly full pool) re-reads the words, counts the step's pages itself and, failing that, waits for the
+  device (:meth:`FreePageList.exact`, which ``available_size`` uses by design).  ``clear``, ``restore`` and
+  a merge start a new epoch, so a word written for an abandoned state (a kernel still in flight) is ignored.
 
 Snapshots are copy-on-write: :meth:`FreePageList.snapshot` shares the buffers, and the next launch that would
 write them copies them first, so a backup that is restored before anything changes costs no copy.
@@ -42,7 +46,7 @@ import triton.language as tl
 
 from kvcore.launch import Launcher
 
-__all__ = ["ALLOCATED", "FREE", "TAKEN_BIAS", "FreePageList", "PageSource", "head_of"]
+__all__ = ["ALLOCATED", "FREE", "TAKEN_BIAS", "FreePageList", "PageSource", "head_of", "word_bits"]
 
 FREE, ALLOCATED = -1, 2**31 - 1  # page states (int32)
 OFFSET, ADDED, HELD, STAGED = 0, 1, 2, 3  # the fields of ``ctl``
@@ -50,20 +54,30 @@ TO_FRONT, TO_BACK, TO_HELD, TO_STAGED = 0, 1, 2, 3  # where a free puts its page
 #: ``taken`` goes to the kernels biased by this, so Triton always types it int64 (an int that fits in 32 bits
 #: would be typed int32, and ``taken`` grows past 2**31 on a long-running server).
 TAKEN_BIAS = 1 << 40
-_LOW = (1 << 40) - 1  # a published count's bits; the epoch sits above them
-_EPOCHS = 1 << 23
+# A published word: epoch (bits 48..62) | launch sequence number mod 2**16 (bits 32..47) | count mod 2**32.
+_VALUE_BITS, _SEQ_BITS = 32, 16
+_VALUE = (1 << _VALUE_BITS) - 1
+_SEQ = (1 << _SEQ_BITS) - 1
+_EPOCH_SHIFT = _VALUE_BITS + _SEQ_BITS
+_EPOCHS = 1 << 15
+#: launches kept in the host's lower bound before the words are read anyway (reading them costs no wait; a
+#: launch's word is read correctly while fewer than 2**16 launches are in flight after it)
+_MAX_PENDING = 1024
 _BLOCK = 1024
 
 
 class PageSource(NamedTuple):
     """What the allocation kernels read new pages from: the ring, its control words, the page states and the
-    host's ``taken`` (:mod:`kvcore.allocator_kernels`)."""
+    host's ``taken`` (:mod:`kvcore.allocator_kernels`); a decode step also publishes its ``ADDED`` into
+    ``words[0]`` with ``word_bits`` (:func:`word_bits`)."""
 
     ring: torch.Tensor
     ctl: torch.Tensor
     state: torch.Tensor
     taken: int
     capacity: int
+    words: torch.Tensor
+    word_bits: int
 
     @classmethod
     def of(cls, free_pages: torch.Tensor) -> PageSource:
@@ -72,7 +86,13 @@ class PageSource(NamedTuple):
         ring = torch.cat((free_pages.to(torch.int64), torch.zeros(1, dtype=torch.int64, device=device)))
         top = int(free_pages.max()) if n else 0
         state = torch.full((top + 2,), FREE, dtype=torch.int32, device=device)
-        return cls(ring, torch.zeros(4, dtype=torch.int64, device=device), state, 0, max(n, 1))
+        ctl, words = torch.zeros(4, dtype=torch.int64, device=device), torch.zeros(2, dtype=torch.int64, device=device)
+        return cls(ring, ctl, state, 0, max(n, 1), words, word_bits(1, 0))
+
+
+def word_bits(epoch: int, seq: int) -> int:
+    """The epoch and sequence-number bits of a published word (its count goes in the low 32 bits)."""
+    return (epoch << _EPOCH_SHIFT) | ((seq & _SEQ) << _VALUE_BITS)
 
 
 def head_of(ctl: torch.Tensor, taken: int, capacity: int) -> torch.Tensor:
@@ -80,10 +100,10 @@ def head_of(ctl: torch.Tensor, taken: int, capacity: int) -> torch.Tensor:
     return (taken - ctl[OFFSET]) % capacity
 
 
-@triton.jit(do_not_specialize=["n", "taken", "epoch_bits"])
+@triton.jit(do_not_specialize=["n", "taken", "bits"])
 def _release_kernel(
     src_ptr, n, ring_ptr, held_ptr, staged_ptr, ctl_ptr, state_ptr, words_ptr,
-    taken, epoch_bits, cap,
+    taken, bits, cap,
     PAGE_SIZE: tl.constexpr, FROM_STAGED: tl.constexpr, DEST: tl.constexpr, BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -155,10 +175,10 @@ def _release_kernel(
         tl.store(ctl_ptr + 0, offset + written)
     if DEST <= 1:
         tl.store(ctl_ptr + 1, added + written)
-        tl.store(words_ptr + 0, epoch_bits | ((added + written) & 0xFFFFFFFFFF))
+        tl.store(words_ptr + 0, bits | ((added + written) & 0xFFFFFFFF))
     elif DEST == 2:
         tl.store(ctl_ptr + 2, held + written)
-        tl.store(words_ptr + 1, epoch_bits | ((held + written) & 0xFFFFFFFFFF))
+        tl.store(words_ptr + 1, bits | ((held + written) & 0xFFFFFFFF))
     else:
         tl.store(ctl_ptr + 3, staged + written)
     if FROM_STAGED:
@@ -188,6 +208,7 @@ class FreePageList:
         self._words_tensor = torch.zeros(2, dtype=torch.int64, pin_memory=self._on_gpu)
         self._words = self._words_tensor.numpy()
         self._epoch = 0
+        self._seq = 0  # the sequence number of the last launch that changed ADDED (never reset)
         self._launch = Launcher(_release_kernel, self.device, (
             "src_ptr", "ring_ptr", "held_ptr", "staged_ptr", "ctl_ptr", "state_ptr", "words_ptr"
         )) if use_triton else None  # fmt: skip
@@ -205,7 +226,9 @@ class FreePageList:
         self.state = torch.full((cap + 2,), FREE, dtype=torch.int32, device=dev)  # + a spare slot
         self.ctl = torch.zeros(4, dtype=torch.int64, device=dev)
         self.taken = 0
-        self._added = 0  # a lower bound of ctl[ADDED]
+        # ADDED's lower bound: exact as of a published word, then per later launch (sequence number, change's
+        # lower bound) and the sum of those changes
+        self._added, self._pending, self._pending_sum = 0, [], 0
         self._held = 0  # a lower bound of ctl[HELD]
         self._staged_any = False  # whether a release was staged since the last commit
         self._shared = False
@@ -214,10 +237,13 @@ class FreePageList:
     def snapshot(self) -> tuple:
         """Everything :meth:`restore` needs (no copy now; the next write copies the buffers instead)."""
         self._shared = True
-        return (self.ring, self.held, self.staged, self.state, self.ctl, self.taken, self._added, self._held)
+        return (self.ring, self.held, self.staged, self.state, self.ctl, self.taken, self._added,
+                tuple(self._pending), self._pending_sum, self._held)  # fmt: skip
 
     def restore(self, snapshot: tuple) -> None:
-        self.ring, self.held, self.staged, self.state, self.ctl, self.taken, self._added, self._held = snapshot
+        (self.ring, self.held, self.staged, self.state, self.ctl, self.taken, self._added, pending,
+         self._pending_sum, self._held) = snapshot  # fmt: skip
+        self._pending = list(pending)
         self._staged_any = True  # the snapshot may hold staged pages: the next commit launches
         self._shared = True  # it may be restored again: copy before writing
         self._new_epoch()
@@ -231,9 +257,12 @@ class FreePageList:
             self._ptrs = None
 
     def _new_epoch(self) -> None:
-        self._epoch = self._epoch % (_EPOCHS - 1) + 1  # 1 .. 2**23 - 1: epoch_bits always needs 64 bits
-        bits = self._epoch << 40
-        self._words[0], self._words[1] = bits | (self._added & _LOW), bits | self._held
+        # Words of the old epoch are ignored from now on: fold the pending changes into the lower bound.
+        self._added, self._pending, self._pending_sum = self._added + self._pending_sum, [], 0
+        self._epoch = self._epoch % (_EPOCHS - 1) + 1  # 1 .. 2**15 - 1: a word always needs 64 bits
+        self._epoch_bits = word_bits(self._epoch, 0)
+        self._words[0] = word_bits(self._epoch, self._seq) | (self._added & _VALUE)
+        self._words[1] = self._epoch_bits | self._held
         self._ptrs = None
 
     # -- counts ---------------------------------------------------------------------------------------------
@@ -241,7 +270,7 @@ class FreePageList:
     @property
     def known(self) -> int:
         """A lower bound of the pages in the ring (exact on the CPU)."""
-        return self.capacity + self._added - self.taken
+        return self.capacity + self._added + self._pending_sum - self.taken
 
     @property
     def held_known(self) -> int:
@@ -253,12 +282,22 @@ class FreePageList:
         on a GPU this waits for the device).  Returns :attr:`known`."""
         if wait:
             self._added, self._held = self.ctl[ADDED : HELD + 1].tolist()
+            self._pending, self._pending_sum = [], 0
             return self.known
         ring, held = int(self._words[0]), int(self._words[1])
-        if ring >> 40 == self._epoch:
-            self._added += ((ring & _LOW) - self._added) & _LOW
-        if held >> 40 == self._epoch:
-            self._held = max(self._held, held & _LOW)
+        if ring >> _EPOCH_SHIFT == self._epoch and self._pending:
+            # the launch that wrote the word: the latest one whose sequence number has these low bits
+            seq = self._seq - ((self._seq - (ring >> _VALUE_BITS)) & _SEQ)
+            if seq >= self._pending[0][0]:
+                delta = ((ring & _VALUE) - self._added) & _VALUE  # ADDED as of that launch, mod 2**32
+                self._added += delta - (1 << _VALUE_BITS) if delta >> (_VALUE_BITS - 1) else delta
+                done = 0
+                while done < len(self._pending) and self._pending[done][0] <= seq:
+                    self._pending_sum -= self._pending[done][1]
+                    done += 1
+                del self._pending[:done]
+        if held >> _EPOCH_SHIFT == self._epoch:
+            self._held = max(self._held, held & _VALUE)
         return self.known
 
     def exact(self) -> tuple[int, int]:
@@ -280,7 +319,19 @@ class FreePageList:
 
     def source(self) -> PageSource:
         """The ring as allocation kernels read it (call :meth:`before_write` first: they mark pages)."""
-        return PageSource(self.ring, self.ctl, self.state, self.taken, self.capacity)
+        return PageSource(self.ring, self.ctl, self.state, self.taken, self.capacity, self._words_tensor, 0)
+
+    def decode_source(self, most: int) -> PageSource:
+        """:meth:`source` for a decode step that takes at most ``most`` pages and counts them on the device
+        (``most <= known``, which the caller checks); its launch publishes ``ADDED`` under a new sequence
+        number."""
+        self._seq = seq = self._seq + 1
+        self._pending.append((seq, -most))
+        self._pending_sum -= most
+        if len(self._pending) > _MAX_PENDING:
+            self.refresh()
+        bits = self._epoch_bits | ((seq & _SEQ) << _VALUE_BITS)
+        return PageSource(self.ring, self.ctl, self.state, self.taken, self.capacity, self._words_tensor, bits)
 
     def took(self, n: int) -> None:
         """Record that a kernel took the ``n`` pages at the head (``n <= known``, which the caller checks)."""
@@ -319,17 +370,25 @@ class FreePageList:
     def _put(self, index: torch.Tensor | None, staged: bool, from_staged: bool) -> None:
         self.before_write()
         dest = TO_STAGED if staged else self._release_to
-        if self.use_triton:
-            self._put_triton(index, dest, from_staged)
+        if dest <= TO_BACK:  # ADDED grows: a sequence number for its word
+            self._seq = seq = self._seq + 1
+            self._pending.append((seq, 0))
+            if len(self._pending) > _MAX_PENDING:
+                self.refresh()
+            bits = self._epoch_bits | ((seq & _SEQ) << _VALUE_BITS)
         else:
-            self._put_native(index, dest, from_staged)
+            bits = self._epoch_bits
+        if self.use_triton:
+            self._put_triton(index, dest, from_staged, bits)
+        else:
+            self._put_native(index, dest, from_staged, bits)
         self._count_locally()
 
     def _count_locally(self) -> None:
         if not self._on_gpu:  # nothing to wait for: the counts are exact at once
             self.refresh()
 
-    def _put_triton(self, index: torch.Tensor | None, dest: int, from_staged: bool) -> None:
+    def _put_triton(self, index: torch.Tensor | None, dest: int, from_staged: bool, bits: int) -> None:
         if self._ptrs is None:
             self._ptrs = (self.ring.data_ptr(), self.held.data_ptr(), self.staged.data_ptr(), self.ctl.data_ptr(),
                           self.state.data_ptr(), self._words_tensor.data_ptr())  # fmt: skip
@@ -341,10 +400,10 @@ class FreePageList:
         ring, held, staged, ctl, state, words = self._ptrs
         self._launch(key, 1, 1, (
             src.data_ptr(), n, ring, held, staged, ctl, state, words, self.taken + TAKEN_BIAS,
-            self._epoch << 40, self.capacity, self.page_size, from_staged, dest, TAKEN_BIAS, _BLOCK,
+            bits, self.capacity, self.page_size, from_staged, dest, TAKEN_BIAS, _BLOCK,
         ), lambda: (src, self.ring, self.held, self.staged, self.ctl, self.state, self._words_tensor))  # fmt: skip
 
-    def _put_native(self, index: torch.Tensor | None, dest: int, from_staged: bool) -> None:
+    def _put_native(self, index: torch.Tensor | None, dest: int, from_staged: bool, bits: int) -> None:
         cap, ctl, dev = self.capacity, self.ctl, self.device
         if from_staged:
             total = int(ctl[STAGED])  # the reference reads the count (on a GPU: waits)
@@ -378,5 +437,4 @@ class FreePageList:
         if from_staged:
             ctl[STAGED] = 0
         if dest != TO_STAGED:
-            word = (ctl[field] & _LOW) | (self._epoch << 40)
-            self._words_tensor[int(dest == TO_HELD)].copy_(word, non_blocking=True)
+            self._words_tensor[int(dest == TO_HELD)].copy_((ctl[field] & _VALUE) | bits, non_blocking=True)

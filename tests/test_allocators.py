@@ -157,6 +157,9 @@ def test_alloc_decode_kernel_matches_reference_and_model(ps, seed):
         assert out.dtype == torch.int64 and out.shape == (bs,)
         assert out.tolist() == expected, name
         assert allocated(source) == sorted(free[:used]), name
+        # the pages taken are counted on the device: OFFSET and ADDED move back by them, and ADDED is published
+        assert source.ctl[:2].tolist() == [-used, -used], name
+        assert int(source.words[0]) == source.word_bits | (-used & 0xFFFFFFFF), name
         results[name] = out
     assert torch.equal(results["triton"], results["native"])
 

@@ -80,10 +80,25 @@ def test_random_operations_match_lists(use_triton, to_front, need_sort, seed):
     fl = FreePageList(capacity, ps, DEVICE, use_triton=use_triton, to_front=to_front, need_sort=need_sort)
     model = Model(capacity, ps, to_front, need_sort)
     pages_impl = K.alloc_pages_triton if use_triton else K.alloc_pages_native
+    decode_impl = K.alloc_decode_triton if use_triton else K.alloc_decode_native
     in_group, snap = False, None
     for step in range(60):
-        op = rng.choice(["take", "take", "release", "release", "group", "merge", "snapshot", "restore"])
-        if op == "take":
+        op = rng.choice(["take", "take", "decode", "release", "release", "group", "merge", "snapshot", "restore"])
+        if op == "decode":  # a decode step: the kernel counts the pages it takes
+            free, bs = fl.exact()[0], rng.randint(0, 6)
+            opens = [rng.random() < 0.5 for _ in range(bs)]
+            while sum(opens) > free:
+                opens[opens.index(True)] = False
+            seq = torch.tensor([3 * ps + 1 if o else 3 * ps + 2 - (ps == 1) for o in opens], dtype=torch.int64)
+            if ps == 1:  # every token opens a page
+                seq, opens = seq[: free], [True] * min(bs, free)
+            last = torch.arange(seq.numel(), dtype=torch.int64) * 10 + 5
+            fl.before_write()
+            got = decode_impl(seq.to(DEVICE), last.to(DEVICE), fl.decode_source(seq.numel()), ps).tolist()
+            pages = iter(model.take(sum(opens)))
+            assert got == [next(pages) * ps if o else int(l) + 1 for o, l in zip(opens, last)], f"step {step}"
+            assert fl.known <= fl.exact()[0]
+        elif op == "take":
             n = rng.randint(0, max(0, fl.exact()[0]))
             fl.before_write()
             got = pages_impl(fl.source(), n, ps)
@@ -129,6 +144,38 @@ def test_counts_from_an_abandoned_state_are_ignored():
     fl._words[0] = (old_epoch << 40) | 100  # "100 pages added" in the abandoned epoch
     assert fl.refresh() == 8 and fl.exact() == (8, 0)
     assert taken.tolist() == [1, 2, 3, 4] and fl.ids().tolist() == list(range(1, 9))
+
+
+@pytest.mark.parametrize("use_triton", IMPLS, ids=["triton", "native"])
+def test_decode_counts_reach_the_host_through_the_words(use_triton):
+    """A decode step counts its pages on the device; until its word is read the host assumes the most it may
+    have taken, and a word written by an earlier launch (still the latest the host can see while later kernels
+    run) tightens only what that launch covers.  A word of an abandoned epoch counts for nothing."""
+    decode = K.alloc_decode_triton if use_triton else K.alloc_decode_native
+    fl = FreePageList(16, 4, DEVICE, use_triton=use_triton, to_front=True, need_sort=False)
+
+    def step(seq):
+        fl.before_write()
+        source = fl.decode_source(len(seq))
+        decode(torch.tensor(seq, device=DEVICE), torch.zeros(len(seq), dtype=torch.int64, device=DEVICE), source, 4)
+
+    step([5, 6, 9, 13, 2])  # 5, 9 and 13 open a page: 3 of at most 5
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    first = int(fl._words[0])
+    step([1, 3, 17])  # 2 of at most 3
+    assert fl.known == 16 - 5 - 3  # nothing read yet: the most each step may have taken
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    second = int(fl._words[0])
+    fl._words[0] = first  # as if the second step's kernel were still running
+    assert fl.refresh() == 16 - 3 - 3
+    fl._words[0] = second
+    assert fl.refresh() == 16 - 3 - 2 == fl.exact()[0]
+    fl.restore(fl.snapshot())  # a new epoch
+    step([1])
+    fl._words[0] = second  # a word of the old epoch: ignored
+    assert fl.refresh() == 11 - 1 and fl.exact()[0] == 10
 
 
 def test_an_empty_free_group_launches_nothing(monkeypatch):
