@@ -96,6 +96,8 @@ def num_new_pages_decode(seq_lens: torch.Tensor, page_size: int) -> int:
 
 
 _PAGES_BLOCK = 1024
+
+
 def _launch(kernel, grid: int, inputs: tuple, buffers: tuple, scalars: tuple, key: tuple) -> None:
     """``kernel[grid](*inputs, *buffers, *scalars)`` through the direct launcher.  The key adds what Triton
     specializes the caller's ``inputs`` on (dtype, 16-byte alignment) to ``key``; ``buffers`` are the
@@ -339,10 +341,8 @@ def _alloc_decode_kernel(
     # One program, over the requests in blocks: a request whose new token opens a page takes the next page
     # from the head (its rank among such requests); the count of pages taken moves OFFSET and ADDED back (the
     # host does not count them) and is published with ``bits`` (kvcore.free_list).
-    taken = taken - BIAS
     offset = tl.load(ctl_ptr + 0)
     added = tl.load(ctl_ptr + 1)
-    head = ((taken - offset) % cap + cap) % cap
     lanes = tl.arange(0, BS_BLOCK)
     count = tl.sum(tl.zeros([BS_BLOCK], dtype=tl.int64), axis=0)
     for start in range(0, bs, BS_BLOCK):
@@ -353,7 +353,7 @@ def _alloc_decode_kernel(
         need = mask & ((seq - 1) % PAGE_SIZE == 0)
         k = need.to(tl.int32)
         rank = count + (tl.cumsum(k, axis=0) - k).to(tl.int64)
-        page = tl.load(ring_ptr + ((head + rank) % cap + cap) % cap, mask=need, other=0)
+        page = tl.where(need, _page_at(ring_ptr, ctl_ptr, taken, rank, cap, BIAS), 0)
         tl.store(out_ptr + i, tl.where(need, page * PAGE_SIZE, last + 1), mask=mask)
         tl.store(state_ptr + page, tl.full([BS_BLOCK], 2147483647, tl.int32), mask=need)
         count += tl.sum(k.to(tl.int64), axis=0)

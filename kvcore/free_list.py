@@ -325,13 +325,18 @@ class FreePageList:
         """:meth:`source` for a decode step that takes at most ``most`` pages and counts them on the device
         (``most <= known``, which the caller checks); its launch publishes ``ADDED`` under a new sequence
         number."""
+        bits = self._sequenced(-most)
+        return PageSource(self.ring, self.ctl, self.state, self.taken, self.capacity, self._words_tensor, bits)
+
+    def _sequenced(self, least_change: int) -> int:
+        """Number the next launch that changes ``ADDED`` (by at least ``least_change``), count that change in
+        the host's lower bound, and return the bits its published word carries."""
         self._seq = seq = self._seq + 1
-        self._pending.append((seq, -most))
-        self._pending_sum -= most
+        self._pending.append((seq, least_change))
+        self._pending_sum += least_change
         if len(self._pending) > _MAX_PENDING:
             self.refresh()
-        bits = self._epoch_bits | ((seq & _SEQ) << _VALUE_BITS)
-        return PageSource(self.ring, self.ctl, self.state, self.taken, self.capacity, self._words_tensor, bits)
+        return self._epoch_bits | ((seq & _SEQ) << _VALUE_BITS)
 
     def took(self, n: int) -> None:
         """Record that a kernel took the ``n`` pages at the head (``n <= known``, which the caller checks)."""
@@ -370,14 +375,7 @@ class FreePageList:
     def _put(self, index: torch.Tensor | None, staged: bool, from_staged: bool) -> None:
         self.before_write()
         dest = TO_STAGED if staged else self._release_to
-        if dest <= TO_BACK:  # ADDED grows: a sequence number for its word
-            self._seq = seq = self._seq + 1
-            self._pending.append((seq, 0))
-            if len(self._pending) > _MAX_PENDING:
-                self.refresh()
-            bits = self._epoch_bits | ((seq & _SEQ) << _VALUE_BITS)
-        else:
-            bits = self._epoch_bits
+        bits = self._sequenced(0) if dest <= TO_BACK else self._epoch_bits  # only ring releases change ADDED
         if self.use_triton:
             self._put_triton(index, dest, from_staged, bits)
         else:
