@@ -4,8 +4,9 @@ A step is what an engine's decode loop asks of the allocator: ``alloc_decode`` f
 copy of their lengths), then a free group releasing the pages of the requests that finished.  The loop also
 allocates pages for as many new requests (``alloc``), to stay in a steady state; its time is shown apart (see
 ``step_fn``).  ``decode+free`` times the plainer step the issue names, ``alloc_decode`` then one ``free`` of the
-previous step's locations, without a group (see ``plain_step_fn``).  Each row times 2000 loops with no synchronisation inside (host time per call, each phase timed
-with ``time.perf_counter``), for page sizes 1, 16 and 64:
+previous step's locations, without a group (see ``plain_step_fn``).  Each row times the best of 7 runs of 2000
+loops with no synchronisation inside (host time per call, each phase timed with ``time.perf_counter``, the
+garbage collector off as in ``timeit``), for page sizes 1, 16 and 64:
 
 - ``token`` / ``paged``: kvcore's allocators (``kvcore_choose_allocator`` picks the token allocator at page size
   1 and the paged one otherwise; the paged one is timed at page size 1 too);
@@ -18,6 +19,7 @@ with ``time.perf_counter``), for page sizes 1, 16 and 64:
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -27,7 +29,7 @@ import triton.language as tl
 from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvcore import allocator_kernels as k
 
-BS, FINISHING, STEPS = 256, 8, 2000
+BS, FINISHING, STEPS, RUNS = 256, 8, 2000, 7
 
 
 @triton.jit
@@ -166,13 +168,23 @@ def plain_step_fn(a, page_size):
 
 
 def host_us(step, clock=None) -> float:
-    """Host time per call of ``step`` (best of 3 runs of STEPS calls); ``clock`` ends with that run's phase
-    times per call."""
+    """Host time per call of ``step`` (best of RUNS runs of STEPS calls: the host's noise only ever adds time);
+    ``clock`` ends with that run's phase times per call.  The garbage collector is off while timing, as in
+    ``timeit``: a collection pass landing in one variant's run and not another's is noise, not host cost."""
+    gc.collect()
+    gc.disable()
+    try:
+        return _host_us(step, clock)
+    finally:
+        gc.enable()
+
+
+def _host_us(step, clock):
     for _ in range(20):
         step()
     torch.cuda.synchronize()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(RUNS):
         phases = [0.0] * len(PHASES)
         if clock is not None:
             clock[:] = phases

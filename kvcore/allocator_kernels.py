@@ -44,6 +44,7 @@ __all__ = [
     "alloc_extend_triton",
     "alloc_decode_native",
     "alloc_decode_triton",
+    "DecodeStep",
     "num_new_pages_extend",
     "num_new_pages_decode",
 ]
@@ -421,3 +422,57 @@ def alloc_decode_native(
     word = (pages.ctl[1] & 0xFFFFFFFF) | pages.word_bits
     pages.words[0].copy_(word, non_blocking=True)
     return torch.where(need_page, page * page_size, last + 1)
+
+
+class DecodeStep:
+    """``alloc_decode`` of one free list, as an allocator runs it every decode step: numbers the launch
+    (:meth:`kvcore.free_list.FreePageList.decode_bits`) and runs :func:`alloc_decode_triton` (``use_triton``)
+    or :func:`alloc_decode_native` on the list's pages.
+
+    The Triton path works out once what stays fixed between steps (the launcher, the launch key's fixed part)
+    and reads the list's buffer addresses from the list, so a step costs two input checks, one allocation and
+    one direct launch: the decode loop runs it once per step, and its host time is the step's.
+
+    :param pages: the allocator's :class:`~kvcore.free_list.FreePageList` (kept: its buffers may be copied
+        after a snapshot, its object stays).
+    :param page_size: tokens per page.
+    """
+
+    __slots__ = ("pages", "page_size", "use_triton", "_launch", "_device_index", "_key")
+
+    def __init__(self, pages, page_size: int, use_triton: bool):
+        self.pages, self.page_size, self.use_triton = pages, page_size, use_triton
+        self._launch = launcher_for(_alloc_decode_kernel, pages.device) if use_triton else None
+        self._device_index = pages.ring.get_device()
+        self._key = (pages.capacity, page_size)
+
+    def __call__(self, seq_lens: torch.Tensor, last_loc: torch.Tensor, most: int) -> torch.Tensor:
+        """The step's locations (int64 ``[bs]``); ``most`` bounds the pages it takes and must be at most the
+        list's :attr:`~kvcore.free_list.FreePageList.known` (the caller checks)."""
+        pages = self.pages
+        pages.before_write()
+        if not self.use_triton:
+            return alloc_decode_native(seq_lens, last_loc, pages.decode_source(most), self.page_size)
+        bs = seq_lens.numel()
+        if seq_lens.dim() != 1 or last_loc.dim() != 1 or last_loc.numel() != bs:
+            _check_decode_args(seq_lens, last_loc)
+        if seq_lens.get_device() != self._device_index or last_loc.get_device() != self._device_index:
+            raise ValueError(
+                f"allocation inputs must be on the allocator's device {pages.device}, got seq_lens on "
+                f"{seq_lens.device} and last_loc on {last_loc.device}"
+            )
+        bits = pages.decode_bits(most)
+        out = torch.empty((bs,), dtype=torch.int64, device=pages.device)
+        if bs == 0:
+            return out
+        if not seq_lens.is_contiguous():
+            seq_lens = seq_lens.contiguous()
+        if not last_loc.is_contiguous():
+            last_loc = last_loc.contiguous()
+        seq, last = seq_lens.data_ptr(), last_loc.data_ptr()
+        ring, _, _, ctl, state, words = pages.pointers()
+        self._launch((*self._key, seq_lens.dtype, seq % 16 == 0, last_loc.dtype, last % 16 == 0), 1, 1, (
+            seq, last, ring, ctl, state, out.data_ptr(), words, bs, pages.taken + TAKEN_BIAS, pages.capacity, bits,
+            self.page_size, TAKEN_BIAS, _BS_BLOCK,
+        ), lambda: (seq_lens, last_loc, pages.ring, pages.ctl, pages.state, out, pages.words))  # fmt: skip
+        return out

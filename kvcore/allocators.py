@@ -429,13 +429,12 @@ class PagedTokenToKVPoolAllocator(_DeviceListAllocator):
                 f"size={size} holds no whole page of page_size={page_size}; give a size of at least one page"
             )
         if self._use_triton:
-            self._pages_impl = _k.alloc_pages_triton
-            self._extend_impl, self._decode_impl = _k.alloc_extend_triton, _k.alloc_decode_triton
+            self._pages_impl, self._extend_impl = _k.alloc_pages_triton, _k.alloc_extend_triton
         else:
-            self._pages_impl = _k.alloc_pages_native
-            self._extend_impl, self._decode_impl = _k.alloc_extend_native, _k.alloc_decode_native
+            self._pages_impl, self._extend_impl = _k.alloc_pages_native, _k.alloc_extend_native
         self._pages = None
         self.clear()
+        self._decode_step = _k.DecodeStep(self._pages, self.page_size, self._use_triton)
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """Take ``need_size // page_size`` whole pages and return their token indices, page after page.
@@ -521,5 +520,4 @@ class PagedTokenToKVPoolAllocator(_DeviceListAllocator):
             most = _k.num_new_pages_decode(seq_lens_cpu if seq_lens_cpu is not None else seq_lens, self.page_size)
             if not self._ensure_free_pages(most):
                 return None
-        pages.before_write()
-        return self._decode_impl(seq_lens, last_loc, pages.decode_source(most), self.page_size)
+        return self._decode_step(seq_lens, last_loc, most)

@@ -323,10 +323,29 @@ class FreePageList:
 
     def decode_source(self, most: int) -> PageSource:
         """:meth:`source` for a decode step that takes at most ``most`` pages and counts them on the device
-        (``most <= known``, which the caller checks); its launch publishes ``ADDED`` under a new sequence
-        number."""
-        bits = self._sequenced(-most)
+        (``most <= known``, which the caller checks); its launch publishes ``ADDED`` with the bits of
+        :meth:`decode_bits`."""
+        bits = self.decode_bits(most)
         return PageSource(self.ring, self.ctl, self.state, self.taken, self.capacity, self._words_tensor, bits)
+
+    def decode_bits(self, most: int) -> int:
+        """Number the next decode launch, which takes at most ``most`` pages (``most <= known``, which the
+        caller checks) and counts them on the device, and return the bits of the word it publishes."""
+        return self._sequenced(-most)
+
+    @property
+    def words(self) -> torch.Tensor:
+        """The two published words (host memory, pinned on a GPU): the ring's and the held list's counts."""
+        return self._words_tensor
+
+    def pointers(self) -> tuple[int, int, int, int, int, int]:
+        """The addresses of ``ring, held, staged, ctl, state`` and the published words, for direct launches
+        (valid until a write copies the buffers a snapshot shares: call :meth:`before_write` first)."""
+        ptrs = self._ptrs
+        if ptrs is None:
+            ptrs = self._ptrs = (self.ring.data_ptr(), self.held.data_ptr(), self.staged.data_ptr(),
+                                 self.ctl.data_ptr(), self.state.data_ptr(), self._words_tensor.data_ptr())  # fmt: skip
+        return ptrs
 
     def _sequenced(self, least_change: int) -> int:
         """Number the next launch that changes ``ADDED`` (by at least ``least_change``), count that change in
@@ -373,31 +392,26 @@ class FreePageList:
         self._new_epoch()
 
     def _put(self, index: torch.Tensor | None, staged: bool, from_staged: bool) -> None:
-        self.before_write()
+        if self._shared:
+            self.before_write()
         dest = TO_STAGED if staged else self._release_to
         bits = self._sequenced(0) if dest <= TO_BACK else self._epoch_bits  # only ring releases change ADDED
         if self.use_triton:
             self._put_triton(index, dest, from_staged, bits)
         else:
             self._put_native(index, dest, from_staged, bits)
-        self._count_locally()
-
-    def _count_locally(self) -> None:
         if not self._on_gpu:  # nothing to wait for: the counts are exact at once
             self.refresh()
 
     def _put_triton(self, index: torch.Tensor | None, dest: int, from_staged: bool, bits: int) -> None:
-        if self._ptrs is None:
-            self._ptrs = (self.ring.data_ptr(), self.held.data_ptr(), self.staged.data_ptr(), self.ctl.data_ptr(),
-                          self.state.data_ptr(), self._words_tensor.data_ptr())  # fmt: skip
         src = self.staged if index is None else index.contiguous()  # read as a flat array
         if src.get_device() != self._device_index:
             raise ValueError(f"free takes indices on {self.device}, got {src.device}")
         n = 0 if index is None else index.numel()
-        key = (src.dtype, src.data_ptr() % 16 == 0, dest, from_staged)
-        ring, held, staged, ctl, state, words = self._ptrs
-        self._launch(key, 1, 1, (
-            src.data_ptr(), n, ring, held, staged, ctl, state, words, self.taken + TAKEN_BIAS,
+        address = src.data_ptr()
+        ring, held, staged, ctl, state, words = self.pointers()
+        self._launch((src.dtype, address % 16 == 0, dest, from_staged), 1, 1, (
+            address, n, ring, held, staged, ctl, state, words, self.taken + TAKEN_BIAS,
             bits, self.capacity, self.page_size, from_staged, dest, TAKEN_BIAS, _BLOCK,
         ), lambda: (src, self.ring, self.held, self.staged, self.ctl, self.state, self._words_tensor))  # fmt: skip
 

@@ -446,6 +446,25 @@ def test_paged_alloc_extend_and_decode(kernels):
     assert a.free_pages.tolist() == [7, 8, 9, 10]
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_paged_alloc_decode_takes_strided_and_int32_inputs_and_refuses_bad_shapes(kernels):
+    # An engine's seq_lens / last_loc may be a column of a bigger table, or int32: the step reads them as they
+    # are, the result equals the one from plain int64 copies on a twin allocator.
+    ps = 4
+    a, twin = make("paged", 40, ps=ps, kernels=kernels), make("paged", 40, ps=ps, kernels=kernels)
+    first = a.alloc(2 * ps)
+    assert torch.equal(first, twin.alloc(2 * ps))
+    seq, last = [5, 7, 1], [first[3].item(), first[6].item(), -1]
+    table = torch.tensor([[s, -9, l] for s, l in zip(seq, last)], dtype=torch.int32, device=DEVICE)
+    out = a.alloc_decode(table[:, 0], None, table[:, 2])  # strided int32 columns
+    expected = twin.alloc_decode(*tensors(seq), None, *tensors(last))
+    assert out.dtype == torch.int64 and out.tolist() == expected.tolist()
+    assert a.free_pages.tolist() == twin.free_pages.tolist()
+    with pytest.raises(ValueError, match="1-D seq_lens and last_loc of one length"):
+        a.alloc_decode(*tensors([5, 7]), None, *tensors([3]))
+    assert a.free_pages.tolist() == twin.free_pages.tolist()  # a refused step takes nothing
+
+
 def test_alloc_extend_checks_token_count():
     a = make("paged", 16, ps=4)
     pre, seq, last = tensors([0], [5], [-1])
@@ -494,7 +513,7 @@ def test_token_allocator_extend_and_decode_are_plain_alloc():
 def test_kernel_mode_auto_on_cpu_uses_reference():
     a = make("paged", 16, ps=4, kernels="auto")
     impl = "triton" if DEVICE == "cuda" else "native"
-    assert a._extend_impl is EXTEND_IMPLS[impl] and a._decode_impl is DECODE_IMPLS[impl]
+    assert a._extend_impl is EXTEND_IMPLS[impl] and a._decode_step.use_triton == (impl == "triton")
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ Hopper has no e2m1 conversion, so codes are made with integer and comparison ope
 from float32 bits (``ceil``/``floor`` of ``log2`` exact), powers of two are built from bits (the subnormal
 2**-127 of scale byte 0 included), e2m1 values are decoded from bits with their sign bit (code 8 is -0.0:
 Triton 3.6 compiles a float ``-x`` as ``0 - x``, which makes +0.0 of +0.0; triton-lang/triton#10270), e4m3
-bytes come from :func:`kvcore.fp8.f32_to_e4m3fn_bits` (the interpreter's own float -> fp8 cast rounds
-wrongly) of values clamped to [-448, 448] on both sides (so the bytes do not depend on ``SATURATE``) and are
-decoded by :func:`kvcore.fp8.e4m3fn_bits_to_f32`.
+bytes are encoded from values clamped to [-448, 448] on both sides (so the bytes do not depend on
+``SATURATE``), compiled by the GPU's own conversion and interpreted by :func:`kvcore.fp8.f32_to_e4m3fn_bits`
+(the interpreter's own float -> fp8 cast rounds wrongly), and are decoded by
+:func:`kvcore.fp8.e4m3fn_bits_to_f32`.
 
 Every float32 product and quotient is one IEEE operation, as in the torch references: compiled for CUDA
 (``PTX``) they are inline ``mul.rn.f32`` / ``div.rn.f32``, which neither flush subnormals to zero (some
@@ -42,10 +43,12 @@ _EMAX = tl.constexpr(E4M3_EMAX)
 _BIAS = tl.constexpr(UE8M0_BIAS)
 #: tokens per program (their rows are held whole): few at decode sizes, where more programs spread a handful of
 #: rows over more SMs; from ``LARGE_FROM`` tokens on, ``BLOCK_N_LARGE[(gather, value bits)]``.  Measured on an
-#: H200 at 32k tokens (benchmarks/RESULTS.md): the fp4 store gains up to 16 tokens a program, the fp4 gather
-#: loses with every token past 4 (its nibble decode spills), and both MXFP8 directions gain up to 32.
+#: H200 at 32k tokens with the paired loads and stores (benchmarks/RESULTS.md, tile sweep): 32 tokens a
+#: program is best or within 2% of best in both directions for both value widths.
 BLOCK_N, LARGE_FROM = 4, 512
-BLOCK_N_LARGE = {(False, 4): 16, (True, 4): 4, (False, 8): 32, (True, 8): 32}
+BLOCK_N_LARGE = {(False, 4): 32, (True, 4): 32, (False, 8): 32, (True, 8): 32}
+#: whether 4-bit gathers write pairs as words (else even and odd values interleaved in registers); a sweep knob
+GATHER_PAIRS = True
 
 
 @triton.jit
@@ -116,12 +119,70 @@ def _e2m1_values(code):
 
 
 @triton.jit
+def _e4m3_bits(x, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
+    """e4m3 bytes (int32) of float32 values already clamped to [-448, 448] (so ``SATURATE`` changes nothing):
+    compiled, the GPU's own round-to-nearest-even conversion; interpreted, the integer encoder (the
+    interpreter's cast rounds wrongly).  The same bytes either way."""
+    if HW_CVT:
+        r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        r = f32_to_e4m3fn_bits(x, SATURATE)
+    return r
+
+
+@triton.jit
+def _load_pairs(base, pair, mask):
+    """Values ``2 * pair`` and ``2 * pair + 1`` after ``base`` (a float32 / float16 / bfloat16 pointer whose
+    pairs are aligned to twice the value's size) as float32 ``(even, odd)``: one load of a word of twice the
+    value's width each, split by bit shifts (little-endian: the even value is the low half)."""
+    if base.dtype.element_ty == tl.float32:
+        w = tl.load(base.to(tl.pointer_type(tl.int64)) + pair[None, :, :], mask=mask, other=0)
+        even = w.to(tl.int32).to(tl.float32, bitcast=True)  # the low half
+        odd = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        w = tl.load(base.to(tl.pointer_type(tl.int32)) + pair[None, :, :], mask=mask, other=0)
+        if base.dtype.element_ty == tl.bfloat16:
+            even = (w << 16).to(tl.float32, bitcast=True)
+            odd = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            even = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return even, odd
+
+
+@triton.jit
+def _store_pairs(base, pair, even, odd, mask, OUT: tl.constexpr, HW_CVT: tl.constexpr):
+    """:func:`_load_pairs`' inverse: float32 ``even`` / ``odd`` converted to ``OUT`` (as :func:`_store_out`)
+    and stored as values ``2 * pair`` and ``2 * pair + 1`` after ``base``, one word per pair."""
+    if OUT == 0:
+        w = (odd.to(tl.int32, bitcast=True).to(tl.int64) << 32) | even.to(tl.int32, bitcast=True).to(tl.uint32).to(tl.int64)
+        tl.store(base.to(tl.pointer_type(tl.int64)) + pair[None, :, :], w, mask=mask)
+    else:
+        w = (_half_bits(even, OUT, HW_CVT) & 0xFFFF) | (_half_bits(odd, OUT, HW_CVT) << 16)
+        tl.store(base.to(tl.pointer_type(tl.int32)) + pair[None, :, :], w, mask=mask)
+
+
+@triton.jit
+def _half_bits(x, OUT: tl.constexpr, HW_CVT: tl.constexpr):
+    """float32 -> the bits of a float16 (``OUT`` 1) or bfloat16 (2), in an int32 (high half unspecified)."""
+    if OUT == 1:
+        r = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    elif HW_CVT:
+        r = x.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+    else:
+        r = f32_to_bf16_bits(x)
+    return r
+
+
+@triton.jit
 def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
                    D: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr,
                    VALUE_BITS: tl.constexpr, E4M3_SCALE: tl.constexpr, SATURATE: tl.constexpr,
-                   DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+                   DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr, HW_CVT: tl.constexpr, PAIRS: tl.constexpr,
+                   PTX: tl.constexpr):  # fmt: skip
     """One head of ``BLOCK_N`` tokens: ``src`` points at the head of token 0 (tokens ``sn`` apart, values
-    ``sd``); ``data`` / ``scale`` at the head in cache row 0 (rows ``DATA_ROW`` / ``SCALE_ROW`` bytes apart)."""
+    ``sd``); ``data`` / ``scale`` at the head in cache row 0 (rows ``DATA_ROW`` / ``SCALE_ROW`` bytes apart).
+    ``PAIRS``: the values are contiguous (``sd == 1``) and every head's pairs aligned (:func:`_load_pairs`)."""
     blk = tl.arange(0, NB_PAD)
     mask_b = mask_n[:, None] & (blk < NB)[None, :]
     PER: tl.constexpr = BLOCK // (8 // VALUE_BITS)
@@ -129,9 +190,12 @@ def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
     mask = mask_b[:, :, None]
     base = src + tok[:, None, None] * sn
     if VALUE_BITS == 4:  # a block's even and odd elements apart: they fill a byte's low and high nibble
-        j = blk[:, None] * BLOCK + 2 * i[None, :]
-        xe = tl.load(base + (j * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
-        xo = tl.load(base + ((j + 1) * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
+        if PAIRS:  # each even/odd pair read as one word (contiguous, vectorized loads) and split by bit shifts
+            xe, xo = _load_pairs(base, blk[:, None] * PER + i[None, :], mask)
+        else:
+            j = blk[:, None] * BLOCK + 2 * i[None, :]
+            xe = tl.load(base + (j * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
+            xo = tl.load(base + ((j + 1) * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))
     else:
         j = blk[:, None] * BLOCK + i[None, :]
@@ -143,7 +207,7 @@ def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
         s = _div_rn(_div_rn(amax, tl.full(amax.shape, _E2M1_MAX, tl.float32), PTX), gs, PTX)
         # clamped on both sides, as the reference: a negative g makes s negative, and torch <= 2.11's encoding
         # (SATURATE False) would make NaN of anything past -448
-        scale_byte = f32_to_e4m3fn_bits(tl.minimum(tl.maximum(s, -_E4M3_MAX), _E4M3_MAX), SATURATE)
+        scale_byte = _e4m3_bits(tl.minimum(tl.maximum(s, -_E4M3_MAX), _E4M3_MAX), SATURATE, HW_CVT)
         step = _mul_rn(e4m3fn_bits_to_f32(scale_byte), gs, PTX)
         zero = (step == 0)[:, :, None]
         safe = tl.where(zero, 1.0, step[:, :, None])
@@ -161,8 +225,7 @@ def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
         k = blk[:, None] * PER + i[None, :]
         tl.store(data + rows[:, None, None] * DATA_ROW + k[None, :, :], byte.to(tl.uint8), mask=mask)
     else:
-        x = tl.minimum(tl.maximum(xe, -_E4M3_MAX), _E4M3_MAX)
-        byte = f32_to_e4m3fn_bits(x, SATURATE)
+        byte = _e4m3_bits(tl.minimum(tl.maximum(xe, -_E4M3_MAX), _E4M3_MAX), SATURATE, HW_CVT)
         tl.store(data + rows[:, None, None] * DATA_ROW + j[None, :, :], byte.to(tl.uint8), mask=mask)
 
 
@@ -170,8 +233,9 @@ def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
 def _dequantize_head(dst, dn, dd, data, scale, rows, tok, mask_n, g,
                      D: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr,
                      VALUE_BITS: tl.constexpr, E4M3_SCALE: tl.constexpr, OUT: tl.constexpr, HW_CVT: tl.constexpr,
-                     DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """:func:`_quantize_head`'s inverse into ``dst`` (``OUT``: 0 float32, 1 float16, 2 bfloat16)."""
+                     DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr, PAIRS: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """:func:`_quantize_head`'s inverse into ``dst`` (``OUT``: 0 float32, 1 float16, 2 bfloat16; ``PAIRS`` as
+    there)."""
     blk = tl.arange(0, NB_PAD)
     mask_b = mask_n[:, None] & (blk < NB)[None, :]
     PER: tl.constexpr = BLOCK // (8 // VALUE_BITS)
@@ -187,9 +251,14 @@ def _dequantize_head(dst, dn, dd, data, scale, rows, tok, mask_n, g,
     if VALUE_BITS == 4:
         k = blk[:, None] * PER + i[None, :]
         byte = tl.load(data + rows[:, None, None] * DATA_ROW + k[None, :, :], mask=mask, other=0).to(tl.int32)
-        j = blk[:, None] * BLOCK + 2 * i[None, :]
-        _store_out(base + (j * dd)[None, :, :], _mul_rn(_e2m1_values(byte & 15), step, PTX), mask, OUT, HW_CVT)
-        _store_out(base + ((j + 1) * dd)[None, :, :], _mul_rn(_e2m1_values(byte >> 4), step, PTX), mask, OUT, HW_CVT)
+        lo = _mul_rn(_e2m1_values(byte & 15), step, PTX)
+        hi = _mul_rn(_e2m1_values(byte >> 4), step, PTX)
+        if PAIRS:  # one word per even/odd pair (contiguous, vectorized stores)
+            _store_pairs(base, k, lo, hi, mask, OUT, HW_CVT)
+        else:  # the even and odd values interleaved in registers, then stored whole
+            x = tl.reshape(tl.join(lo, hi), [lo.shape[0], NB_PAD, BLOCK])
+            jj = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+            _store_out(base + (jj * dd)[None, :, :], x, mask, OUT, HW_CVT)
     else:
         j = blk[:, None] * BLOCK + i[None, :]
         byte = tl.load(data + rows[:, None, None] * DATA_ROW + j[None, :, :], mask=mask, other=0)
@@ -217,7 +286,7 @@ def _rows_kernel(
     E4M3_SCALE: tl.constexpr, SATURATE: tl.constexpr, KD_LAYER: tl.constexpr, KS_LAYER: tl.constexpr,
     VD_LAYER: tl.constexpr, VS_LAYER: tl.constexpr, KD_ROW: tl.constexpr, KS_ROW: tl.constexpr,
     VD_ROW: tl.constexpr, VS_ROW: tl.constexpr, GATHER: tl.constexpr, OUT: tl.constexpr,
-    HW_CVT: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr,
+    HW_CVT: tl.constexpr, PAIRS: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Store (``GATHER`` False: ``k_ptr`` / ``v_ptr`` are the inputs) or gather (the outputs) ``n_tokens``
     rows at ``loc``; grid ``(token blocks, 2 H)``.  The two parts (K and V of MHA; nope and rope of an MLA
@@ -238,10 +307,10 @@ def _rows_kernel(
         data, scale = k_data + lay * KD_LAYER + hp * KB, k_scale + lay * KS_LAYER + hp * NBK
         if GATHER:
             _dequantize_head(k_ptr + hp * k_sh, k_sn, k_sd, data, scale, rows, tok, mask_n, g, DK, NBK, NBK_PAD,
-                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, KD_ROW, KS_ROW, PTX)  # fmt: skip
+                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, KD_ROW, KS_ROW, PAIRS, PTX)  # fmt: skip
         else:
             _quantize_head(k_ptr + hp * k_sh, k_sn, k_sd, data, scale, rows, tok, mask_n, g, DK, NBK, NBK_PAD,
-                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, KD_ROW, KS_ROW, PTX)  # fmt: skip
+                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, KD_ROW, KS_ROW, HW_CVT, PAIRS, PTX)  # fmt: skip
     else:
         h = hp - H
         g = 1.0
@@ -250,10 +319,10 @@ def _rows_kernel(
         data, scale = v_data + lay * VD_LAYER + h * VB, v_scale + lay * VS_LAYER + h * NBV
         if GATHER:
             _dequantize_head(v_ptr + h * v_sh, v_sn, v_sd, data, scale, rows, tok, mask_n, g, DV, NBV, NBV_PAD,
-                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, VD_ROW, VS_ROW, PTX)  # fmt: skip
+                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, VD_ROW, VS_ROW, PAIRS, PTX)  # fmt: skip
         else:
             _quantize_head(v_ptr + h * v_sh, v_sn, v_sd, data, scale, rows, tok, mask_n, g, DV, NBV, NBV_PAD,
-                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, VD_ROW, VS_ROW, PTX)  # fmt: skip
+                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, VD_ROW, VS_ROW, HW_CVT, PAIRS, PTX)  # fmt: skip
 
 
 _OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -305,6 +374,7 @@ class BlockRows:
         self._ptx = self._hw_cvt and kd.device.type == "cuda" and torch.version.hip is None
         self.launch = Launcher(_rows_kernel, kd.device, _POINTERS)
         self._large = {gather: BLOCK_N_LARGE[gather, r.value_bits] for gather in (False, True)}
+        self._pairs: dict[tuple, bool] = {}
 
     def _run(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool) -> None:
         n = loc.shape[0]
@@ -318,10 +388,24 @@ class BlockRows:
         block_n = self._large[gather] if n >= LARGE_FROM else BLOCK_N
         key = (gather, k.dtype, v.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, lp & 15, block_n)
         out = _OUT[k.dtype] if gather else 0
+        pairs = self._pairs.get(key)
+        if pairs is None:
+            pairs = self._pairs[key] = self._pairs_of(gather, k, v)
         self.launch(key, -(-n // block_n), 2 * self.parts.heads, (
             *self._addresses, layer, lp, loc.stride(0), n, kp, kss[0], kss[1], kss[2], vp, vss[0], vss[1], vss[2],
-            *self._fixed, gather, out, self._hw_cvt, self._ptx, block_n,
+            *self._fixed, gather, out, self._hw_cvt, pairs, self._ptx, block_n,
         ), (*self._buffers, loc, k, v))  # fmt: skip
+
+    def _pairs_of(self, gather: bool, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether a store may read (a gather write) each even/odd pair of values of ``k`` / ``v`` as one word:
+        4-bit codes, contiguous values, and every head's pairs aligned to twice the value's size (what the
+        launch key fixes: strides, dtypes and the addresses' low four bits)."""
+        if self.parts.recipe.value_bits != 4 or (gather and not GATHER_PAIRS):
+            return False
+        return all(
+            t.stride(2) == 1 and t.stride(0) % 2 == 0 and t.stride(1) % 2 == 0 and t.data_ptr() % (2 * t.element_size()) == 0
+            for t in (k, v)
+        )
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize ``k`` ``[N, heads, k_width]`` and ``v`` ``[N, heads, v_width]`` (any strides, float32 /

@@ -55,6 +55,41 @@ def test_store_writes_the_reference_bytes(kv_format, src_dtype):
     assert bits_equal(fast.k_data[1, loc], data) and bits_equal(fast.k_scale[1, loc], scales)
 
 
+def _kv_views(wide, form, dk, dv):
+    """K and V ``[N, 3, dk]`` / ``[N, 3, dv]`` as views of ``wide``: contiguous heads with aligned value pairs,
+    contiguous heads starting at an odd value, or every other value."""
+    if form == "pairs":
+        return wide[..., :dk], wide[..., dk + 2 : dk + 2 + dv]
+    if form == "odd start":
+        return wide[..., 1 : dk + 1], wide[..., dk + 3 : dk + 3 + dv]
+    return wide[..., : 2 * dk : 2], wide[..., 2 * dk : 2 * (dk + dv) : 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("form", ["pairs", "odd start", "every other value"])
+@pytest.mark.parametrize("kv_format", ["fp4_e2m1", "nvfp4"])
+def test_4bit_rows_move_values_in_pairs_or_one_by_one(kv_format, form, dtype):
+    """The 4-bit kernels read (store) or write (gather) a contiguous head whose value pairs are aligned as one
+    word per pair, and any other head value by value; each form stores the reference's bytes and reads back
+    the reference's values."""
+    dk, dv = WIDTHS[kv_format]
+    fast, ref = pools(kv_format, dk, dv)
+    g = torch.Generator().manual_seed(11)
+    k, v = _kv_views((torch.randn(5, 3, 2 * (dk + dv) + 4, generator=g) * 4).to(dtype).to(DEVICE), form, dk, dv)
+    assert k.shape[-1] == dk and v.shape[-1] == dv
+    assert fast._rows._pairs_of(False, k, v) == (form == "pairs")
+    loc = torch.tensor([7, 3, 20, 11, 16], device=DEVICE)
+    for p in (fast, ref):
+        p.set_kv_buffer(0, loc, k, v)
+    for name, buf in fast.buffers().items():
+        assert bits_equal(buf, ref.buffers()[name]), name
+    read = torch.tensor([16, 0, 3, 7], device=DEVICE)
+    out_k, out_v = _kv_views(torch.full((4, 3, 2 * (dk + dv) + 4), 7.0, dtype=dtype, device=DEVICE), form, dk, dv)
+    fast._rows.gather(0, read, out_k, out_v)
+    want_k, want_v = ref.get_kv_buffer_by_loc(0, read, dtype)
+    assert bits_equal(out_k, want_k) and bits_equal(out_v, want_v)
+
+
 @pytest.mark.parametrize("dst_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("kv_format", sorted(RECIPES))
 def test_gather_reads_the_reference_values(kv_format, dst_dtype):
