@@ -4,9 +4,10 @@ A step is what an engine's decode loop asks of the allocator: ``alloc_decode`` f
 copy of their lengths), then a free group releasing the pages of the requests that finished.  The loop also
 allocates pages for as many new requests (``alloc``), to stay in a steady state; its time is shown apart (see
 ``step_fn``).  ``decode+free`` times the plainer step the issue names, ``alloc_decode`` then one ``free`` of the
-previous step's locations, without a group (see ``plain_step_fn``).  Each row times the best of 7 runs of 2000
+previous step's locations, without a group (see ``plain_step_fn``).  Each row times the best of 21 runs of 500
 loops with no synchronisation inside (host time per call, each phase timed with ``time.perf_counter``, the
-garbage collector off as in ``timeit``), for page sizes 1, 16 and 64:
+garbage collector off as in ``timeit``), for page sizes 1, 16 and 64, in 3 rounds over every row (each figure
+the best of its rounds: the host's noisy stretches last seconds, longer than one row):
 
 - ``token`` / ``paged``: kvcore's allocators (``kvcore_choose_allocator`` picks the token allocator at page size
   1 and the paged one otherwise; the paged one is timed at page size 1 too);
@@ -29,7 +30,7 @@ import triton.language as tl
 from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvcore import allocator_kernels as k
 
-BS, FINISHING, STEPS, RUNS = 256, 8, 2000, 7
+BS, FINISHING, STEPS, RUNS, ROUNDS = 256, 8, 500, 21, 3
 
 
 @triton.jit
@@ -216,27 +217,46 @@ def sync_free(step) -> bool:
         torch.cuda.synchronize()
 
 
+ROWS = [(1, "token"), (1, "legacy-token"), (1, "paged"), (1, "legacy"), (16, "paged"), (16, "legacy"),
+        (64, "paged"), (64, "legacy")]
+
+
+def measure_row(page_size: int, kind: str) -> tuple:
+    """``(loop, [decode, group, alloc], decode+free, sync-free)`` of one allocator, each on a fresh one."""
+    a = make(kind, page_size)
+    clock = [0.0] * len(PHASES)
+    step = step_fn(a, page_size, clock)
+    free_of_syncs = sync_free(step)
+    loop = host_us(step, clock)
+    plain = host_us(plain_step_fn(make(kind, page_size), page_size))
+    return loop, list(clock), plain, free_of_syncs
+
+
 def main() -> None:
     bare = torch.zeros(1, device="cuda")
-    bare_us = host_us(lambda: bare.add_(0))
+    bare_us, best = float("inf"), {}
+    for _ in range(ROUNDS):  # every row once per round: a noisy stretch of the host hits one round, not a row
+        bare_us = min(bare_us, host_us(lambda: bare.add_(0)))
+        for row in ROWS:
+            loop, clock, plain, free_of_syncs = measure_row(*row)
+            old = best.get(row)
+            if old is None:
+                best[row] = [loop, clock, plain, free_of_syncs]
+                continue
+            if loop < old[0]:
+                old[0], old[1] = loop, clock
+            old[2] = min(old[2], plain)
+            old[3] = old[3] and free_of_syncs
     print(f"allocator decode step, {BS} requests, {FINISHING} finishing per step; bare x.add_(0) {bare_us:.2f} us")
     print("host us per step (alloc_decode + a free group), its phases, and the whole loop with the alloc for new")
-    print("requests; decode+free = alloc_decode + one free, no group (the issue's words); /bare = per bare op")
+    print("requests; decode+free = alloc_decode + one free, no group (the issue's words); /bare = per bare op;")
+    print(f"each figure the best of {ROUNDS} rounds over every row")
     print(f"{'page':>5} {'allocator':<13} {'step':>7} {'/bare':>6} {'decode':>7} {'group':>7} {'alloc':>7} "
           f"{'loop':>7} {'sync-free':>10} {'decode+free':>12} {'/bare':>6}")  # fmt: skip
-    for page_size in (1, 16, 64):
-        kinds = ["token", "legacy-token", "paged", "legacy"] if page_size == 1 else ["paged", "legacy"]
-        for kind in kinds:
-            a = make(kind, page_size)
-            clock = [0.0] * len(PHASES)
-            step = step_fn(a, page_size, clock)
-            free_of_syncs = sync_free(step)
-            loop = host_us(step, clock)
-            decode, group, alloc = clock
-            plain = host_us(plain_step_fn(make(kind, page_size), page_size))
-            print(f"{page_size:>5} {kind:<13} {decode + group:>7.2f} {(decode + group) / bare_us:>6.2f} {decode:>7.2f} "
-                  f"{group:>7.2f} {alloc:>7.2f} {loop:>7.2f} {str(free_of_syncs):>10} {plain:>12.2f} "
-                  f"{plain / bare_us:>6.2f}")  # fmt: skip
+    for (page_size, kind), (loop, (decode, group, alloc), plain, free_of_syncs) in best.items():
+        print(f"{page_size:>5} {kind:<13} {decode + group:>7.2f} {(decode + group) / bare_us:>6.2f} {decode:>7.2f} "
+              f"{group:>7.2f} {alloc:>7.2f} {loop:>7.2f} {str(free_of_syncs):>10} {plain:>12.2f} "
+              f"{plain / bare_us:>6.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ def alloc_pages_triton(pages: PageSource, num_pages: int, page_size: int) -> tor
     :returns: int64 ``[num_pages * page_size]`` on the source's device.
     """
     n = num_pages * page_size
-    out = torch.empty((n,), dtype=torch.int64, device=pages.ring.device)
+    out = pages.ring.new_empty(n)  # int64 on the ring's device; cheaper to parse than torch.empty's keywords
     if n:
         _launch(_alloc_pages_kernel, cdiv(n, _PAGES_BLOCK), (), (pages.ring, pages.ctl, pages.state, out),
                 (n, pages.taken + TAKEN_BIAS, pages.capacity, page_size, TAKEN_BIAS, _PAGES_BLOCK),
@@ -272,7 +272,7 @@ def alloc_extend_triton(
     """
     _check_extend_args(prefix_lens, seq_lens, last_loc)
     _check_source(pages, prefix_lens, seq_lens, last_loc)
-    out = torch.empty((extend_num_tokens,), dtype=torch.int64, device=pages.ring.device)
+    out = pages.ring.new_empty(extend_num_tokens)
     bs = prefix_lens.numel()
     if bs == 0 or extend_num_tokens == 0:
         return out
@@ -390,7 +390,7 @@ def alloc_decode_triton(
     _check_decode_args(seq_lens, last_loc)
     _check_source(pages, seq_lens, last_loc)
     bs = seq_lens.numel()
-    out = torch.empty((bs,), dtype=torch.int64, device=pages.ring.device)
+    out = pages.ring.new_empty(bs)
     if bs == 0:
         return out
     _launch(_alloc_decode_kernel, 1, (seq_lens, last_loc), (pages.ring, pages.ctl, pages.state, out, pages.words),
@@ -462,7 +462,7 @@ class DecodeStep:
                 f"{seq_lens.device} and last_loc on {last_loc.device}"
             )
         bits = pages.decode_bits(most)
-        out = torch.empty((bs,), dtype=torch.int64, device=pages.device)
+        out = pages.ring.new_empty(bs)
         if bs == 0:
             return out
         if not seq_lens.is_contiguous():

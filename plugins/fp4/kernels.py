@@ -102,9 +102,18 @@ def _block_exponent(amax, VALUE_BITS: tl.constexpr, PTX: tl.constexpr):
 
 @triton.jit
 def _e2m1_codes(x):
+    """e2m1 codes (int32, sign in bit 3) of float32 values already scaled into the e2m1 range, ties away from
+    zero (the bounds of ``E2M1_BOUNDS``), anything past 5.0 saturating to 6.0.
+
+    From 1.0 up the code is the float's exponent and top mantissa bit, rounded half up by adding half of the
+    mantissa's next bit: 1.0 (biased exponent 127, mantissa 0) is code 2, and a carry moves to the next
+    exponent (1.75 becomes 2.0).  Below 1.0 two comparisons give codes 0, 1 (0.5) and 2 (1.0).  About half the
+    instructions of seven comparisons, in the quantize loop's innermost step."""
     a = tl.abs(x)
-    code = ((a >= _B0).to(tl.int32) + (a >= _B1).to(tl.int32) + (a >= _B2).to(tl.int32) + (a >= _B3).to(tl.int32)
-            + (a >= _B4).to(tl.int32) + (a >= _B5).to(tl.int32) + (a >= _B6).to(tl.int32))  # fmt: skip
+    bits = a.to(tl.int32, bitcast=True)
+    upper = tl.minimum(((bits + 0x200000) >> 22) - 252, 7)
+    lower = (a >= _B0).to(tl.int32) + (a >= _B1).to(tl.int32)
+    code = tl.where(a < 1.0, lower, upper)
     return code | ((x < 0).to(tl.int32) << 3)
 
 
