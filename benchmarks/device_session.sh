@@ -2,10 +2,11 @@
 # One call on a GPU machine that reaches no package registry: install kvcore there, then run the phases named,
 # in order, each with its output kept under $OUT (default /tmp/kvcore-out) and its last lines printed.
 #
-#   bash benchmarks/device_session.sh [tests] [alloc] [bench] [quick] [fp4] [check]
+#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check]
 #
 #   tests  the compiled suite: KVCORE_TEST_COMPILED=1 python -m pytest -q -n 12   ($OUT/tests.txt)
 #   alloc  python benchmarks/bench_allocator.py                                     ($OUT/alloc.txt)
+#   probe  python benchmarks/probe_alloc_step.py                                    ($OUT/probe.txt)
 #   bench  kvcore bench (host-cost and graph-replay tables of every family)          ($OUT/bench.txt)
 #   quick  kvcore bench --quick                                                      ($OUT/quick.txt)
 #   fp4    python benchmarks/bench_fp4.py                                            ($OUT/fp4.txt)
@@ -44,11 +45,12 @@ for phase in "$@"; do
     case $phase in
         tests) run tests env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -n 12 -p no:cacheprovider ;;
         alloc) run alloc python3 benchmarks/bench_allocator.py ;;
+        probe) run probe python3 benchmarks/probe_alloc_step.py ;;
         bench) run bench python3 -m kvcore bench ;;
         quick) run quick python3 -m kvcore bench --quick ;;
         fp4) run fp4 python3 benchmarks/bench_fp4.py ;;
         check) run check python3 -m kvcore check acme --device cuda ;;
-        *) echo "device_session: unknown phase $phase (tests, alloc, bench, quick, fp4, check)"; status=2 ;;
+        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check)"; status=2 ;;
     esac
 done
 exit $status
