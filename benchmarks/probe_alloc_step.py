@@ -1,8 +1,8 @@
 """Where the host time of one allocator decode step goes, on a GPU: the step (``alloc_decode`` of 256 requests then
 one ``free`` of the previous step's locations) beside its parts: the output allocation, the two launches, and
-each call with its launch replaced by a no-op (the Python around the launch); and what a new output tensor costs
-made the ways the pools have made them.  The probe behind the allocator rows of benchmarks/RESULTS.md; best of
-21 runs of 500 calls, the garbage collector off.
+each call with its launch replaced by a no-op (the Python around the launch); and a gather's new output made two
+ways.  The probe behind the allocator
+rows of benchmarks/RESULTS.md; best of 21 runs of 500 calls, the garbage collector off.
 
     python3 benchmarks/probe_alloc_step.py
 """
@@ -13,7 +13,6 @@ import time
 import torch
 
 from kvcore.allocators import PagedTokenToKVPoolAllocator
-from kvcore.outputs import FreshTensors
 
 BS, CALLS, RUNS = 256, 500, 21
 
@@ -53,11 +52,11 @@ def main() -> None:
     dev = ring.device
     res["torch.empty((256,), dtype, device)"] = host_us(lambda: torch.empty((BS,), dtype=torch.int64, device=dev))
     res["ring.new_empty(256)"] = host_us(lambda: ring.new_empty(BS))
-    # a gather's output, as the MLA / DSA / fp4 pools made it before kvcore.outputs and as they make it now
+    # a gather's output (MLA, 8 tokens) as the pools make it, and through a template's new_empty
     res["torch.empty_strided((8, 1, 512), bf16)"] = host_us(
         lambda: torch.empty_strided((8, 1, 512), (512, 512, 1), dtype=torch.bfloat16, device=dev))
-    new = FreshTensors(dev)
-    res["FreshTensors((8, 1, 512), bf16)"] = host_us(lambda: new((8, 1, 512), torch.bfloat16))
+    bf16 = torch.zeros(0, dtype=torch.bfloat16, device=dev)
+    res["bf16 template.new_empty((8, 1, 512))"] = host_us(lambda: bf16.new_empty((8, 1, 512)))
     for page_size in (1, 16):
         seq = torch.full((BS,), 3 * page_size + 1, dtype=torch.int64)
         seq_dev, last = seq.cuda(), (torch.arange(BS, device="cuda") + 1000) * page_size

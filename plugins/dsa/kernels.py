@@ -45,7 +45,6 @@ from kvcore.fp8 import (
 from kvcore import dtypes
 from kvcore.dtypes import E4M3FN_MAX
 from kvcore.launch import Launcher
-from kvcore.outputs import FreshTensors
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.row_move import next_pow2
 from kvcore_dsa.layout import (
@@ -484,7 +483,6 @@ class ScaledRows:
         self._gather = Launcher(_gather_dsa_fp8_kernel, kv_cache.device, (*views, "loc_ptr", "nope_out", "rope_out"))
         self._view_ptrs = (kv_cache.data_ptr(),) * 3
         self.device, self._device_index = kv_cache.device, kv_cache.get_device()
-        self._new = FreshTensors(kv_cache.device)
 
     def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:
@@ -557,7 +555,8 @@ class ScaledRows:
         if dtype not in _FLOAT_INPUTS:
             raise ValueError(f"dequantized rows must be float32/float16/bfloat16, got {dtype}")
         r, p = self.kv_lora_rank, self.qk_rope_head_dim
-        nope, rope = self._new((n, 1, r), dtype), self._new((n, 1, p), dtype)
+        nope = torch.empty_strided((n, 1, r), (r, r, 1), dtype=dtype, device=self.device)
+        rope = torch.empty_strided((n, 1, p), (p, p, 1), dtype=dtype, device=self.device)
         if n == 0:
             return nope, rope
         if self.use_triton:
@@ -619,7 +618,6 @@ class IndexerPages:
         self._get = Launcher(_get_index_k_kernel, index_buf.device, ("buf_ptr", "page_ptr", "k_out", "s_out"))
         self._buf_ptr, self._layer_bytes = index_buf.data_ptr(), index_buf.stride(0)
         self.device, self._device_index = index_buf.device, index_buf.get_device()
-        self._new = FreshTensors(index_buf.device)
 
     def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:
@@ -726,8 +724,9 @@ class IndexerPages:
         if want_s and not self.has_scale:
             raise ValueError("this indexer buffer keeps no scales")
         k_bytes, s_bytes = self.key_bytes, INDEX_SCALE_BYTES
-        k_out = self._new((seq_len, k_bytes), torch.uint8) if want_k else None
-        s_out = self._new((seq_len, s_bytes), torch.uint8) if want_s else None
+        new = torch.empty_strided
+        k_out = new((seq_len, k_bytes), (k_bytes, 1), dtype=torch.uint8, device=self.device) if want_k else None
+        s_out = new((seq_len, s_bytes), (s_bytes, 1), dtype=torch.uint8, device=self.device) if want_s else None
         if seq_len == 0 or not (want_k or want_s):
             return k_out, s_out
         if not self.use_triton:

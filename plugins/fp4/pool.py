@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.outputs import FreshTensors
 from kvcore.pools import KVCache
 from kvcore.sample import random_nonzero
 from kvcore_fp4 import kernels as block_kernels
@@ -107,7 +106,7 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
             r, head_num, self.k_data, self.k_scale, self.head_dim, self.v_data, self.v_scale, self.v_head_dim,
             self.global_scale,
         ))  # fmt: skip
-        self._new = FreshTensors(self.k_data.device)  # reads' results, on the pool's device
+        self._out_device = self.k_data.device  # where reads allocate their results
         self._finalize_allocation()
 
     # -- buffers ------------------------------------------------------------------------------------------
@@ -182,9 +181,9 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         loc = _flat_loc(loc)
         dst = dst_dtype or self.dtype
         if self._use_triton:
-            n = loc.shape[0]
-            k = self._new((n, self.head_num, self.head_dim), dst)
-            v = self._new((n, self.head_num, self.v_head_dim), dst)
+            n, device = loc.shape[0], self._out_device
+            k = torch.empty((n, self.head_num, self.head_dim), dtype=dst, device=device)
+            v = torch.empty((n, self.head_num, self.v_head_dim), dtype=dst, device=device)
             self._rows.gather(local, loc, k, v)
             return k, v
         kg, vg = self._globals(local)  # the kernel reads them itself
@@ -276,7 +275,7 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
             r, 1, self.kv_data[..., :nd], self.kv_scale[..., :ns], kv_lora_rank, self.kv_data[..., nd:],
             self.kv_scale[..., ns:], qk_rope_head_dim, self.global_scale,
         ))  # fmt: skip
-        self._new = FreshTensors(self.kv_data.device)  # reads' results, on the pool's device
+        self._out_device = self.kv_data.device  # where reads allocate their results
         self._finalize_allocation()
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -347,8 +346,9 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         loc = _flat_loc(loc)
         dst = dst_dtype or self.dtype
         if self._use_triton:
-            n = loc.shape[0]
-            nope, rope = self._new((n, 1, self.kv_lora_rank), dst), self._new((n, 1, self.qk_rope_head_dim), dst)
+            n, device = loc.shape[0], self._out_device
+            nope = torch.empty((n, 1, self.kv_lora_rank), dtype=dst, device=device)
+            rope = torch.empty((n, 1, self.qk_rope_head_dim), dtype=dst, device=device)
             self._rows.gather(local, loc, nope, rope)
             return nope, rope
         nd, ns = self._split

@@ -54,7 +54,6 @@ from kvcore.dtypes import FP8_DTYPES, is_fp8_dtype, storage_dtype
 from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.launch import Launcher, cdiv
-from kvcore.outputs import FreshTensors
 from kvcore.row_move import next_pow2 as _next_pow2
 from kvcore.row_move import prev_pow2 as _prev_pow2
 
@@ -245,7 +244,6 @@ class LatentRows:
         self.kv_cache, self.cache_dtype, self.use_triton = kv_cache, cache_dtype, use_triton
         self.width, self.layers = width, kv_cache.shape[0]
         self.device, self._device_index = kv_cache.device, kv_cache.get_device()  # -1 on the CPU
-        self._new = FreshTensors(kv_cache.device)
         self.launch = Launcher(_mla_rows_kernel, kv_cache.device, ("cache_ptr", "loc_ptr", "a_ptr", "b_ptr"))
         self._cache_ptr = kv_cache.data_ptr()
         self._row_stride, self._layer_stride = kv_cache.stride(1), kv_cache.stride(0)
@@ -361,8 +359,8 @@ class LatentRows:
         and the next ``b_width`` as ``[N, 1, b_width]``, of ``dtype`` (converted as :meth:`gather` converts).
 
         The outputs need no checks: what is fixed by ``(dtype, a_width, b_width)`` is worked out once.  (Two
-        allocations through :class:`~kvcore.outputs.FreshTensors`: on an H200 they cost less host time than one
-        allocation carved into two views, each view costing about as much as an allocation.)"""
+        ``torch.empty_strided`` calls: on an H200 they cost less host time than one allocation carved into two
+        views, each view costing about as much as an allocation.)"""
         n = self._check_loc(layer_index, loc)
         fresh = self._fresh.get((dtype, a_width, b_width))
         if fresh is None:
@@ -373,7 +371,8 @@ class LatentRows:
                 (a_width, a_width, 1, *a_codes), (b_width, b_width, 1, *a_codes)
             )
         a_part, b_part = fresh
-        a, b = self._new((n, 1, a_width), dtype), self._new((n, 1, b_width), dtype)
+        a = torch.empty_strided((n, 1, a_width), a_part[:2] + (1,), dtype=dtype, device=self.device)
+        b = torch.empty_strided((n, 1, b_width), b_part[:2] + (1,), dtype=dtype, device=self.device)
         if n == 0:
             return a, b
         if self.use_triton:
