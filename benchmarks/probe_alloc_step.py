@@ -1,8 +1,8 @@
 """Where the host time of one allocator decode step goes, on a GPU: the step (``alloc_decode`` of 256 requests then
 one ``free`` of the previous step's locations) beside its parts: the output allocation, the two launches, and
 each call with its launch replaced by a no-op (the Python around the launch); and a gather's new output made two
-ways.  The probe behind the allocator
-rows of benchmarks/RESULTS.md; best of 21 runs of 500 calls, the garbage collector off.
+ways.  The probe behind the allocator rows of benchmarks/RESULTS.md; best of 21 runs of 500 calls, the garbage
+collector off.
 
     python3 benchmarks/probe_alloc_step.py
 """
