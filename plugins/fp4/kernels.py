@@ -164,7 +164,8 @@ def _store_pairs(base, pair, even, odd, mask, OUT: tl.constexpr, HW_CVT: tl.cons
     """:func:`_load_pairs`' inverse: float32 ``even`` / ``odd`` converted to ``OUT`` (as :func:`_store_out`)
     and stored as values ``2 * pair`` and ``2 * pair + 1`` after ``base``, one word per pair."""
     if OUT == 0:
-        w = (odd.to(tl.int32, bitcast=True).to(tl.int64) << 32) | even.to(tl.int32, bitcast=True).to(tl.uint32).to(tl.int64)
+        low = even.to(tl.int32, bitcast=True).to(tl.uint32).to(tl.int64)  # zero-extended: the high half stays clear
+        w = (odd.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low
         tl.store(base.to(tl.pointer_type(tl.int64)) + pair[None, :, :], w, mask=mask)
     else:
         w = (_half_bits(even, OUT, HW_CVT) & 0xFFFF) | (_half_bits(odd, OUT, HW_CVT) << 16)
@@ -412,9 +413,10 @@ class BlockRows:
         if self.parts.recipe.value_bits != 4 or (gather and not GATHER_PAIRS):
             return False
         return all(
-            t.stride(2) == 1 and t.stride(0) % 2 == 0 and t.stride(1) % 2 == 0 and t.data_ptr() % (2 * t.element_size()) == 0
+            t.stride(2) == 1 and t.stride(0) % 2 == 0 and t.stride(1) % 2 == 0
+            and t.data_ptr() % (2 * t.element_size()) == 0
             for t in (k, v)
-        )
+        )  # fmt: skip
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize ``k`` ``[N, heads, k_width]`` and ``v`` ``[N, heads, v_width]`` (any strides, float32 /
