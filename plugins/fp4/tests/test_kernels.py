@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcore.testing.tensors import bits_equal, test_device
-from kvcore_fp4.formats import RECIPES, dequantize, quantize
+from kvcore_fp4.formats import E2M1_BOUNDS, RECIPES, dequantize, quantize
 from kvcore_fp4.pool import MHATokenToKVPoolFP4
 
 DEVICE = test_device()
@@ -53,6 +53,45 @@ def test_store_writes_the_reference_bytes(kv_format, src_dtype):
     g = 0.03125 if recipe.global_scale else 1.0
     data, scales = quantize(k, recipe, g)
     assert bits_equal(fast.k_data[1, loc], data) and bits_equal(fast.k_scale[1, loc], scales)
+
+
+def _e2m1_edge_values() -> torch.Tensor:
+    """float32 values on and one ulp either side of every e2m1 rounding bound and of 1.0 (where the encoder
+    changes method), 6.0 and the value below it, both signs, and zero: all within [-6, 6]."""
+    points = torch.tensor([*E2M1_BOUNDS, 1.0], dtype=torch.float32)
+    up, down = torch.full_like(points, float("inf")), torch.zeros_like(points)
+    edges = torch.cat((points, torch.nextafter(points, up), torch.nextafter(points, down)))
+    six = torch.tensor([6.0])
+    edges = torch.cat((edges, six, torch.nextafter(six, torch.zeros(1))))
+    return torch.cat((edges, -edges, torch.zeros(1)))
+
+
+def test_e2m1_store_encodes_each_bound_and_its_neighbours_as_the_reference():
+    """Every value lands exactly on the e2m1 scale (each block's amax is 6.0, so its scale is 1): the codes
+    written are the encoder's alone, checked against the reference's seven-bound rule; then magnitudes past
+    6, which the block's scale brings back into range (saturation is reached through nvfp4's clamped scales,
+    in its own tests)."""
+    dk, dv = WIDTHS["fp4_e2m1"]
+    fast, ref = pools("fp4_e2m1", dk, dv)
+    values = _e2m1_edge_values()
+    n = -(-values.numel() // 15)
+    rows = torch.zeros(n * 15)
+    rows[: values.numel()] = values
+    blocks = torch.cat((torch.full((n, 1), 6.0), rows.view(n, 15)), dim=1)  # [n, 16]: amax 6 in every block
+    k = blocks.repeat(1, 3 * dk // 16).view(n, 3, dk).to(DEVICE)
+    v = blocks.repeat(1, 3 * dv // 16).view(n, 3, dv).flip(-1).to(DEVICE)  # the 6.0 at a block's other end
+    loc = torch.arange(1, n + 1, device=DEVICE)
+    for p in (fast, ref):
+        p.set_kv_buffer(0, loc, k, v)
+    assert fast.k_scale[0, loc].eq(127).all() and fast.v_scale[0, loc].eq(127).all()  # scale 1: exponent 0
+    for name, buf in fast.buffers().items():
+        assert bits_equal(buf, ref.buffers()[name]), name
+    assert bits_equal(fast.k_data[0, loc], quantize(k, RECIPES["fp4_e2m1"])[0])  # from the float32 values
+    big = torch.zeros(1, 3, dk)
+    big[0, 0, :4] = torch.tensor([7.5, 1e6, -1e6, 3.0])  # large magnitudes in one block
+    for p in (fast, ref):
+        p.set_kv_buffer(1, loc[:1], big.to(DEVICE), torch.zeros(1, 3, dv, device=DEVICE))
+    assert bits_equal(fast.k_data[1, loc[:1]], ref.k_data[1, loc[:1]])
 
 
 def _kv_views(wide, form, dk, dv):
