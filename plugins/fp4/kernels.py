@@ -43,8 +43,8 @@ _EMAX = tl.constexpr(E4M3_EMAX)
 _BIAS = tl.constexpr(UE8M0_BIAS)
 #: tokens per program (their rows are held whole): few at decode sizes, where more programs spread a handful of
 #: rows over more SMs; from ``LARGE_FROM`` tokens on, ``BLOCK_N_LARGE[(gather, value bits)]``.  Measured on an
-#: H200 at 32k tokens with the paired loads and stores (benchmarks/RESULTS.md, tile sweep): 32 tokens a
-#: program is best or within 2% of best in both directions for both value widths.
+#: H200 at 32k tokens with the paired loads and stores (a tile sweep whose log was not kept; benchmarks/RESULTS.md
+#: has the rows at 32): 32 tokens a program was best or within 2% of best in both directions for both widths.
 BLOCK_N, LARGE_FROM = 4, 512
 BLOCK_N_LARGE = {(False, 4): 32, (True, 4): 32, (False, 8): 32, (True, 8): 32}
 #: whether 4-bit gathers write pairs as words (else even and odd values interleaved in registers); a sweep knob
