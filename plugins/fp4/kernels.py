@@ -36,19 +36,24 @@ from kvcore_fp4.formats import E2M1_BOUNDS, E2M1_MAX, E4M3_EMAX, E4M3_MAX, UE8M0
 
 __all__ = ["BlockRows", "Parts"]
 
-_B0, _B1, _B2, _B3, _B4, _B5, _B6 = (tl.constexpr(b) for b in E2M1_BOUNDS)
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _EMAX = tl.constexpr(E4M3_EMAX)
 _BIAS = tl.constexpr(UE8M0_BIAS)
+_TWO_126 = tl.constexpr(2.0**126)
+#: the float32 bits of the two smallest e2m1 bounds
+_B0_BITS, _B1_BITS = (tl.constexpr(int(torch.tensor(b).view(torch.int32))) for b in E2M1_BOUNDS[:2])
+#: the e2m1 encoder's origin: ``(bits - _UPPER_ORIGIN) >> 22`` is ``((bits + 2**21) >> 22) - 252``
+_UPPER_ORIGIN = tl.constexpr(252 * 2**22 - 2**21)
 #: tokens per program (their rows are held whole): few at decode sizes, where more programs spread a handful of
-#: rows over more SMs; from ``LARGE_FROM`` tokens on, ``BLOCK_N_LARGE[(gather, value bits)]``.  Measured on an
-#: H200 at 32k tokens with the paired loads and stores (a tile sweep whose log was not kept; benchmarks/RESULTS.md
-#: has the rows at 32): 32 tokens a program was best or within 2% of best in both directions for both widths.
+#: rows over more SMs; from ``LARGE_FROM`` tokens on, ``BLOCK_N_LARGE[(gather, value bits)]`` tokens and
+#: ``NUM_WARPS_LARGE[...]`` warps (4 below).  A sweep on an H200 at 32k Llama-3-8B rows (benchmarks/RESULTS.md,
+#: sixth session) found 16 tokens on 2 warps best or within 3% of best in both directions for every recipe:
+#: small programs, each thread holding whole blocks, and no more values a thread than 32-token programs on 4
+#: warps, which took up to 1.3x as long to quantize.
 BLOCK_N, LARGE_FROM = 4, 512
-BLOCK_N_LARGE = {(False, 4): 32, (True, 4): 32, (False, 8): 32, (True, 8): 32}
-#: whether 4-bit gathers write pairs as words (else even and odd values interleaved in registers); a sweep knob
-GATHER_PAIRS = True
+BLOCK_N_LARGE = {(False, 4): 16, (True, 4): 16, (False, 8): 16, (True, 8): 16}
+NUM_WARPS_LARGE = {(False, 4): 2, (True, 4): 2, (False, 8): 2, (True, 8): 2}
 
 
 @triton.jit
@@ -105,26 +110,28 @@ def _e2m1_codes(x):
     """e2m1 codes (int32, sign in bit 3) of float32 values already scaled into the e2m1 range, ties away from
     zero (the bounds of ``E2M1_BOUNDS``), anything past 5.0 saturating to 6.0.
 
-    From 1.0 up the code is the float's exponent and top mantissa bit, rounded half up by adding half of the
-    mantissa's next bit: 1.0 (biased exponent 127, mantissa 0) is code 2, and a carry moves to the next
-    exponent (1.75 becomes 2.0).  Below 1.0 two comparisons give codes 0, 1 (0.5) and 2 (1.0).  About half the
-    instructions of seven comparisons, in the quantize loop's innermost step."""
-    a = tl.abs(x)
-    bits = a.to(tl.int32, bitcast=True)
-    upper = tl.minimum(((bits + 0x200000) >> 22) - 252, 7)
-    lower = (a >= _B0).to(tl.int32) + (a >= _B1).to(tl.int32)
-    code = tl.where(a < 1.0, lower, upper)
-    return code | ((x < 0).to(tl.int32) << 3)
+    On the magnitude's bits: from 1.0 up the code is the float's exponent and top mantissa bit, rounded half up
+    by adding half of the mantissa's next bit (1.0, biased exponent 127 and mantissa 0, is code 2; a carry moves
+    to the next exponent: 1.75 becomes 2.0).  Below 1.0 that formula gives at most the right code (0.875 and
+    up: 2, the right one; 0.625 and up: 1; below 0.5: negative), and two comparisons give the right one there
+    (0, 1 from 0.25, 2 from 0.75) and at most 2 above, so the code is the larger of the two.  About a third of
+    the instructions of seven comparisons, in the quantize loop's innermost step."""
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    upper = (bits - _UPPER_ORIGIN) >> 22  # ((bits + 2**21) >> 22) - 252, in two instructions
+    lower = tl.where(bits >= _B1_BITS, 2, (bits >= _B0_BITS).to(tl.int32))
+    code = tl.minimum(tl.maximum(upper, lower), 7)
+    return tl.where(x < 0, code | 8, code)
 
 
 @triton.jit
-def _e2m1_values(code):
-    """e2m1 codes -> float32, from bits: magnitude codes 2..7 are exponent ``(c >> 1) - 1`` with mantissa bit
-    ``c & 1``, code 1 is 0.5, code 0 is 0; bit 3 becomes the float's sign bit (code 8 is -0.0)."""
+def _e2m1_values(code, PTX: tl.constexpr):
+    """e2m1 codes -> float32, exactly, from bits: the code's exponent and mantissa bits (``c & 7``) placed at the
+    bottom of a float32's exponent field make the float ``2**-126`` times the e2m1 value (exponent 0, the codes
+    0 and 1, land in float32's subnormals just as they are e2m1's: 0 and 0.5), so one exact product by
+    ``2**126`` gives the value; bit 3 becomes the float's sign bit (code 8 is -0.0)."""
     c = code.to(tl.int32)
-    mag = c & 7
-    bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 0x3F000000, 0))
-    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    bits = ((c & 7) << 22) | ((c & 8) << 28)
+    return _mul_rn(bits.to(tl.float32, bitcast=True), tl.full(c.shape, _TWO_126, tl.float32), PTX)
 
 
 @triton.jit
@@ -261,8 +268,8 @@ def _dequantize_head(dst, dn, dd, data, scale, rows, tok, mask_n, g,
     if VALUE_BITS == 4:
         k = blk[:, None] * PER + i[None, :]
         byte = tl.load(data + rows[:, None, None] * DATA_ROW + k[None, :, :], mask=mask, other=0).to(tl.int32)
-        lo = _mul_rn(_e2m1_values(byte & 15), step, PTX)
-        hi = _mul_rn(_e2m1_values(byte >> 4), step, PTX)
+        lo = _mul_rn(_e2m1_values(byte & 15, PTX), step, PTX)
+        hi = _mul_rn(_e2m1_values(byte >> 4, PTX), step, PTX)
         if PAIRS:  # one word per even/odd pair (contiguous, vectorized stores)
             _store_pairs(base, k, lo, hi, mask, OUT, HW_CVT)
         else:  # the even and odd values interleaved in registers, then stored whole
@@ -383,7 +390,8 @@ class BlockRows:
         # IEEE float32 products and quotients as inline PTX: compiled kernels on NVIDIA GPUs only
         self._ptx = self._hw_cvt and kd.device.type == "cuda" and torch.version.hip is None
         self.launch = Launcher(_rows_kernel, kd.device, _POINTERS)
-        self._large = {gather: BLOCK_N_LARGE[gather, r.value_bits] for gather in (False, True)}
+        self._large = {gather: (BLOCK_N_LARGE[gather, r.value_bits], NUM_WARPS_LARGE[gather, r.value_bits])
+                       for gather in (False, True)}  # fmt: skip
         self._pairs: dict[tuple, bool] = {}
 
     def _run(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool) -> None:
@@ -395,22 +403,22 @@ class BlockRows:
             raise ValueError(f"loc and the rows must be on {self.device}, got {loc.device}, {k.device}, {v.device}")
         kss, vss = k.stride(), v.stride()
         kp, vp, lp = k.data_ptr(), v.data_ptr(), loc.data_ptr()
-        block_n = self._large[gather] if n >= LARGE_FROM else BLOCK_N
-        key = (gather, k.dtype, v.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, lp & 15, block_n)
+        block_n, warps = self._large[gather] if n >= LARGE_FROM else (BLOCK_N, 4)
+        key = (gather, k.dtype, v.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, lp & 15, block_n, warps)
         out = _OUT[k.dtype] if gather else 0
         pairs = self._pairs.get(key)
         if pairs is None:
-            pairs = self._pairs[key] = self._pairs_of(gather, k, v)
+            pairs = self._pairs[key] = self._pairs_of(k, v)
         self.launch(key, -(-n // block_n), 2 * self.parts.heads, (
             *self._addresses, layer, lp, loc.stride(0), n, kp, kss[0], kss[1], kss[2], vp, vss[0], vss[1], vss[2],
             *self._fixed, gather, out, self._hw_cvt, pairs, self._ptx, block_n,
-        ), (*self._buffers, loc, k, v))  # fmt: skip
+        ), (*self._buffers, loc, k, v), warps)  # fmt: skip
 
-    def _pairs_of(self, gather: bool, k: torch.Tensor, v: torch.Tensor) -> bool:
+    def _pairs_of(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether a store may read (a gather write) each even/odd pair of values of ``k`` / ``v`` as one word:
         4-bit codes, contiguous values, and every head's pairs aligned to twice the value's size (what the
         launch key fixes: strides, dtypes and the addresses' low four bits)."""
-        if self.parts.recipe.value_bits != 4 or (gather and not GATHER_PAIRS):
+        if self.parts.recipe.value_bits != 4:
             return False
         return all(
             t.stride(2) == 1 and t.stride(0) % 2 == 0 and t.stride(1) % 2 == 0

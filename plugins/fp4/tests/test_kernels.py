@@ -116,7 +116,7 @@ def test_4bit_rows_move_values_in_pairs_or_one_by_one(kv_format, form, dtype):
     g = torch.Generator().manual_seed(11)
     k, v = _kv_views((torch.randn(5, 3, 2 * (dk + dv) + 4, generator=g) * 4).to(dtype).to(DEVICE), form, dk, dv)
     assert k.shape[-1] == dk and v.shape[-1] == dv
-    assert fast._rows._pairs_of(False, k, v) == (form == "pairs")
+    assert fast._rows._pairs_of(k, v) == (form == "pairs")
     loc = torch.tensor([7, 3, 20, 11, 16], device=DEVICE)
     for p in (fast, ref):
         p.set_kv_buffer(0, loc, k, v)
@@ -226,6 +226,38 @@ def test_gather_keeps_the_sign_of_zero(kv_format, dst_dtype):
     got, want = fast.get_kv_buffer_by_loc(0, loc, dst_dtype), ref.get_kv_buffer_by_loc(0, loc, dst_dtype)
     assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
     assert torch.signbit(want[0][:, :, 1]).all() and (want[0][:, :, 1] == 0).all()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the largest steps overflow, as meant
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kv_format", ["fp4_e2m1", "nvfp4"])
+def test_gather_decodes_every_code_byte_under_every_scale_byte(kv_format, dst_dtype):
+    """Every data byte (both nibbles: all 16 codes each) and every scale byte (UE8M0 0..254: 2**-127, a
+    subnormal, to 2**127; every e4m3 byte but the two NaNs) read back as the reference decodes them.  The
+    kernel builds a code's value from its bits as a float32 subnormal times 2**126, then one product with the
+    step, so this covers every path through it, overflow to inf included."""
+    fast, ref = pools(kv_format, 32, 32)
+    rows = fast.k_data.shape[1]
+    data = (torch.arange(rows * 3 * 16) % 256).to(torch.uint8).reshape(rows, 3, 16)
+    g = torch.Generator().manual_seed(3)
+    if kv_format == "fp4_e2m1":
+        kinds = torch.arange(255)  # 255 would be 2**128
+    else:
+        kinds = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F])
+        for p in (fast, ref):
+            p.set_kv_global_scale(0, 3e-3, 2e35)  # V: steps up to 9e37, 6 of the largest overflow
+    per_part = rows * 3 * 2  # rows x heads x blocks
+    assert len(kinds) <= 2 * per_part
+    fill = kinds[torch.randint(len(kinds), (2 * per_part - len(kinds),), generator=g)]
+    scales = torch.cat((kinds[torch.randperm(len(kinds), generator=g)], fill)).to(torch.uint8).reshape(2, rows, 3, 2)
+    for p in (fast, ref):
+        p.k_data[0], p.v_data[0] = data.to(DEVICE), data.flip(0).to(DEVICE)
+        p.k_scale[0], p.v_scale[0] = scales[0].to(DEVICE), scales[1].to(DEVICE)
+    loc = torch.randperm(rows, generator=g).to(DEVICE)
+    got, want = fast.get_kv_buffer_by_loc(0, loc, dst_dtype), ref.get_kv_buffer_by_loc(0, loc, dst_dtype)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+    values = torch.cat((want[0].flatten(), want[1].flatten())).float()
+    assert torch.isinf(values).any() and (values == 0).logical_and(torch.signbit(values)).any()
 
 
 @pytest.mark.parametrize("kv_format", ["fp4_e2m1", "mxfp8"])
