@@ -46,14 +46,16 @@ _B0_BITS, _B1_BITS = (tl.constexpr(int(torch.tensor(b).view(torch.int32))) for b
 #: the e2m1 encoder's origin: ``(bits - _UPPER_ORIGIN) >> 22`` is ``((bits + 2**21) >> 22) - 252``
 _UPPER_ORIGIN = tl.constexpr(252 * 2**22 - 2**21)
 #: tokens per program (their rows are held whole): few at decode sizes, where more programs spread a handful of
-#: rows over more SMs; from ``LARGE_FROM`` tokens on, ``BLOCK_N_LARGE[(gather, value bits)]`` tokens and
-#: ``NUM_WARPS_LARGE[...]`` warps (4 below).  A sweep on an H200 at 32k Llama-3-8B rows (benchmarks/RESULTS.md,
-#: sixth session) found 16 tokens on 2 warps best or within 3% of best in both directions for every recipe:
-#: small programs, each thread holding whole blocks, and no more values a thread than 32-token programs on 4
-#: warps, which took up to 1.3x as long to quantize.
+#: rows over more SMs; from ``LARGE_FROM`` tokens on, ``LARGE_TILES[(recipe name, gather)]`` = (tokens, warps).
+#: From a sweep on an H200 at 32k Llama-3-8B rows (benchmarks/RESULTS.md, sixth session): small programs whose
+#: threads each hold whole blocks; 32 tokens on 4 warps took up to 1.45x as long to quantize.  nvfp4's store
+#: (two IEEE divisions a value) prefers 8 tokens a warp, the others 16; the MXFP8 gather 2 warps.
 BLOCK_N, LARGE_FROM = 4, 512
-BLOCK_N_LARGE = {(False, 4): 16, (True, 4): 16, (False, 8): 16, (True, 8): 16}
-NUM_WARPS_LARGE = {(False, 4): 2, (True, 4): 2, (False, 8): 2, (True, 8): 2}
+LARGE_TILES = {
+    ("fp4_e2m1", False): (16, 1), ("fp4_e2m1", True): (16, 1),
+    ("nvfp4", False): (8, 1), ("nvfp4", True): (16, 1),
+    ("mxfp8", False): (8, 1), ("mxfp8", True): (16, 2),
+}  # fmt: skip
 
 
 @triton.jit
@@ -390,8 +392,7 @@ class BlockRows:
         # IEEE float32 products and quotients as inline PTX: compiled kernels on NVIDIA GPUs only
         self._ptx = self._hw_cvt and kd.device.type == "cuda" and torch.version.hip is None
         self.launch = Launcher(_rows_kernel, kd.device, _POINTERS)
-        self._large = {gather: (BLOCK_N_LARGE[gather, r.value_bits], NUM_WARPS_LARGE[gather, r.value_bits])
-                       for gather in (False, True)}  # fmt: skip
+        self._large = {gather: LARGE_TILES[r.name, gather] for gather in (False, True)}
         self._pairs: dict[tuple, bool] = {}
 
     def _run(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool) -> None:

@@ -23,12 +23,14 @@ kernels launched directly: :mod:`kvcore.launch`); the functions below build one 
     ``get_mla_kv_buffer``: reads rows ``loc`` back into caller-provided nope / rope tensors of any float or
     fp8 dtype, in one launch.
 
-Kernel shape (all three): grid ``(cdiv(N, BLOCK_N), column blocks of nope + of rope)``, one program per
-``[BLOCK_N, BLOCK_C]`` tile (BLOCK_C a power of two up to ``MAX_BLOCK_C`` elements), so a decode step of one
-token runs its nope and rope tiles in parallel programs.  A program loads its ``BLOCK_N`` locations, then
-copies its tile, converting on the way.  Cache rows are addressed as ``row * D`` with ``D`` a compile-time constant, so each tile row is one
-wide contiguous access; offsets are int64 (pools exceed 2**31 bytes); inputs and outputs may be strided in
-both dims (a nope/rope split of a larger projection needs no copy; a unit last-dim stride is specialised).
+Kernel shapes (all three operations): up to ``ROW_KERNEL_MAX_TOKENS`` tokens (decode steps) one program a
+token copies its whole row, both parts, in one tile (:func:`_mla_row_kernel`); above, grid ``(cdiv(N,
+BLOCK_N), column blocks of nope + of rope)``, one program per ``[BLOCK_N, BLOCK_C]`` tile (BLOCK_C a power of two
+up to ``MAX_BLOCK_C`` elements), which loads its ``BLOCK_N`` locations, then copies its tile, converting on the
+way (:func:`_mla_rows_kernel`).  Cache rows are addressed as ``row * D`` with ``D`` a compile-time constant, so
+each tile row is one wide contiguous access; offsets are int64 (pools exceed 2**31 bytes); inputs and outputs
+may be strided in both dims (a nope/rope split of a larger projection needs no copy; a unit last-dim stride is
+specialised).
 No host sync and no allocation: the stores are CUDA-graph safe.
 
 Conversions are bit-exact with torch's ``.to()`` of the process's torch, on the interpreter and on GPUs:
@@ -77,6 +79,12 @@ COPY_TILE_ELEMS = 2048
 #: warps per program: one per ELEMS_PER_WARP elements of a tile, at most MAX_WARPS.
 ELEMS_PER_WARP = 1024
 MAX_WARPS = 2
+#: up to this many tokens (decode sizes) one program a token copies the whole row (:func:`_mla_row_kernel`), on
+#: ROW_KERNEL_WARPS warps.  On an H200 (benchmarks/RESULTS.md, sixth session) that took 1.33 / 1.45 / 1.49 us per
+#: DeepSeek-V3 store of 1 / 8 / 64 tokens in graph replay where the tiles took 1.57 / 1.71 / 1.74 us; from 4096
+#: tokens on the tiles are faster (3.16 against 3.80 us).
+ROW_KERNEL_MAX_TOKENS = 256
+ROW_KERNEL_WARPS = 2
 
 # The dtype codes of kvcore.dtypes, as the kernel compares them: ``IN`` says what a loaded tensor holds,
 # ``OUT`` what a conversion writes (SAME: the bits unchanged).
@@ -176,6 +184,43 @@ def _mla_rows_kernel(
                    B_WIDTH, BLOCK_B, ROW, B_PACKED, GATHER, B_IN, B_OUT, SATURATE, HW_CVT)  # fmt: skip
 
 
+@triton.jit(do_not_specialize=["layer", "loc_stride"])
+def _mla_row_kernel(
+    cache_ptr, layer, loc_ptr, loc_stride, a_ptr, a_sn, a_sd, b_ptr, b_sn, b_sd,
+    LAYER_STRIDE: tl.constexpr, ROW: tl.constexpr, A_WIDTH: tl.constexpr, B_WIDTH: tl.constexpr,
+    B_EXT0: tl.constexpr, BLOCK: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
+    GATHER: tl.constexpr, A_IN: tl.constexpr, A_OUT: tl.constexpr, B_IN: tl.constexpr, B_OUT: tl.constexpr,
+    SATURATE: tl.constexpr, HW_CVT: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(tokens,)``: each program copies one token's whole row, both parts, in one ``BLOCK``-wide tile
+    (a power of two >= ``A_WIDTH + B_WIDTH``), its location read as a scalar; parts and columns as
+    :func:`_mla_rows_kernel`'s.  At decode sizes one program a token costs less device time than tiles of
+    several tokens: nothing waits on a vector of locations, and one program fills the row."""
+    t = tl.program_id(0).to(tl.int64)
+    row = tl.load(loc_ptr + t * loc_stride).to(tl.int64)
+    cache = cache_ptr + layer.to(tl.int64) * LAYER_STRIDE + row * ROW
+    cols = tl.arange(0, BLOCK)
+    in_a = cols < A_WIDTH
+    in_b = (cols >= A_WIDTH) & (cols < A_WIDTH + B_WIDTH)
+    b_cols = cols - A_WIDTH + B_EXT0  # part B's columns in its own tensor (negative where masked off)
+    if A_PACKED:
+        a_at = a_ptr + t * a_sn + cols
+    else:
+        a_at = a_ptr + t * a_sn + cols.to(tl.int64) * a_sd
+    if B_PACKED:
+        b_at = b_ptr + t * b_sn + b_cols
+    else:
+        b_at = b_ptr + t * b_sn + b_cols.to(tl.int64) * b_sd
+    if GATHER:
+        x = tl.load(cache + cols, mask=in_a | in_b, other=0)
+        tl.store(a_at, _convert(x, A_IN, A_OUT, SATURATE, HW_CVT), mask=in_a)
+        tl.store(b_at, _convert(x, B_IN, B_OUT, SATURATE, HW_CVT), mask=in_b)
+    else:
+        a = _convert(tl.load(a_at, mask=in_a, other=0), A_IN, A_OUT, SATURATE, HW_CVT)
+        b = _convert(tl.load(b_at, mask=in_b, other=0), B_IN, B_OUT, SATURATE, HW_CVT)
+        tl.store(cache + cols, tl.where(in_a, a, b), mask=in_a | in_b)
+
+
 def _plan(a_width: int, b_width: int, n_pad: int, copy: bool) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N, BLOCK_A, BLOCK_B, column blocks of A, of A + B, warps) for parts of the given widths and
     ``n_pad`` (a power of two) tokens."""
@@ -244,7 +289,9 @@ class LatentRows:
         self.kv_cache, self.cache_dtype, self.use_triton = kv_cache, cache_dtype, use_triton
         self.width, self.layers = width, kv_cache.shape[0]
         self.device, self._device_index = kv_cache.device, kv_cache.get_device()  # -1 on the CPU
-        self.launch = Launcher(_mla_rows_kernel, kv_cache.device, ("cache_ptr", "loc_ptr", "a_ptr", "b_ptr"))
+        pointers = ("cache_ptr", "loc_ptr", "a_ptr", "b_ptr")
+        self.launch = Launcher(_mla_rows_kernel, kv_cache.device, pointers)
+        self.launch_row = Launcher(_mla_row_kernel, kv_cache.device, pointers)
         self._cache_ptr = kv_cache.data_ptr()
         self._row_stride, self._layer_stride = kv_cache.stride(1), kv_cache.stride(0)
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
@@ -287,14 +334,21 @@ class LatentRows:
     # -- the one launch --------------------------------------------------------------------------------------
 
     def _spec(self, key: tuple) -> tuple:
-        """(BLOCK_N, column blocks, warps, the kernel's arguments from ``LAYER_STRIDE`` on) of a launch key."""
+        """(launcher, tokens a program, column blocks, warps, the kernel's arguments from ``LAYER_STRIDE`` on) of a
+        launch key: up to ``ROW_KERNEL_MAX_TOKENS`` tokens one program a token (:func:`_mla_row_kernel`), above them
+        tiles (:func:`_mla_rows_kernel`)."""
         n_pad, gather, a_part, b_part, b_ext0 = key[:5]
+        common = (a_part[2] == 1, b_part[2] == 1, gather, a_part[3], a_part[4], b_part[3], b_part[4], self._saturate,
+                  self._hw_cvt)  # fmt: skip
+        if n_pad <= ROW_KERNEL_MAX_TOKENS:
+            block = _next_pow2(a_part[0] + b_part[0])
+            tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block, *common)
+            return self.launch_row, 1, 1, ROW_KERNEL_WARPS, tail
         copy = a_part[4] == dtypes.SAME and (b_part[0] == 0 or b_part[4] == dtypes.SAME)
         block_n, block_a, block_b, num_cb_a, num_cb, warps = _plan(a_part[0], b_part[0], n_pad, copy)
         tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block_a, block_b, num_cb_a,
-                a_part[2] == 1, b_part[2] == 1, gather, a_part[3], a_part[4], b_part[3], b_part[4], self._saturate,
-                self._hw_cvt, block_n)  # fmt: skip
-        return block_n, num_cb, warps, tail
+                *common, block_n)  # fmt: skip
+        return self.launch, block_n, num_cb, warps, tail
 
     def _launch(self, layer_index, loc, n, a, a_part, b, b_part, gather: bool, b_ext0: int = 0) -> None:
         """One launch over ``loc``.  ``a_part`` / ``b_part`` are (width, token stride, column stride, IN, OUT) as
@@ -310,11 +364,18 @@ class LatentRows:
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = self._spec(key)
-        block_n, num_cb, warps, tail = spec
-        self.launch(key, -(-n // block_n), num_cb, (
-            self._cache_ptr, layer_index, lp, loc.stride(0), n, ap, a_part[1], a_part[2], bp, b_part[1], b_part[2],
-            *tail,
-        ), (self.kv_cache, loc, a, b), warps)  # fmt: skip
+        launch, block_n, num_cb, warps, tail = spec
+        tensors = (self.kv_cache, loc, a, b)
+        if launch is self.launch_row:  # one program a token: the grid is the token count, not an argument
+            launch(key, n, 1, (
+                self._cache_ptr, layer_index, lp, loc.stride(0), ap, a_part[1], a_part[2], bp, b_part[1], b_part[2],
+                *tail,
+            ), tensors, warps)  # fmt: skip
+        else:
+            launch(key, -(-n // block_n), num_cb, (
+                self._cache_ptr, layer_index, lp, loc.stride(0), n, ap, a_part[1], a_part[2], bp, b_part[1],
+                b_part[2], *tail,
+            ), tensors, warps)  # fmt: skip
 
     # -- the operations --------------------------------------------------------------------------------------
 

@@ -306,7 +306,7 @@ def test_nvfp4_store_with_any_global_scale(scales, saturate, monkeypatch):
 
 @pytest.mark.parametrize("kv_format", sorted(RECIPES))
 def test_the_large_token_tile_matches_the_reference(kv_format, monkeypatch):
-    """From ``LARGE_FROM`` tokens on the kernels take ``BLOCK_N_LARGE`` tokens a program (per direction and
+    """From ``LARGE_FROM`` tokens on the kernels take ``LARGE_TILES`` tokens a program (per recipe and
     value width); lowered here so an interpreted run reaches those tiles (and a ragged last tile) at a small
     size."""
     import kvcore_fp4.kernels as kernels
@@ -314,7 +314,7 @@ def test_the_large_token_tile_matches_the_reference(kv_format, monkeypatch):
     monkeypatch.setattr(kernels, "LARGE_FROM", 8)
     dk, dv = WIDTHS[kv_format]
     fast, ref = pools(kv_format, dk, dv)
-    n = max(kernels.BLOCK_N_LARGE.values()) + 5
+    n = max(tokens for tokens, _ in kernels.LARGE_TILES.values()) + 5
     k, v = inputs(n, dk, dv, 7)
     loc = torch.randperm(24, device=DEVICE)[: min(n, 23)] + 1
     k, v = k[: loc.numel()], v[: loc.numel()]

@@ -28,6 +28,15 @@ CACHE_DTYPES = FLOATS + dtypes.FP8_DTYPES
 DST_DTYPES = FLOATS + dtypes.FP8_DTYPES
 
 
+@pytest.fixture(autouse=True, params=["one program a token", "tiles"])
+def kernel_shape(request, monkeypatch):
+    """Every test runs both kernels: one program a token (decode sizes, up to ROW_KERNEL_MAX_TOKENS) and the
+    tiles (above)."""
+    if request.param == "tiles":
+        monkeypatch.setattr(kernels, "ROW_KERNEL_MAX_TOKENS", 0)
+    return request.param
+
+
 def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -177,15 +186,15 @@ def test_store_raw_bytes_layout():
     assert bits_equal(back[0], nope) and bits_equal(back[1], rope)
 
 
-def test_store_and_gather_are_one_launch(monkeypatch):
+def test_store_and_gather_are_one_launch(monkeypatch, kernel_shape):
     launches = []
-    run = kernels._mla_rows_kernel.run
+    for kernel in (kernels._mla_rows_kernel, kernels._mla_row_kernel):
 
-    def counting_run(*args, **kwargs):
-        launches.append(kwargs.get("grid"))
-        return run(*args, **kwargs)
+        def counting_run(*args, _run=kernel.run, _name=kernel.__name__, **kwargs):
+            launches.append(_name)
+            return _run(*args, **kwargs)
 
-    monkeypatch.setattr(kernels._mla_rows_kernel, "run", counting_run)
+        monkeypatch.setattr(kernel, "run", counting_run)
     gen = torch.Generator().manual_seed(14)
     cache = _cache("dsv3", torch.bfloat16, gen)
     loc = _loc(33, torch.int64, gen)
@@ -197,6 +206,7 @@ def test_store_and_gather_are_one_launch(monkeypatch):
     out = (torch.empty(33, 1, 512, device=DEVICE), torch.empty(33, 1, 64, device=DEVICE))
     kernels.gather_nope_rope_triton(cache, 0, loc, *out, cache_dtype=torch.bfloat16)
     assert len(launches) == 3
+    assert set(launches) == {"_mla_row_kernel" if kernel_shape == "one program a token" else "_mla_rows_kernel"}
 
 
 # ==========================================================================================================
