@@ -183,6 +183,13 @@ def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch
     keys = rand(n, 128).to(torch.float8_e4m3fn)
     scales = torch.rand(n, generator=gen).add_(0.01).cuda()
     pages = torch.arange(1, 2 + n // 64, dtype=torch.int32).cuda()
+
+    def into(*shapes, dtype=torch.bfloat16):
+        """Caller-provided outputs (``out=``), made once per pool: the timed call allocates nothing."""
+        return lambda: tuple(torch.empty(shape, dtype=dtype, device="cuda") for shape in shapes)
+
+    latent_out, kv_out = into((n, 1, RANK), (n, 1, ROPE)), into((n, HEADS, HEAD_DIM), (n, HEADS, HEAD_DIM))
+    index_out = into((n, 128), (n, 4), dtype=torch.uint8)
     return {
         "mha set_kv_buffer bf16": ("mha", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
         "mha set_kv_buffer fp8<-bf16": ("mha_fp8", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
@@ -194,13 +201,21 @@ def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch
         "mla set_mla_kv_buffer": ("mla", lambda p: lambda: p.set_mla_kv_buffer(0, loc, nope, rope), loc),
         "mla set_kv_buffer (concatenated)": ("mla", lambda p: lambda: p.set_kv_buffer(0, loc, latent, None), loc),
         "mla get_mla_kv_buffer": ("mla", lambda p: lambda: p.get_mla_kv_buffer(0, loc), None),
+        "mla get_mla_kv_buffer (out=)": ("mla", lambda p, o=latent_out: (
+            lambda out: lambda: p.get_mla_kv_buffer(0, loc, out=out))(o()), INTO),
         "dsa set_mla_kv_buffer (fp8 quantize)": ("dsa", lambda p: lambda: p.set_mla_kv_buffer(0, loc, nope, rope), loc),
         "dsa get_mla_kv_buffer (dequantize)": ("dsa", lambda p: lambda: p.get_mla_kv_buffer(0, loc), None),
+        "dsa get_mla_kv_buffer (out=)": ("dsa", lambda p, o=latent_out: (
+            lambda out: lambda: p.get_mla_kv_buffer(0, loc, out=out))(o()), INTO),
         "dsa set_index_k_scale_buffer": ("dsa", lambda p: lambda: p.set_index_k_scale_buffer(0, loc, keys, scales), loc),
         "dsa get_index_k_scale_buffer": ("dsa", lambda p: lambda: p.get_index_k_scale_buffer(0, n, pages), None),
+        "dsa get_index_k_scale_buffer (out=)": ("dsa", lambda p, o=index_out: (
+            lambda out: lambda: p.get_index_k_scale_buffer(0, n, pages, out=out))(o()), INTO),
         "swa set_kv_buffer (window, mapped)": ("swa", lambda p: lambda: p.set_kv_buffer(0, loc, swa_k, swa_v), loc),
         "nvfp4 set_kv_buffer (quantize)": ("nvfp4", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
         "nvfp4 get_kv_buffer_by_loc": ("nvfp4", lambda p: lambda: p.get_kv_buffer_by_loc(0, loc), None),
+        "nvfp4 get_kv_buffer_by_loc (out=)": ("nvfp4", lambda p, o=kv_out: (
+            lambda out: lambda: p.get_kv_buffer_by_loc(0, loc, out=out))(o()), INTO),
         **({"mamba copy_from (36 layers)": ("mamba", lambda p: lambda: p.copy_from(slots[:n], slots[n:]), STATE)}
            if n in STATE_SLOTS else {}),
     }
@@ -208,6 +223,8 @@ def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch
 
 #: the ``written`` of a case whose call writes per-request state: every state buffer is compared.
 STATE = "state"
+#: the ``written`` of a gather into caller-provided outputs: compared as a gather, timed beside the bare op only.
+INTO = "into"
 
 
 def _bytes_moved(op: str, n: int) -> int | None:
@@ -220,13 +237,16 @@ def _bytes_moved(op: str, n: int) -> int | None:
         # bf16 K and V in (2 bytes a value), codes and scales out (1/2 + 1/16), or back
         "nvfp4 set_kv_buffer (quantize)": 2 * HEADS * HEAD_DIM * 41 // 16,
         "nvfp4 get_kv_buffer_by_loc": 2 * HEADS * HEAD_DIM * 41 // 16,
+        "nvfp4 get_kv_buffer_by_loc (out=)": 2 * HEADS * HEAD_DIM * 41 // 16,
         "mamba copy_from (36 layers)": 2 * QWEN3_NEXT_STATE["layers"] * (
             math.prod(QWEN3_NEXT_STATE["conv"]) * 2 + math.prod(QWEN3_NEXT_STATE["temporal"]) * 4),
         "mla set_mla_kv_buffer": 2 * (RANK + ROPE) * 2,
         "mla set_kv_buffer (concatenated)": 2 * (RANK + ROPE) * 2,
         "mla get_mla_kv_buffer": 2 * (RANK + ROPE) * 2,
+        "mla get_mla_kv_buffer (out=)": 2 * (RANK + ROPE) * 2,
         "dsa set_mla_kv_buffer (fp8 quantize)": (RANK + ROPE) * 2 + 656,
         "dsa get_mla_kv_buffer (dequantize)": 656 + (RANK + ROPE) * 2,
+        "dsa get_mla_kv_buffer (out=)": 656 + (RANK + ROPE) * 2,
     }.get(op)
     return None if per_token is None else per_token * n
 
@@ -261,7 +281,7 @@ def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 8, 64, 256, 32768), reps: i
         for op, (pool, make, written) in _cases(n, torch.Generator().manual_seed(n)).items():
             ours, theirs = make(fast[pool]), make(ref[pool])
             got, want = ours(), theirs()
-            if written is None:
+            if written is None or written is INTO:
                 ok = _same(got, want)
             elif written is STATE:
                 mine, reference = fast[pool].buffers(), ref[pool].buffers()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.pools import gather_outputs
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_dsa import kernels
@@ -194,20 +195,28 @@ class DSATokenToKVPool(MLATokenToKVPool):
         self._scaled.store(local, loc, rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :])
 
     def get_mla_kv_buffer(
-        self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None
+        self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None, *, out=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather (and, for fp8, dequantize) the rows ``loc`` of ``layer``; only those rows are read.
 
         :param dst_dtype: float32, float16 or bfloat16 for an fp8 cache (default bfloat16, the rope's storage
             dtype: dequantizing to fp8 would be meaningless); any MLA destination otherwise.
+        :param out: kvcore extension: ``(cache_k_nope, cache_k_rope)`` to gather into instead of allocating (for
+            an fp8 cache contiguous, of one float dtype); returned.
         :returns: ``(cache_k_nope [N, 1, kv_lora_rank], cache_k_rope [N, 1, qk_rope_head_dim])``: the nope
             values ``float32(fp8) * scale`` and the stored bf16 rope, converted to ``dst_dtype``.
         """
         if not self.dsa_kv_cache_store_fp8:
-            return super().get_mla_kv_buffer(layer, loc, dst_dtype)
+            return super().get_mla_kv_buffer(layer, loc, dst_dtype, out=out)
         local = self.local_layer(layer)
         self._wait_for_layer(local)
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
+        if out is not None:
+            n = loc.shape[0]
+            nope, rope = gather_outputs(out, ((n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim)), dst_dtype,
+                                        "get_mla_kv_buffer")  # fmt: skip
+            self._scaled.gather(local, loc, nope, rope)
+            return nope, rope
         return self._scaled.gather_new(local, loc, dst_dtype or ROPE_STORAGE_DTYPE)
 
     # -- indexer -----------------------------------------------------------------------------------------
@@ -243,13 +252,19 @@ class DSATokenToKVPool(MLATokenToKVPool):
                 index_k = index_k.to(torch.bfloat16)
         self._indexer.set(local, loc, index_k, index_k_scale)
 
-    def _index_get(self, layer_id: int, seq_len: int, page_indices: torch.Tensor, want_k: bool, want_s: bool):
+    def _index_get(self, layer_id: int, seq_len: int, page_indices: torch.Tensor, want_k: bool, want_s: bool,
+                   out=None):  # fmt: skip
         local = self.local_layer(layer_id)
         self._wait_for_layer(local)
         if want_s and not self._index_has_scale:
             raise ValueError("the bf16 indexer (kv_cache.options.index_dtype=bfloat16) keeps no scales")
         seq_len = int(seq_len)
         page_indices = page_indices if page_indices.dim() == 1 else page_indices.reshape(-1)
+        if out is not None:  # the fp8 indexer's keys and scales (want_k and want_s)
+            shapes = ((seq_len, self._indexer.key_bytes), (seq_len, INDEX_SCALE_BYTES))
+            k_out, s_out = gather_outputs(out, shapes, torch.uint8, "get_index_k_scale_buffer")
+            self._indexer.get(local, seq_len, page_indices, k_out, s_out)
+            return k_out, s_out
         k_out, s_out = self._indexer.get_new(local, seq_len, page_indices, want_k, want_s)
         if k_out is not None and not self._index_has_scale:
             k_out = k_out.view(self.index_k_dtype)
@@ -267,10 +282,13 @@ class DSATokenToKVPool(MLATokenToKVPool):
         return self._index_get(layer_id, seq_len, page_indices, False, True)[1]
 
     def get_index_k_scale_buffer(
-        self, layer_id: int, seq_len: int, page_indices: torch.Tensor
+        self, layer_id: int, seq_len: int, page_indices: torch.Tensor, *, out=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and scales together, in one launch: ``([seq_len, 128] uint8, [seq_len, 4] uint8)``."""
-        return self._index_get(layer_id, seq_len, page_indices, True, True)
+        """Keys and scales together, in one launch: ``([seq_len, 128] uint8, [seq_len, 4] uint8)``.
+
+        :param out: kvcore extension: those two tensors (contiguous uint8) to read into instead of allocating;
+            returned."""
+        return self._index_get(layer_id, seq_len, page_indices, True, True, out)
 
     # -- self-check --------------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.pools import KVCache
+from kvcore.pools import KVCache, gather_outputs
 from kvcore.sample import random_nonzero
 from kvcore_fp4 import kernels as block_kernels
 from kvcore_fp4.formats import RECIPES, dequantize, quantize
@@ -28,6 +28,15 @@ def _refuse_scales(kv_format: str, k_scale, v_scale) -> None:
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is not None and not (isinstance(scale, (int, float)) and scale == 1.0):
             raise ValueError(f"{kv_format} rows carry their own block scales; pass {name}=None")
+
+
+def _into(out: tuple[torch.Tensor, ...] | None, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The torch path's results, or, given caller outputs, copied into them."""
+    if out is None:
+        return values
+    for o, value in zip(out, values):
+        o.copy_(value)
+    return out
 
 
 def _flat_loc(loc: torch.Tensor) -> torch.Tensor:
@@ -172,25 +181,27 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
 
     # -- reads --------------------------------------------------------------------------------------------
 
-    def get_kv_buffer_by_loc(self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None
+    def get_kv_buffer_by_loc(self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None, *, out=None
                              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """K ``[N, H, Dk]`` and V ``[N, H, Dv]`` of rows ``loc``, dequantized to ``dst_dtype`` (default the
-        pool's ``dtype``): only those rows are read."""
+        pool's ``dtype``): only those rows are read.  ``out``: kvcore extension, ``(k, v)`` of those shapes (any
+        strides, one float dtype) to read into instead of allocating; returned."""
         local = self.local_layer(layer)
         self._wait_for_layer(local)
         loc = _flat_loc(loc)
-        dst = dst_dtype or self.dtype
+        n = loc.shape[0]
+        shapes = ((n, self.head_num, self.head_dim), (n, self.head_num, self.v_head_dim))
+        out = None if out is None else gather_outputs(out, shapes, dst_dtype, "get_kv_buffer_by_loc")
+        dst = out[0].dtype if out is not None else dst_dtype or self.dtype
         if self._use_triton:
-            n, device = loc.shape[0], self._out_device
-            k = torch.empty((n, self.head_num, self.head_dim), dtype=dst, device=device)
-            v = torch.empty((n, self.head_num, self.v_head_dim), dtype=dst, device=device)
+            k, v = out or (torch.empty(shape, dtype=dst, device=self._out_device) for shape in shapes)
             self._rows.gather(local, loc, k, v)
             return k, v
         kg, vg = self._globals(local)  # the kernel reads them itself
         loc = loc.long()
         k = dequantize(self.k_data[local, loc], self.k_scale[local, loc], self.recipe, dst, kg)
         v = dequantize(self.v_data[local, loc], self.v_scale[local, loc], self.recipe, dst, vg)
-        return k, v
+        return _into(out, k, v)
 
     def _whole_layer(self, layer_id: int, data: torch.Tensor, scales: torch.Tensor, which: int) -> torch.Tensor:
         local = self.local_layer(layer_id)
@@ -338,19 +349,28 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
 
     # -- reads --------------------------------------------------------------------------------------------
 
-    def get_mla_kv_buffer(self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None):
+    def get_mla_kv_buffer(self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None, *, out=None):
         """``(cache_k_nope [N, 1, kv_lora_rank], cache_k_rope [N, 1, qk_rope_head_dim])`` of rows ``loc``,
-        dequantized to ``dst_dtype`` (default the pool's ``dtype``): only those rows are read."""
+        dequantized to ``dst_dtype`` (default the pool's ``dtype``): only those rows are read.  ``out``: kvcore
+        extension, the two tensors (any strides, one float dtype) to read into instead of allocating; returned."""
         local = self.local_layer(layer)
         self._wait_for_layer(local)
         loc = _flat_loc(loc)
-        dst = dst_dtype or self.dtype
+        n = loc.shape[0]
+        shapes = ((n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim))
+        out = None if out is None else gather_outputs(out, shapes, dst_dtype, "get_mla_kv_buffer")
+        dst = out[0].dtype if out is not None else dst_dtype or self.dtype
         if self._use_triton:
-            n, device = loc.shape[0], self._out_device
-            nope = torch.empty((n, 1, self.kv_lora_rank), dtype=dst, device=device)
-            rope = torch.empty((n, 1, self.qk_rope_head_dim), dtype=dst, device=device)
+            nope, rope = out or (torch.empty(shape, dtype=dst, device=self._out_device) for shape in shapes)
             self._rows.gather(local, loc, nope, rope)
             return nope, rope
+        nd, ns = self._split
+        gn, gr = self._globals(local)
+        loc = loc.long()
+        data, scales = self.kv_data[local, loc], self.kv_scale[local, loc]
+        nope = dequantize(data[..., :nd], scales[..., :ns], self.recipe, dst, gn)
+        rope = dequantize(data[..., nd:], scales[..., ns:], self.recipe, dst, gr)
+        return _into(out, nope, rope)
         nd, ns = self._split
         gn, gr = self._globals(local)
         loc = loc.long()

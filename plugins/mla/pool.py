@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.pools import KVCache
+from kvcore.pools import KVCache, gather_outputs
 from kvcore.sample import random_nonzero
 from kvcore_mla.kernels import LatentRows
 from kvcore_mla.layout import mla_row_dim
@@ -93,18 +93,26 @@ class MLATokenToKVPool(KVCache):
         return self._as_dtype(self._layer_rows(layer_id)[..., : self.kv_lora_rank])
 
     def get_mla_kv_buffer(
-        self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None
+        self, layer, loc: torch.Tensor, dst_dtype: torch.dtype | None = None, *, out=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather the rows ``loc`` of ``layer`` (an int or anything with ``layer_id``) as two new tensors.
 
         :param dst_dtype: dtype of the results (default: the cache dtype).  Float destinations receive
             ``row.to(dst_dtype)``; fp8 caches decode exactly.
+        :param out: kvcore extension: ``(cache_k_nope, cache_k_rope)`` tensors of the shapes below (any
+            strides, one dtype, which ``dst_dtype`` may name) to gather into instead of allocating; returned.
         :returns: ``(cache_k_nope [N, 1, kv_lora_rank], cache_k_rope [N, 1, qk_rope_head_dim])``, read in one
             launch.
         """
         local = self.local_layer(layer)
         self._wait_for_layer(local)
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
+        if out is not None:
+            n = loc.shape[0]
+            nope, rope = gather_outputs(out, ((n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim)), dst_dtype,
+                                        "get_mla_kv_buffer")  # fmt: skip
+            self._rows.gather(local, loc, nope, rope)
+            return nope, rope
         return self._rows.gather_new(local, loc, dst_dtype or self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
 
     # -- writes ------------------------------------------------------------------------------------------
