@@ -212,9 +212,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         self._wait_for_layer(local)
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
         if out is not None:
-            n = loc.shape[0]
-            nope, rope = gather_outputs(out, ((n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim)), dst_dtype,
-                                        "get_mla_kv_buffer")  # fmt: skip
+            nope, rope = self._latent_outputs(loc.shape[0], out, dst_dtype)
             self._scaled.gather(local, loc, nope, rope)
             return nope, rope
         return self._scaled.gather_new(local, loc, dst_dtype or ROPE_STORAGE_DTYPE)

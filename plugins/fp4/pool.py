@@ -371,13 +371,6 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         nope = dequantize(data[..., :nd], scales[..., :ns], self.recipe, dst, gn)
         rope = dequantize(data[..., nd:], scales[..., ns:], self.recipe, dst, gr)
         return _into(out, nope, rope)
-        nd, ns = self._split
-        gn, gr = self._globals(local)
-        loc = loc.long()
-        data, scales = self.kv_data[local, loc], self.kv_scale[local, loc]
-        nope = dequantize(data[..., :nd], scales[..., :ns], self.recipe, dst, gn)
-        rope = dequantize(data[..., nd:], scales[..., ns:], self.recipe, dst, gr)
-        return nope, rope
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """A whole layer's latent rows dequantized ``[R, 1, kv_lora_rank + qk_rope_head_dim]`` (the seed's

@@ -108,12 +108,15 @@ class MLATokenToKVPool(KVCache):
         self._wait_for_layer(local)
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
         if out is not None:
-            n = loc.shape[0]
-            nope, rope = gather_outputs(out, ((n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim)), dst_dtype,
-                                        "get_mla_kv_buffer")  # fmt: skip
+            nope, rope = self._latent_outputs(loc.shape[0], out, dst_dtype)
             self._rows.gather(local, loc, nope, rope)
             return nope, rope
         return self._rows.gather_new(local, loc, dst_dtype or self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
+
+    def _latent_outputs(self, n: int, out, dst_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``out`` of :meth:`get_mla_kv_buffer`, checked for ``n`` rows (:func:`kvcore.pools.gather_outputs`)."""
+        shapes = ((n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim))
+        return gather_outputs(out, shapes, dst_dtype, "get_mla_kv_buffer")
 
     # -- writes ------------------------------------------------------------------------------------------
 
