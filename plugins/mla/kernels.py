@@ -23,8 +23,8 @@ kernels launched directly: :mod:`kvcore.launch`); the functions below build one 
     ``get_mla_kv_buffer``: reads rows ``loc`` back into caller-provided nope / rope tensors of any float or
     fp8 dtype, in one launch.
 
-Kernel shapes (all three operations): up to ``ROW_KERNEL_MAX_TOKENS`` tokens (decode steps) one program a
-token copies its whole row, both parts, in one tile (:func:`_mla_row_kernel`); above, grid ``(cdiv(N,
+Kernel shapes: stores of up to ``ROW_KERNEL_MAX_TOKENS`` tokens (decode steps) one program a token writing its
+whole row, both parts, in one tile (:func:`_mla_row_kernel`); larger stores and every gather grid ``(cdiv(N,
 BLOCK_N), column blocks of nope + of rope)``, one program per ``[BLOCK_N, BLOCK_C]`` tile (BLOCK_C a power of two
 up to ``MAX_BLOCK_C`` elements), which loads its ``BLOCK_N`` locations, then copies its tile, converting on the
 way (:func:`_mla_rows_kernel`).  Cache rows are addressed as ``row * D`` with ``D`` a compile-time constant, so
@@ -79,10 +79,12 @@ COPY_TILE_ELEMS = 2048
 #: warps per program: one per ELEMS_PER_WARP elements of a tile, at most MAX_WARPS.
 ELEMS_PER_WARP = 1024
 MAX_WARPS = 2
-#: up to this many tokens (decode sizes) one program a token copies the whole row (:func:`_mla_row_kernel`), on
-#: ROW_KERNEL_WARPS warps.  On an H200 (benchmarks/RESULTS.md, sixth session) that took 1.33 / 1.45 / 1.49 us per
-#: DeepSeek-V3 store of 1 / 8 / 64 tokens in graph replay where the tiles took 1.57 / 1.71 / 1.74 us; from 4096
-#: tokens on the tiles are faster (3.16 against 3.80 us).
+#: stores of up to this many tokens (decode sizes): one program a token writes the whole row
+#: (:func:`_mla_row_kernel`), on ROW_KERNEL_WARPS warps.  On an H200 (benchmarks/RESULTS.md, sixth session), per
+#: DeepSeek-V3 store in graph replay at 1 / 8 / 64 / 256 tokens: 1.37 / 1.48 / 1.54 / 1.68 us, the tiles 1.48 /
+#: 1.69 / 1.77 / 1.84 us; at 4096 tokens the tiles are faster (3.14 us; a probe kernel of one program a token took
+#: 3.81).  Gathers
+#: keep the tiles: one program a token read slower at 1 and 256 tokens (1.59 against 1.48, 1.84 against 1.82 us).
 ROW_KERNEL_MAX_TOKENS = 256
 ROW_KERNEL_WARPS = 2
 
@@ -189,16 +191,15 @@ def _mla_row_kernel(
     cache_ptr, layer, loc_ptr, loc_stride, a_ptr, a_sn, a_sd, b_ptr, b_sn, b_sd,
     LAYER_STRIDE: tl.constexpr, ROW: tl.constexpr, A_WIDTH: tl.constexpr, B_WIDTH: tl.constexpr,
     B_EXT0: tl.constexpr, BLOCK: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
-    GATHER: tl.constexpr, A_IN: tl.constexpr, A_OUT: tl.constexpr, B_IN: tl.constexpr, B_OUT: tl.constexpr,
+    A_IN: tl.constexpr, A_OUT: tl.constexpr, B_IN: tl.constexpr, B_OUT: tl.constexpr,
     SATURATE: tl.constexpr, HW_CVT: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(tokens,)``: each program copies one token's whole row, both parts, in one ``BLOCK``-wide tile
-    (a power of two >= ``A_WIDTH + B_WIDTH``), its location read as a scalar; parts and columns as
-    :func:`_mla_rows_kernel`'s.  At decode sizes one program a token costs less device time than tiles of
-    several tokens: nothing waits on a vector of locations, and one program fills the row."""
+    """The stores at decode sizes.  Grid ``(tokens,)``: each program writes one token's whole row, both parts,
+    in one ``BLOCK``-wide tile (a power of two >= ``A_WIDTH + B_WIDTH``), its location read as a scalar; parts
+    and columns as :func:`_mla_rows_kernel`'s.  Up to a few hundred tokens one program a token costs less device
+    time than tiles of several tokens: nothing waits on a vector of locations, and one program fills the row."""
     t = tl.program_id(0).to(tl.int64)
     row = tl.load(loc_ptr + t * loc_stride).to(tl.int64)
-    cache = cache_ptr + layer.to(tl.int64) * LAYER_STRIDE + row * ROW
     cols = tl.arange(0, BLOCK)
     in_a = cols < A_WIDTH
     in_b = (cols >= A_WIDTH) & (cols < A_WIDTH + B_WIDTH)
@@ -211,14 +212,10 @@ def _mla_row_kernel(
         b_at = b_ptr + t * b_sn + b_cols
     else:
         b_at = b_ptr + t * b_sn + b_cols.to(tl.int64) * b_sd
-    if GATHER:
-        x = tl.load(cache + cols, mask=in_a | in_b, other=0)
-        tl.store(a_at, _convert(x, A_IN, A_OUT, SATURATE, HW_CVT), mask=in_a)
-        tl.store(b_at, _convert(x, B_IN, B_OUT, SATURATE, HW_CVT), mask=in_b)
-    else:
-        a = _convert(tl.load(a_at, mask=in_a, other=0), A_IN, A_OUT, SATURATE, HW_CVT)
-        b = _convert(tl.load(b_at, mask=in_b, other=0), B_IN, B_OUT, SATURATE, HW_CVT)
-        tl.store(cache + cols, tl.where(in_a, a, b), mask=in_a | in_b)
+    a = _convert(tl.load(a_at, mask=in_a, other=0), A_IN, A_OUT, SATURATE, HW_CVT)
+    b = _convert(tl.load(b_at, mask=in_b, other=0), B_IN, B_OUT, SATURATE, HW_CVT)
+    cache = cache_ptr + layer.to(tl.int64) * LAYER_STRIDE + row * ROW
+    tl.store(cache + cols, tl.where(in_a, a, b), mask=in_a | in_b)
 
 
 def _plan(a_width: int, b_width: int, n_pad: int, copy: bool) -> tuple[int, int, int, int, int, int]:
@@ -335,19 +332,19 @@ class LatentRows:
 
     def _spec(self, key: tuple) -> tuple:
         """(launcher, tokens a program, column blocks, warps, the kernel's arguments from ``LAYER_STRIDE`` on) of a
-        launch key: up to ``ROW_KERNEL_MAX_TOKENS`` tokens one program a token (:func:`_mla_row_kernel`), above them
-        tiles (:func:`_mla_rows_kernel`)."""
+        launch key: stores of up to ``ROW_KERNEL_MAX_TOKENS`` tokens one program a token (:func:`_mla_row_kernel`),
+        larger stores and every gather tiles (:func:`_mla_rows_kernel`)."""
         n_pad, gather, a_part, b_part, b_ext0 = key[:5]
-        common = (a_part[2] == 1, b_part[2] == 1, gather, a_part[3], a_part[4], b_part[3], b_part[4], self._saturate,
-                  self._hw_cvt)  # fmt: skip
-        if n_pad <= ROW_KERNEL_MAX_TOKENS:
+        codes = (a_part[3], a_part[4], b_part[3], b_part[4], self._saturate, self._hw_cvt)
+        if n_pad <= ROW_KERNEL_MAX_TOKENS and not gather:
             block = _next_pow2(a_part[0] + b_part[0])
-            tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block, *common)
+            tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block, a_part[2] == 1,
+                    b_part[2] == 1, *codes)  # fmt: skip
             return self.launch_row, 1, 1, ROW_KERNEL_WARPS, tail
         copy = a_part[4] == dtypes.SAME and (b_part[0] == 0 or b_part[4] == dtypes.SAME)
         block_n, block_a, block_b, num_cb_a, num_cb, warps = _plan(a_part[0], b_part[0], n_pad, copy)
         tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block_a, block_b, num_cb_a,
-                *common, block_n)  # fmt: skip
+                a_part[2] == 1, b_part[2] == 1, gather, *codes, block_n)  # fmt: skip
         return self.launch, block_n, num_cb, warps, tail
 
     def _launch(self, layer_index, loc, n, a, a_part, b, b_part, gather: bool, b_ext0: int = 0) -> None:

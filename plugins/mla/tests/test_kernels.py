@@ -30,8 +30,8 @@ DST_DTYPES = FLOATS + dtypes.FP8_DTYPES
 
 @pytest.fixture(autouse=True, params=["one program a token", "tiles"])
 def kernel_shape(request, monkeypatch):
-    """Every test runs both kernels: one program a token (decode sizes, up to ROW_KERNEL_MAX_TOKENS) and the
-    tiles (above)."""
+    """Every test runs both store kernels: one program a token (decode sizes, up to ROW_KERNEL_MAX_TOKENS) and
+    the tiles (above, and every gather)."""
     if request.param == "tiles":
         monkeypatch.setattr(kernels, "ROW_KERNEL_MAX_TOKENS", 0)
     return request.param
@@ -206,7 +206,8 @@ def test_store_and_gather_are_one_launch(monkeypatch, kernel_shape):
     out = (torch.empty(33, 1, 512, device=DEVICE), torch.empty(33, 1, 64, device=DEVICE))
     kernels.gather_nope_rope_triton(cache, 0, loc, *out, cache_dtype=torch.bfloat16)
     assert len(launches) == 3
-    assert set(launches) == {"_mla_row_kernel" if kernel_shape == "one program a token" else "_mla_rows_kernel"}
+    store = "_mla_row_kernel" if kernel_shape == "one program a token" else "_mla_rows_kernel"
+    assert launches == [store, store, "_mla_rows_kernel"]
 
 
 # ==========================================================================================================
