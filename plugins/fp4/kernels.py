@@ -48,7 +48,7 @@ _UPPER_ORIGIN = tl.constexpr(252 * 2**22 - 2**21)
 #: tokens per program (their rows are held whole): few at decode sizes, where more programs spread a handful of
 #: rows over more SMs; from ``LARGE_FROM`` tokens on, ``LARGE_TILES[(recipe name, gather)]`` = (tokens, warps).
 #: From a sweep on an H200 at 32k Llama-3-8B rows (benchmarks/RESULTS.md, sixth session): small programs whose
-#: threads each hold whole blocks; 32 tokens on 4 warps took up to 1.45x as long to quantize.  nvfp4's store
+#: threads each hold whole blocks; 32 tokens on 4 warps took up to 1.46x as long to quantize.  nvfp4's store
 #: (two IEEE divisions a value) prefers 8 tokens a warp, the others 16; the MXFP8 gather 2 warps.
 BLOCK_N, LARGE_FROM = 4, 512
 LARGE_TILES = {
@@ -116,8 +116,8 @@ def _e2m1_codes(x):
     by adding half of the mantissa's next bit (1.0, biased exponent 127 and mantissa 0, is code 2; a carry moves
     to the next exponent: 1.75 becomes 2.0).  Below 1.0 that formula gives at most the right code (0.875 and
     up: 2, the right one; 0.625 and up: 1; below 0.5: negative), and two comparisons give the right one there
-    (0, 1 from 0.25, 2 from 0.75) and at most 2 above, so the code is the larger of the two.  About a third of
-    the instructions of seven comparisons, in the quantize loop's innermost step."""
+    (0, 1 from 0.25, 2 from 0.75) and at most 2 above, so the code is the larger of the two: fewer instructions
+    than seven comparisons, in the quantize loop's innermost step."""
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     upper = (bits - _UPPER_ORIGIN) >> 22  # ((bits + 2**21) >> 22) - 252, in two instructions
     lower = tl.where(bits >= _B1_BITS, 2, (bits >= _B0_BITS).to(tl.int32))

@@ -82,9 +82,9 @@ MAX_WARPS = 2
 #: stores of up to this many tokens (decode sizes): one program a token writes the whole row
 #: (:func:`_mla_row_kernel`), on ROW_KERNEL_WARPS warps.  On an H200 (benchmarks/RESULTS.md, sixth session), per
 #: DeepSeek-V3 store in graph replay at 1 / 8 / 64 / 256 tokens: 1.37 / 1.48 / 1.54 / 1.68 us, the tiles 1.48 /
-#: 1.69 / 1.77 / 1.84 us; at 4096 tokens the tiles are faster (3.14 us; a probe kernel of one program a token took
-#: 3.81).  Gathers
-#: keep the tiles: one program a token read slower at 1 and 256 tokens (1.59 against 1.48, 1.84 against 1.82 us).
+#: 1.69 / 1.77 / 1.84 us; at 4096 tokens the tiles are faster (3.14 us; a probe kernel of one program a token
+#: took 3.81).  Gathers keep the tiles: one program a token read slower at 1 and 256 tokens (1.59 against 1.48,
+#: 1.84 against 1.82 us).
 ROW_KERNEL_MAX_TOKENS = 256
 ROW_KERNEL_WARPS = 2
 
