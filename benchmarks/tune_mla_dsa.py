@@ -5,8 +5,10 @@
 Times each kernel at 32k tokens of DeepSeek-V3 rows (512 + 64) inside CUDA-graph replay, for every setting
 of its tuning constants, and prints the share of the measured copy ceiling, then the best setting per
 kernel.  The chosen defaults live in ``kvcore_mla.kernels`` (TILE_ELEMS, COPY_TILE_ELEMS, MAX_BLOCK_C,
-ELEMS_PER_WARP; the MLA kernels are swept at 1, 64 and 32k tokens) and ``kvcore_dsa.kernels`` (_STORE_BLOCK_N, _STORE_NUM_WARPS, _GATHER_BLOCK_N,
-_GATHER_NUM_WARPS); this script shows the neighbourhood they were picked from.
+ELEMS_PER_WARP; the MLA kernels are swept at 1, 64 and 32k tokens, with the decode-size row kernel that stores up to
+ROW_KERNEL_MAX_TOKENS tokens turned off, so every size runs the tiles these constants shape) and
+``kvcore_dsa.kernels`` (_STORE_BLOCK_N, _STORE_NUM_WARPS, _GATHER_BLOCK_N, _GATHER_NUM_WARPS); this script shows
+the neighbourhood they were picked from.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def main() -> None:
     nope, rope = full[..., :RANK], full[..., RANK : RANK + ROPE]
     nope_out = torch.empty(N, 1, RANK, device="cuda", dtype=torch.bfloat16)
     rope_out = torch.empty(N, 1, ROPE, device="cuda", dtype=torch.bfloat16)
+
+    mla.ROW_KERNEL_MAX_TOKENS = 0  # the tiles at every size (each call builds its own launch keys)
 
     def mla_apply(setting):
         mla.COPY_TILE_ELEMS = mla.TILE_ELEMS = setting[0]
