@@ -392,8 +392,7 @@ class FreePageList:
         self._new_epoch()
 
     def _put(self, index: torch.Tensor | None, staged: bool, from_staged: bool) -> None:
-        if self._shared:
-            self.before_write()
+        self.before_write()
         dest = TO_STAGED if staged else self._release_to
         bits = self._sequenced(0) if dest <= TO_BACK else self._epoch_bits  # only ring releases change ADDED
         if self.use_triton:
