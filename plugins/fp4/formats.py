@@ -10,15 +10,18 @@ Every recipe splits a row's last dimension into blocks of ``block`` values that 
 ``nvfp4``
     e2m1 values as above; 16 values per scale; the scale is an e4m3 byte holding ``amax / 6 / global_scale``
     (round to nearest even, at most 448), and ``global_scale`` is one float32 per layer and per K/V: a value
-    decodes as ``e2m1 x e4m3 x global_scale``.  The default 1.0 keeps block scales in e4m3's range for
-    magnitudes up to 6 x 448 = 2688 with full precision from about 6 x 2**-6 = 0.09; calibration sets it to
-    ``amax / 2688`` of the layer's K (or V) so its largest block uses the top of e4m3.
+    decodes as ``e2m1 x e4m3 x global_scale`` (the block's *step*) and is encoded from its product with the
+    step's reciprocal (:func:`reciprocal_step`: one division a block, a product a value, as NVIDIA's NVFP4
+    quantizers do).  The default 1.0 keeps block scales in e4m3's range for magnitudes up to 6 x 448 = 2688
+    with full precision from about 6 x 2**-6 = 0.09; calibration sets it to ``amax / 2688`` of the layer's K
+    (or V) so its largest block uses the top of e4m3.
 ``mxfp8`` (OCP Microscaling MXFP8)
     e4m3 values, 32 per scale; the scale is ``2**X`` as UE8M0 with ``X = floor(log2(amax)) - 8`` (8 is e4m3's
     largest exponent), so the largest magnitude scales into [256, 512) and saturates at 448.
 
 Rounding: e2m1 codes round to the nearest value, ties away from zero (the seed's boundaries 0.25, 0.75, ...,
-5); a negative value keeps its sign bit even when it rounds to zero (code 8, -0), and code 8 decodes to -0.0.
+5); the sign bit is the scaled value's own, so a negative value that rounds to zero (and -0.0) is code 8, -0,
+which decodes to -0.0.
 e4m3 codes are torch's ``.to(torch.float8_e4m3fn)`` (nearest even) of the value clamped to [-448, 448] first,
 so they do not depend on whether the installed torch saturates or makes NaN on overflow.  Scaling by a power
 of two is exact, so fp4_e2m1 and mxfp8 bytes depend on nothing but these rules.
@@ -83,12 +86,12 @@ RECIPES = {
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """Float32 values (already scaled) -> e2m1 codes 0..15 (uint8), saturating at +-6: the magnitude code is the
-    count of :data:`E2M1_BOUNDS` at or below ``|x|`` (the kernels' comparisons; NaN gives 0), bit 3 ``x < 0``."""
+    count of :data:`E2M1_BOUNDS` at or below ``|x|`` (NaN gives 0), bit 3 the sign bit (``-0.0`` is code 8)."""
     a = x.abs()
     magnitude = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for bound in E2M1_BOUNDS:
         magnitude += (a >= bound).to(torch.uint8)
-    return magnitude | (x < 0).to(torch.uint8) << 3
+    return magnitude | torch.signbit(x).to(torch.uint8) << 3
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -153,6 +156,15 @@ def _global_scale(global_scale: float | torch.Tensor, x: torch.Tensor) -> torch.
     return _like(float(global_scale), x)
 
 
+def reciprocal_step(step: torch.Tensor) -> torch.Tensor:
+    """What nvfp4 values are multiplied by: ``1 / step`` (IEEE division) within float32's finite range, so a
+    product with it is never NaN (a subnormal step's reciprocal would be inf, and 0 x inf NaN); 0 for a zero
+    step, whose block decodes to zeros whatever its codes."""
+    finite = torch.finfo(torch.float32).max
+    inv = (_like(1.0, step) / step).clamp(-finite, finite)
+    return torch.where(step == 0, 0.0, inv)
+
+
 def _e4m3(x: torch.Tensor) -> torch.Tensor:
     """Float32 -> e4m3fn bytes, nearest even, saturated at +-448 (clamped first: torch <= 2.11 makes NaN of
     what rounds past 448, newer torch saturates; the clamp gives both the saturating bytes)."""
@@ -175,7 +187,9 @@ def quantize(x: torch.Tensor, recipe: Recipe, global_scale: float | torch.Tensor
     zero = amax == 0
     if recipe.scale_kind == "ue8m0":
         if recipe.value_bits == 4:
-            e = ceil_log2(torch.where(zero, 1.0, amax) / _like(E2M1_MAX, amax))
+            q = torch.where(zero, 1.0, amax) / _like(E2M1_MAX, amax)
+            e = ceil_log2(q)
+            zero = zero | (q == 0)  # a subnormal amax whose quotient rounds to 0: the smallest exponent too
         else:
             e = floor_log2(torch.where(zero, 1.0, amax)) - E4M3_EMAX
         e = torch.where(zero, -UE8M0_BIAS, e.clamp(-UE8M0_BIAS, UE8M0_BIAS))
@@ -185,7 +199,7 @@ def quantize(x: torch.Tensor, recipe: Recipe, global_scale: float | torch.Tensor
         g = _global_scale(global_scale, x)
         scales = _e4m3(amax / _like(E2M1_MAX, amax) / g)
         step = _e4m3_value(scales) * g
-        scaled = torch.where(step == 0, 0.0, blocks / torch.where(step == 0, 1.0, step))
+        scaled = blocks * reciprocal_step(step)
     if recipe.value_bits == 4:
         data = pack_nibbles(e2m1_encode(scaled).reshape(*x.shape[:-1], -1))
     else:

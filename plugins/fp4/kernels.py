@@ -2,14 +2,15 @@
 dequantize rows by location; bit-exact with the torch references of :mod:`kvcore_fp4.formats` on the
 interpreter and on GPUs.
 
-Hopper has no e2m1 conversion, so codes are made with integer and comparison operations: exponents are read
-from float32 bits (``ceil``/``floor`` of ``log2`` exact), powers of two are built from bits (the subnormal
-2**-127 of scale byte 0 included), e2m1 values are decoded from bits with their sign bit (code 8 is -0.0:
-Triton 3.6 compiles a float ``-x`` as ``0 - x``, which makes +0.0 of +0.0; triton-lang/triton#10270), e4m3
-bytes are encoded from values clamped to [-448, 448] on both sides (so the bytes do not depend on
+Hopper has no e2m1 conversion, so codes are made with float operations in chosen rounding modes
+(:func:`_e2m1_floor_bits`) and bit operations: exponents are read from float32 bits (``ceil``/``floor`` of
+``log2`` exact, no division), powers of two are built from bits (the subnormal 2**-127 of scale byte 0
+included), sign bits are moved, not computed, e2m1 values are decoded from bits with their sign bit (code 8
+is -0.0: Triton 3.6 compiles a float ``-x`` as ``0 - x``, which makes +0.0 of +0.0; triton-lang/triton#10270),
+e4m3 bytes are encoded from values clamped to [-448, 448] on both sides (so the bytes do not depend on
 ``SATURATE``), compiled by the GPU's own conversion and interpreted by :func:`kvcore.fp8.f32_to_e4m3fn_bits`
-(the interpreter's own float -> fp8 cast rounds wrongly), and are decoded by
-:func:`kvcore.fp8.e4m3fn_bits_to_f32`.
+(the interpreter's own float -> fp8 cast rounds wrongly), and are decoded by the GPU's conversion (compiled)
+or :func:`kvcore.fp8.e4m3fn_bits_to_f32`.
 
 Every float32 product and quotient is one IEEE operation, as in the torch references: compiled for CUDA
 (``PTX``) they are inline ``mul.rn.f32`` / ``div.rn.f32``, which neither flush subnormals to zero (some
@@ -18,10 +19,12 @@ the Triton release; interpreted they are numpy's.
 
 One launch stores (or reads) K and V of ``N`` tokens: grid ``(token blocks, 2 x heads)``, one program per
 block of tokens and one head of K (``program_id(1) < H``) or V.  A program holds its tokens' whole head row:
-``[BLOCK_N, blocks, values per block]``.  NaN inputs are outside the contract.
+``[BLOCK_N, blocks, values per block]``.  NaN and infinite inputs are outside the contract.
 """
 
 from __future__ import annotations
+
+import struct
 
 import attrs
 import torch
@@ -32,7 +35,7 @@ from kvcore.fp8 import e4m3fn_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3fn_bits
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.launch import Launcher
 from kvcore.row_move import next_pow2
-from kvcore_fp4.formats import E2M1_BOUNDS, E2M1_MAX, E4M3_EMAX, E4M3_MAX, UE8M0_BIAS, Recipe
+from kvcore_fp4.formats import E2M1_MAX, E4M3_EMAX, E4M3_MAX, UE8M0_BIAS, Recipe
 
 __all__ = ["BlockRows", "Parts"]
 
@@ -41,18 +44,16 @@ _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _EMAX = tl.constexpr(E4M3_EMAX)
 _BIAS = tl.constexpr(UE8M0_BIAS)
 _TWO_126 = tl.constexpr(2.0**126)
-#: the float32 bits of the two smallest e2m1 bounds
-_B0_BITS, _B1_BITS = (tl.constexpr(int(torch.tensor(b).view(torch.int32))) for b in E2M1_BOUNDS[:2])
-#: the e2m1 encoder's origin: ``(bits - _UPPER_ORIGIN) >> 22`` is ``((bits + 2**21) >> 22) - 252``
-_UPPER_ORIGIN = tl.constexpr(252 * 2**22 - 2**21)
+_F32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
 #: tokens per program (their rows are held whole): few at decode sizes, where more programs spread a handful of
 #: rows over more SMs; from ``LARGE_FROM`` tokens on, ``LARGE_TILES[(recipe name, gather)]`` = (tokens, warps).
-#: From a sweep on an H200 at 32k Llama-3-8B rows (benchmarks/RESULTS.md, sixth session): small programs whose
-#: threads each hold whole blocks; 32 tokens on 4 warps took up to 1.46x as long to quantize.  nvfp4's store
-#: (two IEEE divisions a value) prefers 8 tokens a warp, the others 16; the MXFP8 gather 2 warps.
+#: From sweeps on an H200 at 32k Llama-3-8B rows (benchmarks/RESULTS.md, sixth and seventh sessions): small
+#: programs whose threads each hold whole blocks; 32 tokens on 4 warps took up to 1.9x as long to quantize.  The
+#: stores take 8 tokens a warp (16 took 1.19x as long with the float encoder), the 4-bit gathers 16, the MXFP8
+#: gather 16 on 2 warps.
 BLOCK_N, LARGE_FROM = 4, 512
 LARGE_TILES = {
-    ("fp4_e2m1", False): (16, 1), ("fp4_e2m1", True): (16, 1),
+    ("fp4_e2m1", False): (8, 1), ("fp4_e2m1", True): (16, 1),
     ("nvfp4", False): (8, 1), ("nvfp4", True): (16, 1),
     ("mxfp8", False): (8, 1), ("mxfp8", True): (16, 2),
 }  # fmt: skip
@@ -90,39 +91,74 @@ def _div_rn(a, b, PTX: tl.constexpr):
 
 
 @triton.jit
-def _block_exponent(amax, VALUE_BITS: tl.constexpr, PTX: tl.constexpr):
-    """The UE8M0 exponent of blocks with largest magnitude ``amax``: ``ceil(log2(amax / 6))`` for e2m1 values,
-    ``floor(log2(amax)) - 8`` for e4m3 values; -127 for a zero block (and anything below 2**-127)."""
+def _block_exponent(amax, VALUE_BITS: tl.constexpr):
+    """The UE8M0 exponent of blocks with largest magnitude ``amax`` (finite, >= 0): ``ceil(log2(amax / 6))`` for
+    e2m1 values (the quotient rounded to float32, as the reference divides), ``floor(log2(amax)) - 8`` for
+    e4m3 values; -127 for a zero block (and anything that would go below).
+
+    For e2m1, from ``amax``'s bits without dividing: with ``amax = m x 2**k`` (``m`` in [1, 2)) the rounded
+    quotient is at most ``2**(k - 2)`` exactly when ``m <= 1.5`` (a quotient above that power of two by less than
+    half its ulp rounds down to it; ``m`` just above 1.5 is too far), so the exponent is ``k - 2`` or ``k - 1``;
+    at ``k = -125`` the quotient's ulp is a subnormal's and ``m = 1.5 + 2**-23`` rounds down too; below that
+    everything is -127.  Checked against the division on every non-negative finite float32
+    (``benchmarks/check_fp4_codes.py``)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    field = bits >> 23
     if VALUE_BITS == 4:
-        v = _div_rn(amax, tl.full(amax.shape, _E2M1_MAX, tl.float32), PTX)
+        mant = bits & 0x7FFFFF
+        e = field - 129 + (mant > tl.where(field == 2, 0x400001, 0x400000)).to(tl.int32)
+        e = tl.where(field < 2, -127, e)
     else:
-        v = amax
-    bits = v.to(tl.int32, bitcast=True)
-    field = (bits >> 23) & 0xFF
-    if VALUE_BITS == 4:
-        e = tl.where((bits & 0x7FFFFF) == 0, field - 127, field - 126)
-    else:
-        e = field - 127 - _EMAX
-    e = tl.where(field == 0, -127, e)
-    return tl.minimum(tl.maximum(e, -127), 127)
+        e = tl.maximum(field - 127 - _EMAX, -127)
+    return e
+
+
+def _e2m1_floor_asm() -> str:
+    """PTX of :func:`_e2m1_floor_bits`: the three lines, each rounded toward minus infinity, their minimum, then
+    the floor by a magic addition (``rm``)."""
+
+    def f32(v: float) -> str:
+        return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+
+    return (
+        "{ .reg .f32 a, t, u; "
+        f"abs.f32 a, $1; min.f32 a, a, {f32(E2M1_MAX)}; "
+        f"fma.rm.f32 t, a, {f32(2.0)}, {f32(0.5)}; "
+        f"add.rm.f32 u, a, {f32(2.5)}; min.f32 t, t, u; "
+        f"fma.rm.f32 u, a, {f32(0.5)}, {f32(4.5)}; min.f32 t, t, u; "
+        f"add.rm.f32 $0, t, {f32(2.0**23)}; }}"
+    )
+
+
+_E2M1_FLOOR_ASM = tl.constexpr(_e2m1_floor_asm())
 
 
 @triton.jit
-def _e2m1_codes(x):
-    """e2m1 codes (int32, sign in bit 3) of float32 values already scaled into the e2m1 range, ties away from
-    zero (the bounds of ``E2M1_BOUNDS``), anything past 5.0 saturating to 6.0.
+def _e2m1_floor_bits(x, PTX: tl.constexpr):
+    """The e2m1 magnitude code ``k`` of float32 ``x`` (already scaled) in bits 0-2 of an int32 whose bits 3-7
+    are clear (the bits above them are not).
 
-    On the magnitude's bits: from 1.0 up the code is the float's exponent and top mantissa bit, rounded half up
-    by adding half of the mantissa's next bit (1.0, biased exponent 127 and mantissa 0, is code 2; a carry moves
-    to the next exponent: 1.75 becomes 2.0).  Below 1.0 that formula gives at most the right code (0.875 and
-    up: 2, the right one; 0.625 and up: 1; below 0.5: negative), and two comparisons give the right one there
-    (0, 1 from 0.25, 2 from 0.75) and at most 2 above, so the code is the larger of the two: fewer instructions
-    than seven comparisons, in the quantize loop's innermost step."""
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    upper = (bits - _UPPER_ORIGIN) >> 22  # ((bits + 2**21) >> 22) - 252, in two instructions
-    lower = tl.where(bits >= _B1_BITS, 2, (bits >= _B0_BITS).to(tl.int32))
-    code = tl.minimum(tl.maximum(upper, lower), 7)
-    return tl.where(x < 0, code | 8, code)
+    With ``a = min(|x|, 6)``, ``k = floor(min(2a + 0.5, a + 2.5, 0.5a + 4.5))``: the lines map e2m1's grid
+    (steps of 0.5 below 2, 1 below 4, 2 above) onto the integers 0..7, each piece where it is the least, so
+    the floor is the nearest grid value, ties away from zero (the bounds of ``E2M1_BOUNDS``, where the lines
+    cross integers).  Compiled, each line is one operation rounded toward minus infinity, which keeps its floor
+    exact (a float at or under the value and at or over every integer under it), and adding 2**23 the same way
+    leaves ``k`` as the float's low bits: float instructions only, checked against the bound count on every
+    non-negative float32 (``benchmarks/check_fp4_codes.py``).  Interpreted, the lines are exact in float64."""
+    if PTX:
+        r = tl.inline_asm_elementwise(_E2M1_FLOOR_ASM, "=r,f", [x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        a = tl.minimum(tl.abs(x), _E2M1_MAX).to(tl.float64)
+        r = tl.floor(tl.minimum(tl.minimum(a * 2.0 + 0.5, a + 2.5), a * 0.5 + 4.5)).to(tl.int32)
+    return r
+
+
+@triton.jit
+def _e2m1_bytes(xe, xo, signs, PTX: tl.constexpr):
+    """Bytes of e2m1 code pairs: ``xe``'s code in the low nibble, ``xo``'s in the high one (float32 values
+    already scaled; :func:`_e2m1_floor_bits`), with the sign bits ``signs`` (bits 3 and 7: the values' own,
+    so ``-0.0`` is code 8), in the low byte of an int32."""
+    return (_e2m1_floor_bits(xe, PTX) ^ (_e2m1_floor_bits(xo, PTX) << 4)) | signs
 
 
 @triton.jit
@@ -149,29 +185,54 @@ def _e4m3_bits(x, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _load_pairs(base, pair, mask):
+def _e4m3_value(byte, HW_CVT: tl.constexpr):
+    """e4m3fn bytes (int32, no NaN) -> float32, exactly: the GPU's conversion compiled, the integer decoder
+    interpreted."""
+    if HW_CVT:
+        r = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        r = e4m3fn_bits_to_f32(byte)
+    return r
+
+
+@triton.jit
+def _load_pair_magnitudes(base, pair, mask):
     """Values ``2 * pair`` and ``2 * pair + 1`` after ``base`` (a float32 / float16 / bfloat16 pointer whose
-    pairs are aligned to twice the value's size) as float32 ``(even, odd)``: one load of a word of twice the
-    value's width each, split by bit shifts (little-endian: the even value is the low half)."""
+    pairs are aligned to twice the value's size) as float32 magnitudes and signs ``(|even|, |odd|, signs)``:
+    one load of a word of twice the value's width each, split by bit operations (little-endian: the even
+    value is the low half); ``signs`` the two sign bits at bits 3 and 7 of an int32 (:func:`_sign_bits`; bits
+    above 7 unspecified)."""
     if base.dtype.element_ty == tl.float32:
         w = tl.load(base.to(tl.pointer_type(tl.int64)) + pair[None, :, :], mask=mask, other=0)
         even = w.to(tl.int32).to(tl.float32, bitcast=True)  # the low half
         odd = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        signs = _sign_bits(even, odd)
+        odd = tl.abs(odd)
     else:
         w = tl.load(base.to(tl.pointer_type(tl.int32)) + pair[None, :, :], mask=mask, other=0)
         if base.dtype.element_ty == tl.bfloat16:
             even = (w << 16).to(tl.float32, bitcast=True)
-            odd = (w & -65536).to(tl.float32, bitcast=True)
+            odd = (w & 0x7FFF0000).to(tl.float32, bitcast=True)  # its magnitude: the sign bit is in signs
         else:
             even = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return even, odd
+            odd = ((w >> 16) & 0x7FFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        # bits 15 and 31 (the two signs) to bits 3 and 7 in one product's high word: 2**15 x 2**20 = 2**(32 + 3),
+        # 2**31 x 2**8 = 2**(32 + 7); the other two products land in bit 23 of the low word and bit 19
+        signs = tl.umulhi((w & -2147450880).to(tl.uint32, bitcast=True), 0x00100100).to(tl.int32, bitcast=True)
+    return tl.abs(even), odd, signs
+
+
+@triton.jit
+def _sign_bits(even, odd):
+    """The sign bits of float32 ``even`` and ``odd`` at bits 3 and 7 of an int32 (its other low bits clear)."""
+    return ((even.to(tl.int32, bitcast=True) >> 28) & 8) | ((odd.to(tl.int32, bitcast=True) >> 24) & 0x80)
 
 
 @triton.jit
 def _store_pairs(base, pair, even, odd, mask, OUT: tl.constexpr, HW_CVT: tl.constexpr):
-    """:func:`_load_pairs`' inverse: float32 ``even`` / ``odd`` converted to ``OUT`` (as :func:`_store_out`)
-    and stored as values ``2 * pair`` and ``2 * pair + 1`` after ``base``, one word per pair."""
+    """Float32 ``even`` / ``odd`` converted to ``OUT`` (as :func:`_store_out`) and stored as values ``2 * pair``
+    and ``2 * pair + 1`` after ``base`` (aligned as :func:`_load_pair_magnitudes` reads them), one word per
+    pair."""
     if OUT == 0:
         low = even.to(tl.int32, bitcast=True).to(tl.uint32).to(tl.int64)  # zero-extended: the high half stays clear
         w = (odd.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low
@@ -201,7 +262,8 @@ def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
                    PTX: tl.constexpr):  # fmt: skip
     """One head of ``BLOCK_N`` tokens: ``src`` points at the head of token 0 (tokens ``sn`` apart, values
     ``sd``); ``data`` / ``scale`` at the head in cache row 0 (rows ``DATA_ROW`` / ``SCALE_ROW`` bytes apart).
-    ``PAIRS``: the values are contiguous (``sd == 1``) and every head's pairs aligned (:func:`_load_pairs`)."""
+    ``PAIRS``: the values are contiguous (``sd == 1``) and every head's pairs aligned
+    (:func:`_load_pair_magnitudes`)."""
     blk = tl.arange(0, NB_PAD)
     mask_b = mask_n[:, None] & (blk < NB)[None, :]
     PER: tl.constexpr = BLOCK // (8 // VALUE_BITS)
@@ -209,13 +271,16 @@ def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
     mask = mask_b[:, :, None]
     base = src + tok[:, None, None] * sn
     if VALUE_BITS == 4:  # a block's even and odd elements apart: they fill a byte's low and high nibble
-        if PAIRS:  # each even/odd pair read as one word (contiguous, vectorized loads) and split by bit shifts
-            xe, xo = _load_pairs(base, blk[:, None] * PER + i[None, :], mask)
+        # magnitudes and sign bits apart: the signs go straight to the codes
+        if PAIRS:  # each even/odd pair read as one word (contiguous, vectorized loads) and split by bit operations
+            xe, xo, signs = _load_pair_magnitudes(base, blk[:, None] * PER + i[None, :], mask)
         else:
             j = blk[:, None] * BLOCK + 2 * i[None, :]
             xe = tl.load(base + (j * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
             xo = tl.load(base + ((j + 1) * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))
+            signs = _sign_bits(xe, xo)
+            xe, xo = tl.abs(xe), tl.abs(xo)
+        amax = tl.maximum(tl.max(xe, axis=2), tl.max(xo, axis=2))
     else:
         j = blk[:, None] * BLOCK + i[None, :]
         xe = tl.load(base + (j * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
@@ -227,20 +292,24 @@ def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
         # clamped on both sides, as the reference: a negative g makes s negative, and torch <= 2.11's encoding
         # (SATURATE False) would make NaN of anything past -448
         scale_byte = _e4m3_bits(tl.minimum(tl.maximum(s, -_E4M3_MAX), _E4M3_MAX), SATURATE, HW_CVT)
-        step = _mul_rn(e4m3fn_bits_to_f32(scale_byte), gs, PTX)
-        zero = (step == 0)[:, :, None]
-        safe = tl.where(zero, 1.0, step[:, :, None])
-        xe = tl.where(zero, 0.0, _div_rn(xe, safe, PTX))
-        xo = tl.where(zero, 0.0, _div_rn(xo, safe, PTX))
+        step = _mul_rn(_e4m3_value(scale_byte, HW_CVT), gs, PTX)
+        # the values times the step's reciprocal (kvcore_fp4.formats.reciprocal_step): one division a block.
+        # step = e4m3(s) x g is never below +0 (s has g's sign, or is 0 of g's sign), so neither is inv, and the
+        # products keep the values' sign bits
+        zero = step == 0
+        inv = _div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(zero, 1.0, step), PTX)
+        inv = tl.where(zero, 0.0, tl.minimum(tl.maximum(inv, -_F32_MAX), _F32_MAX))[:, :, None]
+        xe = _mul_rn(xe, inv, PTX)
+        xo = _mul_rn(xo, inv, PTX)
     else:
-        e = tl.where(amax == 0, -127, _block_exponent(amax, VALUE_BITS, PTX))
+        e = _block_exponent(amax, VALUE_BITS)
         up = _pow2(-e)[:, :, None]
         xe = _mul_rn(xe, up, PTX)
         xo = _mul_rn(xo, up, PTX)
         scale_byte = e + _BIAS
     tl.store(scale + rows[:, None] * SCALE_ROW + blk[None, :], scale_byte.to(tl.uint8), mask=mask_b)
     if VALUE_BITS == 4:
-        byte = _e2m1_codes(xe) | (_e2m1_codes(xo) << 4)
+        byte = _e2m1_bytes(xe, xo, signs, PTX)
         k = blk[:, None] * PER + i[None, :]
         tl.store(data + rows[:, None, None] * DATA_ROW + k[None, :, :], byte.to(tl.uint8), mask=mask)
     else:

@@ -191,8 +191,8 @@ def test_e2m1_decode_keeps_the_sign_of_zero_and_every_value():
     want = torch.tensor([e2m1_value(c) for c in range(16)])
     want[8] = -0.0  # sign | 000 | 0 is negative zero
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    # and a negative value that rounds to zero keeps its sign bit: code 8, decoded -0.0
-    assert e2m1_encode(torch.tensor([-0.2, 0.2, 0.0])).tolist() == [8, 0, 0]
+    # and a negative value that rounds to zero keeps its sign bit, as -0.0 does: code 8, decoded -0.0
+    assert e2m1_encode(torch.tensor([-0.2, 0.2, 0.0, -0.0])).tolist() == [8, 0, 0, 8]
 
 
 def test_powers_of_two_are_exact_down_to_the_subnormals():

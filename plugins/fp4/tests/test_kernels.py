@@ -55,29 +55,32 @@ def test_store_writes_the_reference_bytes(kv_format, src_dtype):
     assert bits_equal(fast.k_data[1, loc], data) and bits_equal(fast.k_scale[1, loc], scales)
 
 
-def _e2m1_edge_values() -> torch.Tensor:
-    """float32 values on and one ulp either side of every e2m1 rounding bound and of 1.0 (where the encoder
-    changes method), 6.0 and the value below it, both signs, and zero: all within [-6, 6]."""
-    points = torch.tensor([*E2M1_BOUNDS, 1.0], dtype=torch.float32)
+def _e2m1_edge_values(dtype: torch.dtype) -> torch.Tensor:
+    """Values of ``dtype`` on and one ulp either side of every e2m1 rounding bound and of 1.0 and 2.0 (where
+    the encoder's lines cross), 6.0 and the value below it, both signs, and both zeros: all within [-6, 6]."""
+    points = torch.tensor([*E2M1_BOUNDS, 1.0, 2.0], dtype=dtype)
     up, down = torch.full_like(points, float("inf")), torch.zeros_like(points)
     edges = torch.cat((points, torch.nextafter(points, up), torch.nextafter(points, down)))
-    six = torch.tensor([6.0])
-    edges = torch.cat((edges, six, torch.nextafter(six, torch.zeros(1))))
-    return torch.cat((edges, -edges, torch.zeros(1)))
+    six = torch.tensor([6.0], dtype=dtype)
+    edges = torch.cat((edges, six, torch.nextafter(six, torch.zeros(1, dtype=dtype))))
+    zero = torch.zeros(1, dtype=dtype)
+    return torch.cat((edges, -edges, zero, -zero))
 
 
-def test_e2m1_store_encodes_each_bound_and_its_neighbours_as_the_reference():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_e2m1_store_encodes_each_bound_and_its_neighbours_as_the_reference(dtype):
     """Every value lands exactly on the e2m1 scale (each block's amax is 6.0, so its scale is 1): the codes
-    written are the encoder's alone, checked against the reference's seven-bound rule; then magnitudes past
-    6, which the block's scale brings back into range (saturation is reached through nvfp4's clamped scales,
-    in its own tests)."""
+    written are the encoder's alone, checked against the reference's seven-bound rule, from each input dtype
+    (each reads its value pairs and sign bits its own way; -0.0 is code 8); then magnitudes past 6, which the
+    block's scale brings back into range (saturation is reached through nvfp4's clamped scales, in its own
+    tests)."""
     dk, dv = WIDTHS["fp4_e2m1"]
     fast, ref = pools("fp4_e2m1", dk, dv)
-    values = _e2m1_edge_values()
+    values = _e2m1_edge_values(dtype)
     n = -(-values.numel() // 15)
-    rows = torch.zeros(n * 15)
+    rows = torch.zeros(n * 15, dtype=dtype)
     rows[: values.numel()] = values
-    blocks = torch.cat((torch.full((n, 1), 6.0), rows.view(n, 15)), dim=1)  # [n, 16]: amax 6 in every block
+    blocks = torch.cat((torch.full((n, 1), 6.0, dtype=dtype), rows.view(n, 15)), dim=1)  # [n, 16]: amax 6 in each
     k = blocks.repeat(1, 3 * dk // 16).view(n, 3, dk).to(DEVICE)
     v = blocks.repeat(1, 3 * dv // 16).view(n, 3, dv).flip(-1).to(DEVICE)  # the 6.0 at a block's other end
     loc = torch.arange(1, n + 1, device=DEVICE)
@@ -87,8 +90,12 @@ def test_e2m1_store_encodes_each_bound_and_its_neighbours_as_the_reference():
     for name, buf in fast.buffers().items():
         assert bits_equal(buf, ref.buffers()[name]), name
     assert bits_equal(fast.k_data[0, loc], quantize(k, RECIPES["fp4_e2m1"])[0])  # from the float32 values
-    big = torch.zeros(1, 3, dk)
-    big[0, 0, :4] = torch.tensor([7.5, 1e6, -1e6, 3.0])  # large magnitudes in one block
+    negative_zero = (k == 0) & torch.signbit(k)
+    assert bool(negative_zero.any())
+    codes = fast.k_data[0, loc].to(torch.int32)
+    assert bool(((torch.stack((codes & 15, codes >> 4), -1).flatten(-2) == 8) | ~negative_zero).all())
+    big = torch.zeros(1, 3, dk, dtype=dtype)
+    big[0, 0, :4] = torch.tensor([7.5, 6e4, -6e4, 3.0])  # large magnitudes in one block (finite in f16)
     for p in (fast, ref):
         p.set_kv_buffer(1, loc[:1], big.to(DEVICE), torch.zeros(1, 3, dv, device=DEVICE))
     assert bits_equal(fast.k_data[1, loc[:1]], ref.k_data[1, loc[:1]])
@@ -258,6 +265,32 @@ def test_gather_decodes_every_code_byte_under_every_scale_byte(kv_format, dst_dt
     assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
     values = torch.cat((want[0].flatten(), want[1].flatten())).float()
     assert torch.isinf(values).any() and (values == 0).logical_and(torch.signbit(values)).any()
+
+
+@pytest.mark.parametrize("kv_format", ["fp4_e2m1", "mxfp8"])
+def test_block_exponents_at_their_edges(kv_format):
+    """Blocks whose largest magnitude sits on and one ulp either side of where the exponent steps (``m x 2**k``
+    with ``m`` = 1.5 for e2m1, whose kernel finds ``ceil(log2(amax / 6))`` from the bits without dividing; 1.0
+    for e4m3), across the float32 range: normal, the ``k = -125`` edge where the reference's quotient is
+    subnormal, subnormal blocks, and the largest finite magnitude."""
+    fast, ref = pools(kv_format, 32, 32)
+    m = 1.5 if kv_format == "fp4_e2m1" else 1.0
+    exps = torch.tensor([-149, -130, -127, -126, -125, -124, -100, -1, 0, 1, 2, 60, 126, 127])
+    centre = torch.ldexp(torch.full(exps.shape, m), exps)
+    peaks = torch.cat((centre, torch.nextafter(centre, torch.tensor(0.0)), torch.nextafter(centre, torch.tensor(1e39))))
+    peaks = peaks[torch.isfinite(peaks) & (peaks > 0)]
+    k = torch.zeros(peaks.numel(), 3, 32)
+    k[:, :, 0] = peaks[:, None]
+    k[:, :, 5] = -peaks[:, None] / 3
+    scales = set()
+    for rows in torch.arange(peaks.numel()).split(20):  # the pool holds 27 rows
+        loc = torch.arange(1, rows.numel() + 1, device=DEVICE)
+        for p in (fast, ref):
+            p.set_kv_buffer(0, loc, k[rows].to(DEVICE), k[rows].to(DEVICE))
+        for name, buf in fast.buffers().items():
+            assert bits_equal(buf, ref.buffers()[name]), name
+        scales.update(fast.k_scale[0, loc].flatten().tolist())
+    assert len(scales) >= 12 and 0 in scales  # the exponents spread, the smallest among them
 
 
 @pytest.mark.parametrize("kv_format", ["fp4_e2m1", "mxfp8"])
