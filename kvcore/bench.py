@@ -184,12 +184,17 @@ def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch
     scales = torch.rand(n, generator=gen).add_(0.01).cuda()
     pages = torch.arange(1, 2 + n // 64, dtype=torch.int32).cuda()
 
-    def into(*shapes, dtype=torch.bfloat16):
-        """Caller-provided outputs (``out=``), made once per pool: the timed call allocates nothing."""
-        return lambda: tuple(torch.empty(shape, dtype=dtype, device="cuda") for shape in shapes)
+    def into(method: str, *args, shapes, dtype=torch.bfloat16):
+        """``pool -> call`` of ``pool.method(*args, out=...)`` into caller-provided outputs, made once per pool:
+        the timed call allocates nothing."""
 
-    latent_out, kv_out = into((n, 1, RANK), (n, 1, ROPE)), into((n, HEADS, HEAD_DIM), (n, HEADS, HEAD_DIM))
-    index_out = into((n, 128), (n, 4), dtype=torch.uint8)
+        def make(p):
+            out = tuple(torch.empty(shape, dtype=dtype, device="cuda") for shape in shapes)
+            return lambda: getattr(p, method)(*args, out=out)
+
+        return make
+
+    latent_into = into("get_mla_kv_buffer", 0, loc, shapes=((n, 1, RANK), (n, 1, ROPE)))
     return {
         "mha set_kv_buffer bf16": ("mha", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
         "mha set_kv_buffer fp8<-bf16": ("mha_fp8", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
@@ -201,21 +206,19 @@ def _cases(n: int, gen: torch.Generator) -> dict[str, tuple[str, Callable, torch
         "mla set_mla_kv_buffer": ("mla", lambda p: lambda: p.set_mla_kv_buffer(0, loc, nope, rope), loc),
         "mla set_kv_buffer (concatenated)": ("mla", lambda p: lambda: p.set_kv_buffer(0, loc, latent, None), loc),
         "mla get_mla_kv_buffer": ("mla", lambda p: lambda: p.get_mla_kv_buffer(0, loc), None),
-        "mla get_mla_kv_buffer (out=)": ("mla", lambda p, o=latent_out: (
-            lambda out: lambda: p.get_mla_kv_buffer(0, loc, out=out))(o()), INTO),
+        "mla get_mla_kv_buffer (out=)": ("mla", latent_into, INTO),
         "dsa set_mla_kv_buffer (fp8 quantize)": ("dsa", lambda p: lambda: p.set_mla_kv_buffer(0, loc, nope, rope), loc),
         "dsa get_mla_kv_buffer (dequantize)": ("dsa", lambda p: lambda: p.get_mla_kv_buffer(0, loc), None),
-        "dsa get_mla_kv_buffer (out=)": ("dsa", lambda p, o=latent_out: (
-            lambda out: lambda: p.get_mla_kv_buffer(0, loc, out=out))(o()), INTO),
+        "dsa get_mla_kv_buffer (out=)": ("dsa", latent_into, INTO),
         "dsa set_index_k_scale_buffer": ("dsa", lambda p: lambda: p.set_index_k_scale_buffer(0, loc, keys, scales), loc),
         "dsa get_index_k_scale_buffer": ("dsa", lambda p: lambda: p.get_index_k_scale_buffer(0, n, pages), None),
-        "dsa get_index_k_scale_buffer (out=)": ("dsa", lambda p, o=index_out: (
-            lambda out: lambda: p.get_index_k_scale_buffer(0, n, pages, out=out))(o()), INTO),
+        "dsa get_index_k_scale_buffer (out=)": ("dsa", into("get_index_k_scale_buffer", 0, n, pages,
+                                                            shapes=((n, 128), (n, 4)), dtype=torch.uint8), INTO),
         "swa set_kv_buffer (window, mapped)": ("swa", lambda p: lambda: p.set_kv_buffer(0, loc, swa_k, swa_v), loc),
         "nvfp4 set_kv_buffer (quantize)": ("nvfp4", lambda p: lambda: p.set_kv_buffer(0, loc, k, v), loc),
         "nvfp4 get_kv_buffer_by_loc": ("nvfp4", lambda p: lambda: p.get_kv_buffer_by_loc(0, loc), None),
-        "nvfp4 get_kv_buffer_by_loc (out=)": ("nvfp4", lambda p, o=kv_out: (
-            lambda out: lambda: p.get_kv_buffer_by_loc(0, loc, out=out))(o()), INTO),
+        "nvfp4 get_kv_buffer_by_loc (out=)": ("nvfp4", into("get_kv_buffer_by_loc", 0, loc,
+                                                            shapes=((n, HEADS, HEAD_DIM),) * 2), INTO),
         **({"mamba copy_from (36 layers)": ("mamba", lambda p: lambda: p.copy_from(slots[:n], slots[n:]), STATE)}
            if n in STATE_SLOTS else {}),
     }

@@ -54,17 +54,28 @@ def gather_outputs(out: Any, shapes: Sequence[tuple[int, ...]], dst_dtype: torch
     that keeps its gather buffers passes them and no tensor is allocated per call), checked against the shapes
     the call reads and the requested ``dst_dtype`` (None: any one dtype the accessor supports).  Devices,
     strides and dtypes the kernels cannot write are checked where the kernels are launched."""
+    if isinstance(out, tuple | list) and len(out) == len(shapes):  # the checks of a good call, first and cheap
+        first = out[0]
+        dtype = first.dtype if isinstance(first, torch.Tensor) else None
+        for t, shape in zip(out, shapes):
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
+                break
+        else:
+            if dst_dtype is None or dtype == dst_dtype:
+                return tuple(out)
+    _raise_for_outputs(out, shapes, dst_dtype, method)
+
+
+def _raise_for_outputs(out: Any, shapes: Sequence[tuple[int, ...]], dst_dtype: torch.dtype | None, method: str):
+    """What is wrong with ``out`` (:func:`gather_outputs` found something)."""
     if not isinstance(out, tuple | list) or len(out) != len(shapes):
         raise ValueError(f"{method}: out must be a tuple of {len(shapes)} tensors, got {type(out).__name__}")
     for i, (t, shape) in enumerate(zip(out, shapes)):
         if not isinstance(t, torch.Tensor) or t.shape != shape:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{method}: out[{i}] must be a tensor of shape {tuple(shape)}, got {got}")
-    dtype = out[0].dtype
-    if any(t.dtype != dtype for t in out) or (dst_dtype is not None and dtype != dst_dtype):
-        want = f" = dst_dtype {dst_dtype}" if dst_dtype is not None else ""
-        raise ValueError(f"{method}: out tensors must share one dtype{want}, got {[t.dtype for t in out]}")
-    return tuple(out)
+    want = f" = dst_dtype {dst_dtype}" if dst_dtype is not None else ""
+    raise ValueError(f"{method}: out tensors must share one dtype{want}, got {[t.dtype for t in out]}")
 
 
 def host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
