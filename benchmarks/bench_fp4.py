@@ -12,7 +12,8 @@ out), a pool of 200k tokens, ``N`` random distinct locations.  Per format and si
   (``get_key_buffer`` + ``get_value_buffer``: every row of the pool), both with ``triton.testing.do_bench``.
 
 ``--tile TxW`` sets the tokens per program and warps used from ``LARGE_FROM`` tokens on, in both directions
-and every format (a sweep point; without it the tiles chosen in ``kvcore_fp4.kernels.LARGE_TILES``).
+and every format (``TxWxrows``: programs of whole rows, every head of their tokens; a sweep point; without it
+the tiles chosen in ``kvcore_fp4.kernels.LARGE_TILES``).
 
     python benchmarks/bench_fp4.py [--formats nvfp4,mxfp8] [--sizes 1,64,32768] [--tile 16]
 """
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    parser.add_argument("--tile", default=None, help="TOKENSxWARPS a program from LARGE_FROM tokens on, e.g. 16x1")
+    parser.add_argument("--tile", default=None,
+                        help="TOKENSxWARPS[xrows] a program from LARGE_FROM tokens on (xrows: whole rows), e.g. 16x1")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_fp4 times kernels on a GPU; this machine has no CUDA device", file=sys.stderr)
@@ -87,13 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvcore.bench import copy_ceiling_gbps, graph_us
 
     if args.tile is not None:
-        tile = tuple(int(x) for x in args.tile.split("x"))
+        tokens, warps, *rows = args.tile.split("x")
+        tile = (int(tokens), int(warps), rows == ["rows"])
         kernels.LARGE_TILES = {key: tile for key in kernels.LARGE_TILES}
     formats = args.formats.split(",")
     sizes = [int(s) for s in args.sizes.split(",")]
     ceiling = copy_ceiling_gbps()
     print(f"bench_fp4 on {torch.cuda.get_device_name()} (torch {torch.__version__}); copy ceiling {ceiling:.0f} GB/s; "
-          f"tiles (tokens, warps) from {kernels.LARGE_FROM} tokens: {kernels.LARGE_TILES}")  # fmt: skip
+          f"tiles (tokens, warps, whole rows) from {kernels.LARGE_FROM} tokens: {kernels.LARGE_TILES}")  # fmt: skip
     print("device us per call in CUDA-graph replay: kvcore / torch path, torch/kvcore, share of the copy ceiling")
     print(f"{'format':<9} {'op':<7} {'N':>6} {'kvcore':>9} {'torch':>10} {'x torch':>8} {'of ceil':>8} {'ok':>4}")
     for kv_format in formats:

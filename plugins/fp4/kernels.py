@@ -17,9 +17,11 @@ Every float32 product and quotient is one IEEE operation, as in the torch refere
 Triton releases lower ``div_rn`` to ``div.rn.ftz.f32``; triton-lang/triton#8557) nor fuse into an FMA, whatever
 the Triton release; interpreted they are numpy's.
 
-One launch stores (or reads) K and V of ``N`` tokens: grid ``(token blocks, 2 x heads)``, one program per
-block of tokens and one head of K (``program_id(1) < H``) or V.  A program holds its tokens' whole head row:
-``[BLOCK_N, blocks, values per block]``.  NaN and infinite inputs are outside the contract.
+One launch stores (or reads) K and V of ``N`` tokens: grid ``(token blocks, 2 x heads / HEADS)``, one program
+per block of tokens and ``HEADS`` heads of K or V: one head at decode sizes, every head (whole cache rows: the
+codes and scales of a token's K or V contiguous) from ``LARGE_FROM`` tokens on.  A program holds its tokens'
+blocks of those heads whole: ``[BLOCK_N, HEADS x blocks, values per block]``.  NaN and infinite inputs are
+outside the contract.
 """
 
 from __future__ import annotations
@@ -45,17 +47,18 @@ _EMAX = tl.constexpr(E4M3_EMAX)
 _BIAS = tl.constexpr(UE8M0_BIAS)
 _TWO_126 = tl.constexpr(2.0**126)
 _F32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
-#: tokens per program (their rows are held whole): few at decode sizes, where more programs spread a handful of
-#: rows over more SMs; from ``LARGE_FROM`` tokens on, ``LARGE_TILES[(recipe name, gather)]`` = (tokens, warps).
-#: From sweeps on an H200 at 32k Llama-3-8B rows (benchmarks/RESULTS.md, sixth and seventh sessions): small
-#: programs whose threads each hold whole blocks; 32 tokens on 4 warps took up to 1.9x as long to quantize.  The
-#: stores take 8 tokens a warp (16 took 1.19x as long with the float encoder), the 4-bit gathers 16, the MXFP8
-#: gather 16 on 2 warps.
+#: tokens per program: few at decode sizes, one head a program, where more programs spread a handful of rows
+#: over more SMs; from ``LARGE_FROM`` tokens on, ``LARGE_TILES[(recipe name, gather)]`` = (tokens, warps, whole
+#: rows: every head of the tokens in one program).  From sweeps on an H200 at 32k Llama-3-8B rows
+#: (benchmarks/RESULTS.md, seventh session): whole rows read and write a token's codes (512 bytes) and scales
+#: (64) at once instead of 64 and 8 bytes a program; 2 tokens on 2 warps stored in 0.91-0.96 of the best
+#: one-head tile's time and gathered 4-bit rows in 0.81 of it; the MXFP8 gather takes 4 tokens (63.7 against
+#: 68.9 us).
 BLOCK_N, LARGE_FROM = 4, 512
 LARGE_TILES = {
-    ("fp4_e2m1", False): (8, 1), ("fp4_e2m1", True): (16, 1),
-    ("nvfp4", False): (8, 1), ("nvfp4", True): (16, 1),
-    ("mxfp8", False): (8, 1), ("mxfp8", True): (16, 2),
+    ("fp4_e2m1", False): (2, 2, True), ("fp4_e2m1", True): (2, 2, True),
+    ("nvfp4", False): (2, 2, True), ("nvfp4", True): (2, 2, True),
+    ("mxfp8", False): (2, 2, True), ("mxfp8", True): (4, 2, True),
 }  # fmt: skip
 
 
@@ -255,35 +258,36 @@ def _half_bits(x, OUT: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
-                   D: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                   VALUE_BITS: tl.constexpr, E4M3_SCALE: tl.constexpr, SATURATE: tl.constexpr,
-                   DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr, HW_CVT: tl.constexpr, PAIRS: tl.constexpr,
-                   PTX: tl.constexpr):  # fmt: skip
-    """One head of ``BLOCK_N`` tokens: ``src`` points at the head of token 0 (tokens ``sn`` apart, values
-    ``sd``); ``data`` / ``scale`` at the head in cache row 0 (rows ``DATA_ROW`` / ``SCALE_ROW`` bytes apart).
+def _quantize_heads(src, sn, sh, sd, data, scale, rows, tok, mask_n, g,
+                    NB: tl.constexpr, NBT: tl.constexpr, NBT_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                    VALUE_BITS: tl.constexpr, E4M3_SCALE: tl.constexpr, SATURATE: tl.constexpr,
+                    DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr, HW_CVT: tl.constexpr, PAIRS: tl.constexpr,
+                    PTX: tl.constexpr):  # fmt: skip
+    """``NBT / NB`` consecutive heads (``NB`` blocks each) of ``BLOCK_N`` tokens: ``src`` points at the first
+    head of token 0 (tokens ``sn`` apart, heads ``sh``, values ``sd``); ``data`` / ``scale`` at that head in
+    cache row 0 (rows ``DATA_ROW`` / ``SCALE_ROW`` bytes apart; a row's heads are contiguous there).
     ``PAIRS``: the values are contiguous (``sd == 1``) and every head's pairs aligned
     (:func:`_load_pair_magnitudes`)."""
-    blk = tl.arange(0, NB_PAD)
-    mask_b = mask_n[:, None] & (blk < NB)[None, :]
+    blk = tl.arange(0, NBT_PAD)
+    mask_b = mask_n[:, None] & (blk < NBT)[None, :]
     PER: tl.constexpr = BLOCK // (8 // VALUE_BITS)
     i = tl.arange(0, PER)
     mask = mask_b[:, :, None]
     base = src + tok[:, None, None] * sn
+    first = (blk // NB).to(tl.int64) * sh + (blk % NB) * (BLOCK * sd)  # each block's first value, from src
     if VALUE_BITS == 4:  # a block's even and odd elements apart: they fill a byte's low and high nibble
         # magnitudes and sign bits apart: the signs go straight to the codes
         if PAIRS:  # each even/odd pair read as one word (contiguous, vectorized loads) and split by bit operations
-            xe, xo, signs = _load_pair_magnitudes(base, blk[:, None] * PER + i[None, :], mask)
+            xe, xo, signs = _load_pair_magnitudes(base, (first // 2)[:, None] + i[None, :], mask)
         else:
-            j = blk[:, None] * BLOCK + 2 * i[None, :]
-            xe = tl.load(base + (j * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
-            xo = tl.load(base + ((j + 1) * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
+            at = base + (first[:, None] + 2 * sd * i[None, :])[None, :, :]
+            xe = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+            xo = tl.load(at + sd, mask=mask, other=0.0).to(tl.float32)
             signs = _sign_bits(xe, xo)
             xe, xo = tl.abs(xe), tl.abs(xo)
         amax = tl.maximum(tl.max(xe, axis=2), tl.max(xo, axis=2))
     else:
-        j = blk[:, None] * BLOCK + i[None, :]
-        xe = tl.load(base + (j * sd)[None, :, :], mask=mask, other=0.0).to(tl.float32)
+        xe = tl.load(base + (first[:, None] + sd * i[None, :])[None, :, :], mask=mask, other=0.0).to(tl.float32)
         xo = xe
         amax = tl.max(tl.abs(xe), axis=2)
     if E4M3_SCALE:  # nvfp4: an e4m3 block scale of amax / 6 under the global scale g
@@ -314,18 +318,19 @@ def _quantize_head(src, sn, sd, data, scale, rows, tok, mask_n, g,
         tl.store(data + rows[:, None, None] * DATA_ROW + k[None, :, :], byte.to(tl.uint8), mask=mask)
     else:
         byte = _e4m3_bits(tl.minimum(tl.maximum(xe, -_E4M3_MAX), _E4M3_MAX), SATURATE, HW_CVT)
+        j = blk[:, None] * BLOCK + i[None, :]
         tl.store(data + rows[:, None, None] * DATA_ROW + j[None, :, :], byte.to(tl.uint8), mask=mask)
 
 
 @triton.jit
-def _dequantize_head(dst, dn, dd, data, scale, rows, tok, mask_n, g,
-                     D: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                     VALUE_BITS: tl.constexpr, E4M3_SCALE: tl.constexpr, OUT: tl.constexpr, HW_CVT: tl.constexpr,
-                     DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr, PAIRS: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """:func:`_quantize_head`'s inverse into ``dst`` (``OUT``: 0 float32, 1 float16, 2 bfloat16; ``PAIRS`` as
-    there)."""
-    blk = tl.arange(0, NB_PAD)
-    mask_b = mask_n[:, None] & (blk < NB)[None, :]
+def _dequantize_heads(dst, dn, dh, dd, data, scale, rows, tok, mask_n, g,
+                      NB: tl.constexpr, NBT: tl.constexpr, NBT_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                      VALUE_BITS: tl.constexpr, E4M3_SCALE: tl.constexpr, OUT: tl.constexpr, HW_CVT: tl.constexpr,
+                      DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr, PAIRS: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """:func:`_quantize_heads`' inverse into ``dst`` (heads ``dh`` apart; ``OUT``: 0 float32, 1 float16, 2
+    bfloat16; ``PAIRS`` as there)."""
+    blk = tl.arange(0, NBT_PAD)
+    mask_b = mask_n[:, None] & (blk < NBT)[None, :]
     PER: tl.constexpr = BLOCK // (8 // VALUE_BITS)
     i = tl.arange(0, PER)
     mask = mask_b[:, :, None]
@@ -336,21 +341,23 @@ def _dequantize_head(dst, dn, dd, data, scale, rows, tok, mask_n, g,
         step = _pow2(sb - _BIAS)  # byte 0 is 2**-127, a subnormal
     step = step[:, :, None]
     base = dst + tok[:, None, None] * dn
+    first = (blk // NB).to(tl.int64) * dh + (blk % NB) * (BLOCK * dd)  # each block's first value, from dst
     if VALUE_BITS == 4:
         k = blk[:, None] * PER + i[None, :]
         byte = tl.load(data + rows[:, None, None] * DATA_ROW + k[None, :, :], mask=mask, other=0).to(tl.int32)
         lo = _mul_rn(_e2m1_values(byte & 15, PTX), step, PTX)
         hi = _mul_rn(_e2m1_values(byte >> 4, PTX), step, PTX)
         if PAIRS:  # one word per even/odd pair (contiguous, vectorized stores)
-            _store_pairs(base, k, lo, hi, mask, OUT, HW_CVT)
+            _store_pairs(base, (first // 2)[:, None] + i[None, :], lo, hi, mask, OUT, HW_CVT)
         else:  # the even and odd values interleaved in registers, then stored whole
-            x = tl.reshape(tl.join(lo, hi), [lo.shape[0], NB_PAD, BLOCK])
-            jj = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-            _store_out(base + (jj * dd)[None, :, :], x, mask, OUT, HW_CVT)
+            x = tl.reshape(tl.join(lo, hi), [lo.shape[0], NBT_PAD, BLOCK])
+            at = first[:, None] + dd * tl.arange(0, BLOCK)[None, :]
+            _store_out(base + at[None, :, :], x, mask, OUT, HW_CVT)
     else:
         j = blk[:, None] * BLOCK + i[None, :]
         byte = tl.load(data + rows[:, None, None] * DATA_ROW + j[None, :, :], mask=mask, other=0)
-        _store_out(base + (j * dd)[None, :, :], _mul_rn(e4m3fn_bits_to_f32(byte), step, PTX), mask, OUT, HW_CVT)
+        at = first[:, None] + dd * i[None, :]
+        _store_out(base + at[None, :, :], _mul_rn(e4m3fn_bits_to_f32(byte), step, PTX), mask, OUT, HW_CVT)
 
 
 @triton.jit
@@ -369,17 +376,19 @@ def _store_out(ptr, x, mask, OUT: tl.constexpr, HW_CVT: tl.constexpr):
 def _rows_kernel(
     k_data, k_scale, v_data, v_scale, g_ptr, layer, loc_ptr, loc_stride, n_tokens,
     k_ptr, k_sn, k_sh, k_sd, v_ptr, v_sn, v_sh, v_sd,
-    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, NBK: tl.constexpr, NBK_PAD: tl.constexpr,
-    NBV: tl.constexpr, NBV_PAD: tl.constexpr, BLOCK: tl.constexpr, VALUE_BITS: tl.constexpr,
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, NBK: tl.constexpr, NBV: tl.constexpr,
+    BLOCK: tl.constexpr, VALUE_BITS: tl.constexpr,
     E4M3_SCALE: tl.constexpr, SATURATE: tl.constexpr, KD_LAYER: tl.constexpr, KS_LAYER: tl.constexpr,
     VD_LAYER: tl.constexpr, VS_LAYER: tl.constexpr, KD_ROW: tl.constexpr, KS_ROW: tl.constexpr,
     VD_ROW: tl.constexpr, VS_ROW: tl.constexpr, GATHER: tl.constexpr, OUT: tl.constexpr,
-    HW_CVT: tl.constexpr, PAIRS: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr,
+    HW_CVT: tl.constexpr, PAIRS: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
+    NBKT_PAD: tl.constexpr, NBVT_PAD: tl.constexpr,
 ):  # fmt: skip
     """Store (``GATHER`` False: ``k_ptr`` / ``v_ptr`` are the inputs) or gather (the outputs) ``n_tokens``
-    rows at ``loc``; grid ``(token blocks, 2 H)``.  The two parts (K and V of MHA; nope and rope of an MLA
-    latent row, H = 1) start at ``k_data`` / ``v_data`` (and their scales), rows ``*_ROW`` bytes apart, heads
-    one head's bytes apart."""
+    rows at ``loc``; grid ``(token blocks, 2 H / HEADS)``: a program takes ``HEADS`` heads (1, or all ``H``:
+    whole rows) of K or V, ``NB*T_PAD`` their blocks padded to a power of two.  The two parts (K and V of MHA;
+    nope and rope of an MLA latent row, H = 1) start at ``k_data`` / ``v_data`` (and their scales), rows
+    ``*_ROW`` bytes apart, heads one head's bytes apart."""
     tok = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = tok < n_tokens
     rows = tl.load(loc_ptr + tok.to(tl.int64) * loc_stride, mask=mask_n, other=0).to(tl.int64)
@@ -388,29 +397,35 @@ def _rows_kernel(
     lay = layer.to(tl.int64)
     KB: tl.constexpr = DK * VALUE_BITS // 8
     VB: tl.constexpr = DV * VALUE_BITS // 8
-    if hp < H:
+    GROUPS: tl.constexpr = H // HEADS
+    if hp < GROUPS:
+        h = hp * HEADS
         g = 1.0
         if E4M3_SCALE:
             g = tl.load(g_ptr + lay * 2)
-        data, scale = k_data + lay * KD_LAYER + hp * KB, k_scale + lay * KS_LAYER + hp * NBK
+        data, scale = k_data + lay * KD_LAYER + h * KB, k_scale + lay * KS_LAYER + h * NBK
         if GATHER:
-            _dequantize_head(k_ptr + hp * k_sh, k_sn, k_sd, data, scale, rows, tok, mask_n, g, DK, NBK, NBK_PAD,
-                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, KD_ROW, KS_ROW, PAIRS, PTX)  # fmt: skip
+            _dequantize_heads(k_ptr + h * k_sh, k_sn, k_sh, k_sd, data, scale, rows, tok, mask_n, g, NBK,
+                              HEADS * NBK, NBKT_PAD, BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, KD_ROW, KS_ROW,
+                              PAIRS, PTX)  # fmt: skip
         else:
-            _quantize_head(k_ptr + hp * k_sh, k_sn, k_sd, data, scale, rows, tok, mask_n, g, DK, NBK, NBK_PAD,
-                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, KD_ROW, KS_ROW, HW_CVT, PAIRS, PTX)  # fmt: skip
+            _quantize_heads(k_ptr + h * k_sh, k_sn, k_sh, k_sd, data, scale, rows, tok, mask_n, g, NBK,
+                            HEADS * NBK, NBKT_PAD, BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, KD_ROW, KS_ROW, HW_CVT,
+                            PAIRS, PTX)  # fmt: skip
     else:
-        h = hp - H
+        h = (hp - GROUPS) * HEADS
         g = 1.0
         if E4M3_SCALE:
             g = tl.load(g_ptr + lay * 2 + 1)
         data, scale = v_data + lay * VD_LAYER + h * VB, v_scale + lay * VS_LAYER + h * NBV
         if GATHER:
-            _dequantize_head(v_ptr + h * v_sh, v_sn, v_sd, data, scale, rows, tok, mask_n, g, DV, NBV, NBV_PAD,
-                             BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, VD_ROW, VS_ROW, PAIRS, PTX)  # fmt: skip
+            _dequantize_heads(v_ptr + h * v_sh, v_sn, v_sh, v_sd, data, scale, rows, tok, mask_n, g, NBV,
+                              HEADS * NBV, NBVT_PAD, BLOCK, VALUE_BITS, E4M3_SCALE, OUT, HW_CVT, VD_ROW, VS_ROW,
+                              PAIRS, PTX)  # fmt: skip
         else:
-            _quantize_head(v_ptr + h * v_sh, v_sn, v_sd, data, scale, rows, tok, mask_n, g, DV, NBV, NBV_PAD,
-                           BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, VD_ROW, VS_ROW, HW_CVT, PAIRS, PTX)  # fmt: skip
+            _quantize_heads(v_ptr + h * v_sh, v_sn, v_sh, v_sd, data, scale, rows, tok, mask_n, g, NBV,
+                            HEADS * NBV, NBVT_PAD, BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, VD_ROW, VS_ROW, HW_CVT,
+                            PAIRS, PTX)  # fmt: skip
 
 
 _OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -452,11 +467,13 @@ class BlockRows:
         self._addresses = tuple(t.data_ptr() for t in self._buffers)
         self.device, self._device_index = kd.device, kd.get_device()
         nbk, nbv = parts.k_width // r.block, parts.v_width // r.block
-        # H, DK, DV, NBK, NBK_PAD, NBV, NBV_PAD, BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, then the layer and row
-        # strides of the four buffers (kernel order)
-        self._fixed = (parts.heads, parts.k_width, parts.v_width, nbk, next_pow2(nbk), nbv, next_pow2(nbv), r.block,
-                       r.value_bits, r.scale_kind == "e4m3", torch_e4m3fn_saturates(), kd.stride(0), ks.stride(0),
-                       vd.stride(0), vs.stride(0), kd.stride(1), ks.stride(1), vd.stride(1), vs.stride(1))  # fmt: skip
+        # H, DK, DV, NBK, NBV, BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, then the layer and row strides of the four
+        # buffers (kernel order)
+        self._fixed = (parts.heads, parts.k_width, parts.v_width, nbk, nbv, r.block, r.value_bits,
+                       r.scale_kind == "e4m3", torch_e4m3fn_saturates(), kd.stride(0), ks.stride(0), vd.stride(0),
+                       vs.stride(0), kd.stride(1), ks.stride(1), vd.stride(1), vs.stride(1))  # fmt: skip
+        # heads a program takes -> (that, K's blocks padded, V's blocks padded): one head, or whole rows
+        self._heads = {h: (h, next_pow2(h * nbk), next_pow2(h * nbv)) for h in (1, parts.heads)}
         self._hw_cvt = not triton_interpreting()
         # IEEE float32 products and quotients as inline PTX: compiled kernels on NVIDIA GPUs only
         self._ptx = self._hw_cvt and kd.device.type == "cuda" and torch.version.hip is None
@@ -473,15 +490,16 @@ class BlockRows:
             raise ValueError(f"loc and the rows must be on {self.device}, got {loc.device}, {k.device}, {v.device}")
         kss, vss = k.stride(), v.stride()
         kp, vp, lp = k.data_ptr(), v.data_ptr(), loc.data_ptr()
-        block_n, warps = self._large[gather] if n >= LARGE_FROM else (BLOCK_N, 4)
-        key = (gather, k.dtype, v.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, lp & 15, block_n, warps)
+        block_n, warps, whole_rows = self._large[gather] if n >= LARGE_FROM else (BLOCK_N, 4, False)
+        heads = self._heads[self.parts.heads if whole_rows else 1]
+        key = (gather, k.dtype, v.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, lp & 15, block_n, warps, heads[0])
         out = _OUT[k.dtype] if gather else 0
         pairs = self._pairs.get(key)
         if pairs is None:
             pairs = self._pairs[key] = self._pairs_of(k, v)
-        self.launch(key, -(-n // block_n), 2 * self.parts.heads, (
+        self.launch(key, -(-n // block_n), 2 * self.parts.heads // heads[0], (
             *self._addresses, layer, lp, loc.stride(0), n, kp, kss[0], kss[1], kss[2], vp, vss[0], vss[1], vss[2],
-            *self._fixed, gather, out, self._hw_cvt, pairs, self._ptx, block_n,
+            *self._fixed, gather, out, self._hw_cvt, pairs, self._ptx, block_n, *heads,
         ), (*self._buffers, loc, k, v), warps)  # fmt: skip
 
     def _pairs_of(self, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -347,7 +347,7 @@ def test_the_large_token_tile_matches_the_reference(kv_format, monkeypatch):
     monkeypatch.setattr(kernels, "LARGE_FROM", 8)
     dk, dv = WIDTHS[kv_format]
     fast, ref = pools(kv_format, dk, dv)
-    n = max(tokens for tokens, _ in kernels.LARGE_TILES.values()) + 5
+    n = max(tile[0] for tile in kernels.LARGE_TILES.values()) + 5
     k, v = inputs(n, dk, dv, 7)
     loc = torch.randperm(24, device=DEVICE)[: min(n, 23)] + 1
     k, v = k[: loc.numel()], v[: loc.numel()]
@@ -358,3 +358,30 @@ def test_the_large_token_tile_matches_the_reference(kv_format, monkeypatch):
     read = torch.cat((loc, loc.flip(0)))  # more rows than one large tile
     got, want = fast.get_kv_buffer_by_loc(1, read, torch.float32), ref.get_kv_buffer_by_loc(1, read, torch.float32)
     assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("form", ["pairs", "odd start", "every other value"])
+@pytest.mark.parametrize("kv_format", sorted(RECIPES))
+def test_whole_row_programs_match_the_reference(kv_format, form, dtype, monkeypatch):
+    """A tile may take every head of its tokens in one program (``LARGE_TILES``' third field: whole cache
+    rows, the heads' blocks one axis); forced here at every size, for every input form, it stores the
+    reference's bytes and reads back the reference's values, into outputs of the same forms."""
+    import kvcore_fp4.kernels as kernels
+
+    monkeypatch.setattr(kernels, "LARGE_FROM", 1)
+    monkeypatch.setattr(kernels, "LARGE_TILES", {key: (2, 1, True) for key in kernels.LARGE_TILES})
+    dk, dv = WIDTHS[kv_format]
+    fast, ref = pools(kv_format, dk, dv)
+    g = torch.Generator().manual_seed(13)
+    k, v = _kv_views((torch.randn(5, 3, 2 * (dk + dv) + 4, generator=g) * 4).to(dtype).to(DEVICE), form, dk, dv)
+    loc = torch.tensor([7, 3, 20, 11, 16], device=DEVICE)
+    for p in (fast, ref):
+        p.set_kv_buffer(0, loc, k, v)
+    for name, buf in fast.buffers().items():
+        assert bits_equal(buf, ref.buffers()[name]), name
+    read = torch.tensor([16, 0, 3, 7, 20], device=DEVICE)
+    out_k, out_v = _kv_views(torch.full((5, 3, 2 * (dk + dv) + 4), 7.0, dtype=dtype, device=DEVICE), form, dk, dv)
+    fast._rows.gather(0, read, out_k, out_v)
+    want_k, want_v = ref.get_kv_buffer_by_loc(0, read, dtype)
+    assert bits_equal(out_k, want_k) and bits_equal(out_v, want_v)
