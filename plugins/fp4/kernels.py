@@ -297,9 +297,9 @@ def _quantize_heads(src, sn, sh, sd, data, scale, rows, tok, mask_n, g,
         # (SATURATE False) would make NaN of anything past -448
         scale_byte = _e4m3_bits(tl.minimum(tl.maximum(s, -_E4M3_MAX), _E4M3_MAX), SATURATE, HW_CVT)
         step = _mul_rn(_e4m3_value(scale_byte, HW_CVT), gs, PTX)
-        # the values times the step's reciprocal (kvcore_fp4.formats.reciprocal_step): one division a block.
+        # the magnitudes times the step's reciprocal (kvcore_fp4.formats.reciprocal_step): one division a block.
         # step = e4m3(s) x g is never below +0 (s has g's sign, or is 0 of g's sign), so neither is inv, and the
-        # products keep the values' sign bits
+        # inputs' sign bits (signs) are the scaled values' own
         zero = step == 0
         inv = _div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(zero, 1.0, step), PTX)
         inv = tl.where(zero, 0.0, tl.minimum(tl.maximum(inv, -_F32_MAX), _F32_MAX))[:, :, None]
