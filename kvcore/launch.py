@@ -23,6 +23,16 @@ is.  A hot path therefore passes the addresses of its pool's own buffers (fixed 
 dispatcher, which needs tensors to specialize.  The caller then owns the checks the driver would have made:
 every tensor on the pool's device.
 
+Call plans: what a hot path's checks conclude depends only on its arguments' metadata (shapes, strides, dtypes,
+devices, the alignment of their addresses), which repeats from call to call: every layer of a forward pass
+calls with the same.  A hot path therefore reads that metadata into a *call signature* and keeps, per
+signature, a :class:`Plan`: the launch key, grid, warps and the kernel arguments the signature fixes, worked out
+by the full checks on the signature's first call.  A later call with the same signature reads its metadata,
+finds the plan in one dict lookup and launches; its checks passed on the first call, since everything they read
+is in the signature.  A signature must therefore hold every value the checks and the plan read (dtypes,
+shapes, strides, devices, ``data_ptr() % 16``), and everything else a call passes must be read per call (the
+addresses, the layer).  :func:`remember` keeps a hot path's plans bounded.
+
 Under Triton's interpreter, and while a Triton launch hook is installed (profilers), every call goes through
 the dispatcher.  ``KVCORE_DIRECT_LAUNCH=0`` does the same everywhere.
 """
@@ -38,7 +48,7 @@ import triton
 
 from kvcore.kernel_mode import triton_interpreting
 
-__all__ = ["Launcher", "alignment", "cdiv", "direct_launch_enabled", "launcher_for"]
+__all__ = ["Launcher", "Plan", "alignment", "cdiv", "direct_launch_enabled", "launcher_for", "remember"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -63,12 +73,19 @@ def _hook_active(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+_RUNTIME_KNOBS = triton.knobs.runtime if hasattr(triton, "knobs") else None
+
+
 def _launch_hooks_installed() -> bool:
-    runtime = triton.knobs.runtime
-    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
-    if enter is None and exit_ is None:
+    if _RUNTIME_KNOBS is None:
         return False
+    enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
+    if type(enter) is type(exit_) is _HOOK_CHAIN:  # the usual case, read without a call
+        return bool(enter.calls or exit_.calls)
     return _hook_active(enter) or _hook_active(exit_)
+
+
+_HOOK_CHAIN = getattr(triton.knobs, "HookChain", None) if hasattr(triton, "knobs") else None
 
 
 #: Triton releases whose compiled launcher's C entry point kvcore calls itself (its argument list was read from
@@ -143,6 +160,16 @@ class Launcher:
         if self.direct and compiled is not None and entry is None:
             self._compiled[key] = (*_entry(compiled), compiled)
 
+    def entry(self, key: Any) -> tuple | None:
+        """``(launch, head)`` of ``key``'s compiled kernel, for :class:`Plan` to launch it as ``launch(grid_x,
+        grid_y, grid_z, stream, *head, *args)``: once the key has been launched through this launcher directly,
+        and unless launches are checked (``KVCORE_LAUNCH_CHECK=1``: every one then goes through :meth:`__call__`);
+        None otherwise."""
+        if self.check:
+            return None
+        entry = self._compiled.get(key)
+        return None if entry is None else entry[:2]
+
     def _with_tensors(self, args: Sequence[Any], tensors: Sequence[torch.Tensor]) -> Sequence[Any]:
         if callable(tensors):
             tensors = tensors()
@@ -161,6 +188,45 @@ class Launcher:
                 f"launch key {key!r} of {self.kernel.__name__} names another specialization than the one Triton "
                 "chooses for these arguments: the key misses something Triton specializes on"
             )
+
+
+class Plan:
+    """One call signature of a hot path, worked out once (see the module docstring): a kernel's launch key,
+    grid and warps, and ``fixed``, whatever else the signature settles that the hot path wants kept (strides,
+    constexprs, ...).  Calling it launches the kernel: directly once :meth:`Launcher.entry` has its compiled
+    kernel, through the :class:`Launcher` until then (and always while launches are checked or hooked)."""
+
+    __slots__ = ("launcher", "key", "grid", "warps", "fixed", "entry", "_stream", "_device_index")
+
+    def __init__(self, launcher: Launcher, key: Any, grid: tuple[int, int, int], warps: int, fixed: Any = None):
+        self.launcher, self.key, self.grid, self.warps, self.fixed = launcher, key, grid, warps, fixed
+        self.entry = None
+        self._stream, self._device_index = launcher._stream, launcher._device_index
+
+    def __call__(self, args: Sequence[Any],
+                 tensors: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] = ()) -> None:  # fmt: skip
+        """Launch with ``args`` (every kernel parameter in signature order, as :meth:`Launcher.__call__`)."""
+        entry = self.entry
+        if entry is not None and not _launch_hooks_installed():
+            entry[0](*self.grid, self._stream(self._device_index), *entry[1], *args)
+            return
+        gx, gy, gz = self.grid
+        self.launcher(self.key, gx, gy, args, tensors, self.warps, gz)
+        if self.launcher.direct:
+            self.entry = self.launcher.entry(self.key)
+
+
+#: the most plans a hot path keeps (one per call signature; a signature includes the token count, so a long run
+#: of prefills of changing sizes would otherwise grow without bound).
+PLAN_LIMIT = 256
+
+
+def remember(plans: dict, signature: Any, plan: Any) -> Any:
+    """``plans[signature] = plan``, first forgetting every plan when there are :data:`PLAN_LIMIT`; returns ``plan``."""
+    if len(plans) >= PLAN_LIMIT:
+        plans.clear()
+    plans[signature] = plan
+    return plan
 
 
 _LAUNCHERS: dict[tuple, Launcher] = {}

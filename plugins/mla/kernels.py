@@ -47,6 +47,8 @@ Moves between slots are the family-independent row move of :mod:`kvcore.row_move
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -55,7 +57,7 @@ from kvcore import dtypes
 from kvcore.dtypes import FP8_DTYPES, is_fp8_dtype, storage_dtype
 from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import Launcher, cdiv
+from kvcore.launch import Launcher, Plan, cdiv, remember
 from kvcore.row_move import next_pow2 as _next_pow2
 from kvcore.row_move import prev_pow2 as _prev_pow2
 
@@ -257,12 +259,17 @@ def _flat(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.reshape(x.shape[0], width)
 
 
+#: what a plan memo answers for a signature it has not seen (None is the plan of a call without rows)
+_UNPLANNED = object()
+
+
 class LatentRows:
     """The store and gather of one pool's stacked latent rows: the Triton kernel (``use_triton``) or its torch
     reference, sharing the checks.
 
-    What is fixed at pool creation (row width, strides, constexprs, the launcher) is computed once; a call
-    checks shapes and dtypes from the tensors' own tuples, names its launch key (:mod:`kvcore.launch`) and
+    What is fixed at pool creation (row width, strides, constexprs, the launchers) is computed once; what is fixed
+    by a call's signature (its tensors' shapes, strides, dtypes, devices and alignments) is checked and planned
+    on the signature's first call (:class:`kvcore.launch.Plan`); a call reads its signature, finds its plan and
     launches once.
 
     :param kv_cache: ``[L, R, 1, D]`` (or ``[L, R, D]``) cache with contiguous rows, dtype
@@ -293,14 +300,15 @@ class LatentRows:
         self._row_stride, self._layer_stride = kv_cache.stride(1), kv_cache.stride(0)
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
         self._codes: dict[tuple, tuple[int, int]] = {}
-        self._specs: dict[tuple, tuple] = {}
-        self._fresh: dict[tuple, tuple] = {}
+        self._plans: dict[tuple, Plan | None] = {}
 
     # -- checks ---------------------------------------------------------------------------------------------
 
-    def _check_loc(self, layer_index: int, loc: torch.Tensor) -> int:
+    def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:
             raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
+
+    def _check_loc(self, loc: torch.Tensor) -> int:
         loc_dtype = loc.dtype
         if loc.dim() != 1 or (loc_dtype is not torch.int32 and loc_dtype is not torch.int64):
             raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc_dtype} {tuple(loc.shape)}")
@@ -309,7 +317,7 @@ class LatentRows:
         return loc.shape[0]
 
     def _codes_of(self, src: torch.dtype, dst: torch.dtype, what: str) -> tuple[int, int]:
-        """(IN code, OUT code) of a conversion ``src -> dst`` (memoized: a dict lookup per call)."""
+        """(IN code, OUT code) of a conversion ``src -> dst`` (memoized)."""
         codes = self._codes.get((src, dst))
         if codes is None:
             codes = self._codes[(src, dst)] = (dtypes.dtype_code(src, what), dtypes.conversion_code(src, dst, what))
@@ -328,135 +336,172 @@ class LatentRows:
             widths = " + ".join(f"{what} {part[0]}" for what, part in parts)
             raise ValueError(f"{widths} = {total} columns do not fit a cache row of {self.width}")
 
-    # -- the one launch --------------------------------------------------------------------------------------
+    # -- plans and the one launch ----------------------------------------------------------------------------
 
-    def _spec(self, key: tuple) -> tuple:
-        """(launcher, tokens a program, column blocks, warps, the kernel's arguments from ``LAYER_STRIDE`` on) of a
-        launch key: stores of up to ``ROW_KERNEL_MAX_TOKENS`` tokens one program a token (:func:`_mla_row_kernel`),
-        larger stores and every gather tiles (:func:`_mla_rows_kernel`)."""
-        n_pad, gather, a_part, b_part, b_ext0 = key[:5]
+    def _plan(self, signature: tuple, loc: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, names: tuple[str, str],
+              gather: bool, split: bool = False) -> Plan | None:  # fmt: skip
+        """The plan of a call signature (:mod:`kvcore.launch`), after the full checks of its first call; None
+        when the call has no rows.  ``b`` None with ``split``: ``a`` is whole rows, copied as two parts split at
+        the largest power of two below their width (576 = 512 + 64: tiles of 512 and 64 columns instead of one
+        1024-wide tile with 448 idle lanes), part B the same tensor from column ``split``."""
+        n = self._check_loc(loc)
+        a_part = self._check_part(n, names[0], a, gather)
+        if split:
+            cut = _prev_pow2(a_part[0])
+            if a_part[0] > self.width:
+                self._check_width(((names[0], a_part),))
+            b, b_ext0 = a, cut
+            b_part = (a_part[0] - cut, *a_part[1:]) if cut < a_part[0] else (0, *a_part[1:])
+            a_part = (cut, *a_part[1:])
+        else:
+            b_part, b_ext0 = self._check_part(n, names[1], b, gather), 0
+            if a_part[0] + b_part[0] > self.width:
+                self._check_width(((names[0], a_part), (names[1], b_part)))
+        if n == 0:
+            return remember(self._plans, signature, None)
+        if a.dtype in FP8_DTYPES or b.dtype in FP8_DTYPES:
+            a, b = _kernel_view(a), _kernel_view(b)
+        key = (1 << (n - 1).bit_length(), gather, a_part, b_part, b_ext0, a.dtype, b.dtype, a.data_ptr() & 15,
+               b.data_ptr() & 15, loc.dtype, loc.data_ptr() & 15)  # fmt: skip
+        n_pad = key[0]
         codes = (a_part[3], a_part[4], b_part[3], b_part[4], self._saturate, self._hw_cvt)
-        if n_pad <= ROW_KERNEL_MAX_TOKENS and not gather:
+        if n_pad <= ROW_KERNEL_MAX_TOKENS and not gather:  # one program a token: no token count argument
             block = _next_pow2(a_part[0] + b_part[0])
             tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block, a_part[2] == 1,
                     b_part[2] == 1, *codes)  # fmt: skip
-            return self.launch_row, 1, 1, ROW_KERNEL_WARPS, tail
+            return remember(self._plans, signature, Plan(self.launch_row, key, (n, 1, 1), ROW_KERNEL_WARPS, (
+                (loc.stride(0),), a_part[1:3], (*b_part[1:3], *tail))))  # fmt: skip
         copy = a_part[4] == dtypes.SAME and (b_part[0] == 0 or b_part[4] == dtypes.SAME)
         block_n, block_a, block_b, num_cb_a, num_cb, warps = _plan(a_part[0], b_part[0], n_pad, copy)
         tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block_a, block_b, num_cb_a,
                 a_part[2] == 1, b_part[2] == 1, gather, *codes, block_n)  # fmt: skip
-        return self.launch, block_n, num_cb, warps, tail
+        return remember(self._plans, signature, Plan(self.launch, key, (cdiv(n, block_n), num_cb, 1), warps, (
+            (loc.stride(0), n), a_part[1:3], (*b_part[1:3], *tail))))  # fmt: skip
 
-    def _launch(self, layer_index, loc, n, a, a_part, b, b_part, gather: bool, b_ext0: int = 0) -> None:
-        """One launch over ``loc``.  ``a_part`` / ``b_part`` are (width, token stride, column stride, IN, OUT) as
-        :meth:`_check_part` returns them; ``b`` may be None (a single part); part B's external columns start at
-        ``b_ext0``."""
-        if b is None:
-            b, b_part = a, (0, *a_part[1:])
-        if a.dtype in FP8_DTYPES or b.dtype in FP8_DTYPES:
-            a, b = _kernel_view(a), _kernel_view(b)
-        ap, bp, lp = a.data_ptr(), b.data_ptr(), loc.data_ptr()
-        key = (1 << (n - 1).bit_length(), gather, a_part, b_part, b_ext0, a.dtype, b.dtype, ap & 15, bp & 15,
-               loc.dtype, lp & 15)  # fmt: skip
-        spec = self._specs.get(key)
-        if spec is None:
-            spec = self._specs[key] = self._spec(key)
-        launch, block_n, num_cb, warps, tail = spec
-        tensors = (self.kv_cache, loc, a, b)
-        if launch is self.launch_row:  # one program a token: the grid is the token count, not an argument
-            launch(key, n, 1, (
-                self._cache_ptr, layer_index, lp, loc.stride(0), ap, a_part[1], a_part[2], bp, b_part[1], b_part[2],
-                *tail,
-            ), tensors, warps)  # fmt: skip
-        else:
-            launch(key, -(-n // block_n), num_cb, (
-                self._cache_ptr, layer_index, lp, loc.stride(0), n, ap, a_part[1], a_part[2], bp, b_part[1],
-                b_part[2], *tail,
-            ), tensors, warps)  # fmt: skip
+    def _fire(self, plan: Plan | None, layer_index: int, lp: int, ap: int, bp: int, loc, a, b) -> None:
+        """Launch ``plan`` (None: nothing to launch) for one layer and the call's addresses."""
+        if not 0 <= layer_index < self.layers:
+            self._check_layer(layer_index)
+        if plan is not None:
+            loc_args, a_args, b_args = plan.fixed
+            plan((self._cache_ptr, layer_index, lp, *loc_args, ap, *a_args, bp, *b_args),
+                 lambda: (self.kv_cache, loc, _kernel_view(a), _kernel_view(b)))  # fmt: skip
 
     # -- the operations --------------------------------------------------------------------------------------
 
     def store(self, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:
         """See :func:`store_nope_rope_triton`."""
-        n = self._check_loc(layer_index, loc)
-        nope_geo = self._check_part(n, "cache_k_nope", cache_k_nope, False)
-        rope_geo = self._check_part(n, "cache_k_rope", cache_k_rope, False)
-        if nope_geo[0] + rope_geo[0] > self.width:
-            self._check_width((("cache_k_nope", nope_geo), ("cache_k_rope", rope_geo)))
-        if n == 0:
+        if not self.use_triton:
+            self._store_native(layer_index, loc, cache_k_nope, cache_k_rope)
             return
-        if self.use_triton:
-            self._launch(layer_index, loc, n, cache_k_nope, nope_geo, cache_k_rope, rope_geo, gather=False)
-            return
-        rows, idx, r = self.kv_cache[layer_index].flatten(1), loc.long(), nope_geo[0]
-        rows[idx, :r] = _to_storage(_flat(cache_k_nope, r), self.cache_dtype)
-        rows[idx, r : r + rope_geo[0]] = _to_storage(_flat(cache_k_rope, rope_geo[0]), self.cache_dtype)
+        a, b = cache_k_nope, cache_k_rope
+        lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
+        signature = (0, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, a.shape, a.stride(), a.dtype,
+                     a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(), bp & 15)  # fmt: skip
+        plan = self._plans.get(signature, _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = self._plan(signature, loc, a, b, ("cache_k_nope", "cache_k_rope"), gather=False)
+        self._fire(plan, layer_index, lp, ap, bp, loc, a, b)
 
     def store_rows(self, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
         """See :func:`store_rows_triton`."""
-        n = self._check_loc(layer_index, loc)
-        geo = self._check_part(n, "cache_k", cache_k, False)
-        if geo[0] > self.width:
-            self._check_width((("cache_k", geo),))
-        if n == 0:
-            return
         if not self.use_triton:
+            self._check_layer(layer_index)
+            n = self._check_loc(loc)
+            geo = self._check_part(n, "cache_k", cache_k, False)
+            if geo[0] > self.width:
+                self._check_width((("cache_k", geo),))
             rows = self.kv_cache[layer_index].flatten(1)
             rows[loc.long(), : geo[0]] = _to_storage(_flat(cache_k, geo[0]), self.cache_dtype)
             return
-        # Split at the largest power of two below the width (576 = 512 + 64): tiles of 512 and 64 columns
-        # instead of one 1024-wide tile with 448 idle lanes; part B is the same tensor from column ``split``.
-        split = _prev_pow2(geo[0])
-        tail = (geo[0] - split, *geo[1:]) if split < geo[0] else None
-        self._launch(layer_index, loc, n, cache_k, (split, *geo[1:]), cache_k if tail else None, tail,
-                     gather=False, b_ext0=split)  # fmt: skip
+        lp, ap = loc.data_ptr(), cache_k.data_ptr()
+        signature = (1, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, cache_k.shape, cache_k.stride(),
+                     cache_k.dtype, cache_k.get_device(), ap & 15)  # fmt: skip
+        plan = self._plans.get(signature, _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = self._plan(signature, loc, cache_k, None, ("cache_k", "cache_k"), gather=False, split=True)
+        self._fire(plan, layer_index, lp, ap, ap, loc, cache_k, cache_k)
 
     def gather_new(self, layer_index: int, loc: torch.Tensor, dtype: torch.dtype, a_width: int, b_width: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Rows ``loc`` of a layer as two new contiguous tensors, columns ``[0, a_width)`` as ``[N, 1, a_width]``
         and the next ``b_width`` as ``[N, 1, b_width]``, of ``dtype`` (converted as :meth:`gather` converts).
 
-        The outputs need no checks: what is fixed by ``(dtype, a_width, b_width)`` is worked out once.  (Two
-        ``torch.empty_strided`` calls: on an H200 they cost less host time than one allocation carved into two
-        views, each view costing about as much as an allocation.)"""
-        n = self._check_loc(layer_index, loc)
-        fresh = self._fresh.get((dtype, a_width, b_width))
-        if fresh is None:
-            if a_width + b_width > self.width:
-                raise ValueError(f"{a_width} + {b_width} columns do not fit a cache row of {self.width}")
-            a_codes = self._codes_of(self.cache_dtype, dtype, "dst_dtype")
-            fresh = self._fresh[(dtype, a_width, b_width)] = (
-                (a_width, a_width, 1, *a_codes), (b_width, b_width, 1, *a_codes)
-            )
-        a_part, b_part = fresh
-        a = torch.empty_strided((n, 1, a_width), a_part[:2] + (1,), dtype=dtype, device=self.device)
-        b = torch.empty_strided((n, 1, b_width), b_part[:2] + (1,), dtype=dtype, device=self.device)
-        if n == 0:
-            return a, b
-        if self.use_triton:
-            self._launch(layer_index, loc, n, a, a_part, b, b_part, gather=True)
-        else:
+        (Two ``torch.empty_strided`` calls: on an H200 they cost less host time than one allocation carved into
+        two views, each view costing about as much as an allocation.)  New outputs are 16-byte aligned (the
+        caching allocator's blocks are), which the plan of a call signature takes for granted and checks."""
+        shape = loc.shape
+        if len(shape) != 1:
+            self._check_loc(loc)
+        n = shape[0]
+        a = torch.empty_strided((n, 1, a_width), (a_width, a_width, 1), dtype=dtype, device=self.device)
+        b = torch.empty_strided((n, 1, b_width), (b_width, b_width, 1), dtype=dtype, device=self.device)
+        if not self.use_triton:
             self.gather(layer_index, loc, a, b)
+            return a, b
+        lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
+        signature = (3, shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, dtype, a_width, b_width)
+        plan = self._plans.get(signature, _UNPLANNED)
+        if plan is _UNPLANNED or (ap | bp) & 15:  # a first call, or outputs less aligned than plans take them
+            self.gather(layer_index, loc, a, b)
+            if not (ap | bp) & 15:  # the gather's plan serves every call of this signature
+                remember(self._plans, signature, self._plans[self._gather_signature(loc, a, b, lp, ap, bp)])
+            return a, b
+        self._fire(plan, layer_index, lp, ap, bp, loc, a, b)
         return a, b
 
-    def gather(self, layer_index: int, loc: torch.Tensor, out_nope: torch.Tensor, out_rope: torch.Tensor) -> None:
-        """See :func:`gather_nope_rope_triton`."""
-        n = self._check_loc(layer_index, loc)
-        nope_geo = self._check_part(n, "out_nope", out_nope, True)
-        rope_geo = self._check_part(n, "out_rope", out_rope, True)
-        if nope_geo[0] + rope_geo[0] > self.width:
-            self._check_width((("out_nope", nope_geo), ("out_rope", rope_geo)))
-        if n == 0:
+    @staticmethod
+    def _gather_signature(loc, a, b, lp: int, ap: int, bp: int) -> tuple:
+        return (2, None, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, a.shape, a.stride(), a.dtype,
+                a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(), bp & 15)  # fmt: skip
+
+    def gather(self, layer_index: int, loc: torch.Tensor, out_nope: torch.Tensor, out_rope: torch.Tensor,
+               check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:  # fmt: skip
+        """See :func:`gather_nope_rope_triton`.  ``check(loc, out_nope, out_rope)``, when given, is a caller's own
+        check of the outputs (a pool's exact shapes), run once per call signature before this one's own."""
+        a, b = out_nope, out_rope
+        if not self.use_triton:
+            if check is not None:
+                check(loc, a, b)
+            self._gather_native(layer_index, loc, a, b)
             return
-        if self.use_triton:
-            self._launch(layer_index, loc, n, out_nope, nope_geo, out_rope, rope_geo, gather=True)
-            return
-        rows = self.kv_cache[layer_index].flatten(1)[loc.long()]
-        if is_fp8_dtype(self.cache_dtype):
-            rows = rows.view(self.cache_dtype)
-        r = nope_geo[0]
-        _flat(out_nope, r).copy_(rows[:, :r].to(out_nope.dtype))
-        _flat(out_rope, rope_geo[0]).copy_(rows[:, r : r + rope_geo[0]].to(out_rope.dtype))
+        lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
+        signature = (2, check, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, a.shape, a.stride(),
+                     a.dtype, a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(), bp & 15)  # fmt: skip
+        plan = self._plans.get(signature, _UNPLANNED)
+        if plan is _UNPLANNED:
+            if check is not None:
+                check(loc, a, b)
+            plan = self._plan(signature, loc, a, b, ("out_nope", "out_rope"), gather=True)
+        self._fire(plan, layer_index, lp, ap, bp, loc, a, b)
+
+    # -- the torch reference -----------------------------------------------------------------------------------
+
+    def _native_parts(self, layer_index: int, loc: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      names: tuple[str, str], gather: bool) -> tuple[int, int]:  # fmt: skip
+        """The checks of the reference: (rows, width of A, width of B)."""
+        self._check_layer(layer_index)
+        n = self._check_loc(loc)
+        a_part, b_part = self._check_part(n, names[0], a, gather), self._check_part(n, names[1], b, gather)
+        if a_part[0] + b_part[0] > self.width:
+            self._check_width(((names[0], a_part), (names[1], b_part)))
+        return n, a_part[0], b_part[0]
+
+    def _store_native(self, layer_index: int, loc, cache_k_nope, cache_k_rope) -> None:
+        n, r, p = self._native_parts(layer_index, loc, cache_k_nope, cache_k_rope, ("cache_k_nope", "cache_k_rope"), False)
+        if n:
+            rows, idx = self.kv_cache[layer_index].flatten(1), loc.long()
+            rows[idx, :r] = _to_storage(_flat(cache_k_nope, r), self.cache_dtype)
+            rows[idx, r : r + p] = _to_storage(_flat(cache_k_rope, p), self.cache_dtype)
+
+    def _gather_native(self, layer_index: int, loc, out_nope, out_rope) -> None:
+        n, r, p = self._native_parts(layer_index, loc, out_nope, out_rope, ("out_nope", "out_rope"), True)
+        if n:
+            rows = self.kv_cache[layer_index].flatten(1)[loc.long()]
+            if is_fp8_dtype(self.cache_dtype):
+                rows = rows.view(self.cache_dtype)
+            _flat(out_nope, r).copy_(rows[:, :r].to(out_nope.dtype))
+            _flat(out_rope, p).copy_(rows[:, r : r + p].to(out_rope.dtype))
 
 
 # ==========================================================================================================

@@ -105,18 +105,25 @@ class MLATokenToKVPool(KVCache):
             launch.
         """
         local = self.local_layer(layer)
-        self._wait_for_layer(local)
+        if self.layer_transfer_counter is not None:
+            self._wait_for_layer(local)
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
-        if out is not None:
-            nope, rope = self._latent_outputs(loc.shape[0], out, dst_dtype)
-            self._rows.gather(local, loc, nope, rope)
-            return nope, rope
-        return self._rows.gather_new(local, loc, dst_dtype or self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
+        if out is None:
+            return self._rows.gather_new(local, loc, dst_dtype or self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
+        if dst_dtype is None and type(out) is tuple and len(out) == 2:  # checked once per call signature
+            self._rows.gather(local, loc, *out, check=self._check_latent_outputs)
+            return out
+        nope, rope = self._latent_outputs(loc.shape[0], out, dst_dtype)
+        self._rows.gather(local, loc, nope, rope)
+        return nope, rope
 
     def _latent_outputs(self, n: int, out, dst_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``out`` of :meth:`get_mla_kv_buffer`, checked for ``n`` rows (:func:`kvcore.pools.gather_outputs`)."""
         shapes = ((n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim))
         return gather_outputs(out, shapes, dst_dtype, "get_mla_kv_buffer")
+
+    def _check_latent_outputs(self, loc: torch.Tensor, nope: torch.Tensor, rope: torch.Tensor) -> None:
+        self._latent_outputs(loc.shape[0] if loc.dim() == 1 else loc.numel(), (nope, rope), None)
 
     # -- writes ------------------------------------------------------------------------------------------
 
