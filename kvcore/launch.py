@@ -48,7 +48,7 @@ import triton
 
 from kvcore.kernel_mode import triton_interpreting
 
-__all__ = ["Launcher", "Plan", "alignment", "cdiv", "direct_launch_enabled", "launcher_for", "remember"]
+__all__ = ["UNPLANNED", "Launcher", "Plan", "alignment", "cdiv", "direct_launch_enabled", "launcher_for", "remember"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -215,6 +215,10 @@ class Plan:
         if self.launcher.direct:
             self.entry = self.launcher.entry(self.key)
 
+
+#: what a hot path's plan memo answers for a signature it has not seen: ``plans.get(signature, UNPLANNED)``
+#: (None is the plan of a call with nothing to launch, e.g. no rows)
+UNPLANNED = object()
 
 #: the most plans a hot path keeps (one per call signature; a signature includes the token count, so a long run
 #: of prefills of changing sizes would otherwise grow without bound).

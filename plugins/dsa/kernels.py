@@ -32,6 +32,8 @@ itself is never subnormal: see the zero-tile guard).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -44,7 +46,7 @@ from kvcore.fp8 import (
 )
 from kvcore import dtypes
 from kvcore.dtypes import E4M3FN_MAX
-from kvcore.launch import Launcher
+from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.row_move import next_pow2
 from kvcore_dsa.layout import (
@@ -483,14 +485,17 @@ class ScaledRows:
         self._gather = Launcher(_gather_dsa_fp8_kernel, kv_cache.device, (*views, "loc_ptr", "nope_out", "rope_out"))
         self._view_ptrs = (kv_cache.data_ptr(),) * 3
         self.device, self._device_index = kv_cache.device, kv_cache.get_device()
+        self._store_plans: dict[tuple, Plan | None] = {}
+        self._gather_plans: dict[tuple, Plan | None] = {}
+        self._new_plans: dict[tuple, Plan | None] = {}
 
     def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:
             raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
 
-    def store(self, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:
-        """See :func:`store_dsa_fp8_triton`."""
-        self._check_layer(layer_index)
+    def _check_store(self, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
+                     ) -> tuple[int, tuple[int, int], tuple[int, int]]:  # fmt: skip
+        """(rows, nope strides, rope strides) of a store, checked."""
         n = _check_loc(loc)
         nope_s = _geometry(cache_k_nope, self.kv_lora_rank, n, "cache_k_nope")
         rope_s = _geometry(cache_k_rope, self.qk_rope_head_dim, n, "cache_k_rope")
@@ -498,26 +503,9 @@ class ScaledRows:
         if nope_dtype not in _FLOAT_INPUTS or rope_dtype not in _FLOAT_INPUTS:
             name, dtype = ("cache_k_nope", nope_dtype) if nope_dtype not in _FLOAT_INPUTS else ("cache_k_rope", rope_dtype)
             raise ValueError(f"{name} must be float32/float16/bfloat16 to be quantized, got {dtype}")
-        if n == 0:
-            return
-        if not self.use_triton:
-            nope = cache_k_nope.reshape(n, self.kv_lora_rank)
-            self.kv_cache[layer_index, loc.long(), 0] = quantize_parts(nope, cache_k_rope.reshape(n, -1))
-            return
-        dev = self._device_index
-        if loc.get_device() != dev or cache_k_nope.get_device() != dev or cache_k_rope.get_device() != dev:
-            _check_device(dev, self.device, loc=loc, cache_k_nope=cache_k_nope, cache_k_rope=cache_k_rope)
-        block_n = min(_STORE_BLOCK_N, next_pow2(n))
-        np_, rp, lp = cache_k_nope.data_ptr(), cache_k_rope.data_ptr(), loc.data_ptr()
-        key = (nope_dtype, rope_dtype, nope_s, rope_s, np_ & 15, rp & 15, loc.dtype, lp & 15, block_n)
-        self._store(key, -(-n // block_n), 1, (
-            *self._view_ptrs, layer_index, np_, rp, lp, loc.stride(0), n, *nope_s, *rope_s,
-            *self._dims, rope_dtype == torch.bfloat16, SCALE_MIN, self._saturate, self._hw_cvt, block_n,
-        ), (*self._views, cache_k_nope, cache_k_rope, loc), _STORE_NUM_WARPS)  # fmt: skip
+        return n, nope_s, rope_s
 
-    def gather(self, layer_index: int, loc: torch.Tensor, nope_out: torch.Tensor, rope_out: torch.Tensor) -> None:
-        """See :func:`gather_dsa_fp8_triton`."""
-        self._check_layer(layer_index)
+    def _check_gather(self, loc: torch.Tensor, nope_out: torch.Tensor, rope_out: torch.Tensor) -> int:
         n = _check_loc(loc)
         for name, t, w in (("nope_out", nope_out, self.kv_lora_rank), ("rope_out", rope_out, self.qk_rope_head_dim)):
             if t.numel() != n * w or not t.is_contiguous():
@@ -526,45 +514,116 @@ class ScaledRows:
                 raise ValueError(f"{name} must be float32/float16/bfloat16, got {t.dtype}")
         if nope_out.dtype != rope_out.dtype:
             raise ValueError(f"nope_out and rope_out must share a dtype, got {nope_out.dtype} and {rope_out.dtype}")
-        if n == 0:
-            return
-        if not self.use_triton:
-            rows = self.kv_cache[layer_index].index_select(0, loc.long())[:, 0]
-            nope, rope = dequantize_rows(rows, self.kv_lora_rank, self.qk_rope_head_dim, nope_out.dtype)
-            nope_out.view(n, self.kv_lora_rank).copy_(nope)
-            rope_out.view(n, self.qk_rope_head_dim).copy_(rope)
-            return
-        _check_device(self._device_index, self.device, loc=loc, nope_out=nope_out, rope_out=rope_out)
-        self._launch_gather(layer_index, loc, n, nope_out, rope_out)
+        return n
 
-    def _launch_gather(self, layer_index: int, loc: torch.Tensor, n: int, nope_out: torch.Tensor,
-                       rope_out: torch.Tensor) -> None:  # fmt: skip
+    def store(self, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:
+        """See :func:`store_dsa_fp8_triton`.  Checked and planned once per call signature (:mod:`kvcore.launch`)."""
+        nope, rope = cache_k_nope, cache_k_rope
+        if not self.use_triton:
+            self._check_layer(layer_index)
+            n = self._check_store(loc, nope, rope)[0]
+            if n:
+                self.kv_cache[layer_index, loc.long(), 0] = quantize_parts(nope.reshape(n, self.kv_lora_rank),
+                                                                           rope.reshape(n, -1))  # fmt: skip
+            return
+        np_, rp, lp = nope.data_ptr(), rope.data_ptr(), loc.data_ptr()
+        signature = (loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, nope.shape, nope.stride(),
+                     nope.dtype, nope.get_device(), np_ & 15, rope.shape, rope.stride(), rope.dtype, rope.get_device(),
+                     rp & 15)  # fmt: skip
+        plan = self._store_plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
+            plan = self._plan_store(signature, loc, nope, rope)
+        if not 0 <= layer_index < self.layers:
+            self._check_layer(layer_index)
+        if plan is not None:
+            plan((*self._view_ptrs, layer_index, np_, rp, lp, *plan.fixed), lambda: (*self._views, nope, rope, loc))
+
+    def _plan_store(self, signature: tuple, loc, nope, rope) -> Plan | None:
+        n, nope_s, rope_s = self._check_store(loc, nope, rope)
+        if n == 0:
+            return remember(self._store_plans, signature, None)
+        dev = self._device_index
+        if loc.get_device() != dev or nope.get_device() != dev or rope.get_device() != dev:
+            _check_device(dev, self.device, loc=loc, cache_k_nope=nope, cache_k_rope=rope)
+        block_n = min(_STORE_BLOCK_N, next_pow2(n))
+        key = (nope.dtype, rope.dtype, nope_s, rope_s, signature[9], signature[14], loc.dtype, signature[4], block_n)
+        return remember(self._store_plans, signature, Plan(self._store, key, (cdiv(n, block_n), 1, 1), _STORE_NUM_WARPS, (
+            loc.stride(0), n, *nope_s, *rope_s, *self._dims, rope.dtype == torch.bfloat16, SCALE_MIN, self._saturate,
+            self._hw_cvt, block_n,
+        )))  # fmt: skip
+
+    def gather(self, layer_index: int, loc: torch.Tensor, nope_out: torch.Tensor, rope_out: torch.Tensor,
+               check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:  # fmt: skip
+        """See :func:`gather_dsa_fp8_triton`.  Checked and planned once per call signature; ``check(loc,
+        nope_out, rope_out)``, when given, is a caller's own check of the outputs, run with this one's."""
+        a, b = nope_out, rope_out
+        if not self.use_triton:
+            self._check_layer(layer_index)
+            if check is not None:
+                check(loc, a, b)
+            n = self._check_gather(loc, a, b)
+            if n:
+                rows = self.kv_cache[layer_index].index_select(0, loc.long())[:, 0]
+                nope, rope = dequantize_rows(rows, self.kv_lora_rank, self.qk_rope_head_dim, a.dtype)
+                a.view(n, self.kv_lora_rank).copy_(nope)
+                b.view(n, self.qk_rope_head_dim).copy_(rope)
+            return
+        lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
+        signature = (check, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, a.shape, a.stride(), a.dtype,
+                     a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(), bp & 15)  # fmt: skip
+        plan = self._gather_plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
+            if check is not None:
+                check(loc, a, b)
+            n = self._check_gather(loc, a, b)
+            _check_device(self._device_index, self.device, loc=loc, nope_out=a, rope_out=b)
+            plan = remember(self._gather_plans, signature,
+                            self._plan_gather(n, loc.dtype, lp, ap, bp, a.dtype, loc.stride(0)))  # fmt: skip
+        self._fire_gather(plan, layer_index, lp, ap, bp, loc, a, b)
+
+    def _plan_gather(self, n: int, loc_dtype, lp: int, ap: int, bp: int, dtype, loc_stride: int) -> Plan | None:
+        if n == 0:
+            return None
         block_n = min(_GATHER_BLOCK_N, next_pow2(n))
-        out = dtypes.dtype_code(nope_out.dtype)
-        np_, rp, lp = nope_out.data_ptr(), rope_out.data_ptr(), loc.data_ptr()
-        key = (out, np_ & 15, rp & 15, loc.dtype, lp & 15, block_n)
-        self._gather(key, -(-n // block_n), 1, (
-            *self._view_ptrs, layer_index, lp, loc.stride(0), n, np_, rp, *self._dims, out, self._hw_cvt, block_n,
-        ), (*self._views, loc, nope_out, rope_out), _GATHER_NUM_WARPS)  # fmt: skip
+        out = dtypes.dtype_code(dtype)
+        key = (out, ap & 15, bp & 15, loc_dtype, lp & 15, block_n)
+        return Plan(self._gather, key, (cdiv(n, block_n), 1, 1), _GATHER_NUM_WARPS, (
+            (loc_stride, n), (*self._dims, out, self._hw_cvt, block_n)))  # fmt: skip
+
+    def _fire_gather(self, plan: Plan | None, layer_index: int, lp: int, ap: int, bp: int, loc, a, b) -> None:
+        if not 0 <= layer_index < self.layers:
+            self._check_layer(layer_index)
+        if plan is not None:
+            loc_args, tail = plan.fixed
+            plan((*self._view_ptrs, layer_index, lp, *loc_args, ap, bp, *tail), lambda: (*self._views, loc, a, b))
 
     def gather_new(self, layer_index: int, loc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``loc`` dequantized into two new contiguous tensors ``[N, 1, kv_lora_rank]`` and
-        ``[N, 1, qk_rope_head_dim]`` of ``dtype`` (float32/float16/bfloat16)."""
-        self._check_layer(layer_index)
-        n = _check_loc(loc)
+        ``[N, 1, qk_rope_head_dim]`` of ``dtype`` (float32/float16/bfloat16).  Planned once per signature; new
+        outputs are 16-byte aligned (the caching allocator's blocks are), which the plan takes for granted and
+        checks."""
+        shape = loc.shape
+        if len(shape) != 1:
+            _check_loc(loc)
         if dtype not in _FLOAT_INPUTS:
             raise ValueError(f"dequantized rows must be float32/float16/bfloat16, got {dtype}")
-        r, p = self.kv_lora_rank, self.qk_rope_head_dim
+        n, r, p = shape[0], self.kv_lora_rank, self.qk_rope_head_dim
         nope = torch.empty_strided((n, 1, r), (r, r, 1), dtype=dtype, device=self.device)
         rope = torch.empty_strided((n, 1, p), (p, p, 1), dtype=dtype, device=self.device)
-        if n == 0:
+        if not self.use_triton:
+            self.gather(layer_index, loc, nope, rope)
             return nope, rope
-        if self.use_triton:
+        lp, ap, bp = loc.data_ptr(), nope.data_ptr(), rope.data_ptr()
+        signature = (shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, dtype)
+        plan = self._new_plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED or (ap | bp) & 15:
+            _check_loc(loc)
             if loc.get_device() != self._device_index:
                 _check_device(self._device_index, self.device, loc=loc)
-            self._launch_gather(layer_index, loc, n, nope, rope)
-        else:
-            self.gather(layer_index, loc, nope, rope)
+            plan = self._plan_gather(n, loc.dtype, lp, ap, bp, dtype, loc.stride(0))
+            if not (ap | bp) & 15:  # (a plan of unaligned outputs is used once, and forgotten at the next miss)
+                remember(self._new_plans, signature, plan)
+        self._fire_gather(plan, layer_index, lp, ap, bp, loc, nope, rope)
         return nope, rope
 
 
@@ -596,6 +655,10 @@ def _scale_bytes(index_k_scale: torch.Tensor, n: int) -> torch.Tensor:
     return s
 
 
+#: the plan of an indexer write that the general path takes (keys or scales in another form than the packed one)
+_GENERAL = object()
+
+
 class IndexerPages:
     """Writes and reads of one pool's indexer pages (see the module docstring): the Triton kernels
     (``use_triton``) or their torch references, sharing the checks; fixed geometry computed once.
@@ -618,6 +681,8 @@ class IndexerPages:
         self._get = Launcher(_get_index_k_kernel, index_buf.device, ("buf_ptr", "page_ptr", "k_out", "s_out"))
         self._buf_ptr, self._layer_bytes = index_buf.data_ptr(), index_buf.stride(0)
         self.device, self._device_index = index_buf.device, index_buf.get_device()
+        self._set_plans: dict[tuple, Plan | None] = {}
+        self._get_plans: dict[tuple, Plan | None] = {}
 
     def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:
@@ -631,11 +696,64 @@ class IndexerPages:
         return keys, scales if self.has_scale else None
 
     def set(self, layer_index: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale=None) -> None:
-        """See :func:`set_index_k_triton`."""
+        """See :func:`set_index_k_triton`.  The common call (keys ``[N, D]`` with packed columns, scales None or
+        packed ``[N]`` float32) is checked and planned once per call signature (:mod:`kvcore.launch`) and
+        launched without views; any other goes through :meth:`_set_general`."""
+        if not self.use_triton:
+            self._set_general(layer_index, loc, index_k, index_k_scale)
+            return
+        s = index_k_scale
+        lp, kp = loc.data_ptr(), index_k.data_ptr()
+        sp = kp if s is None else s.data_ptr()
+        signature = (loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, index_k.shape, index_k.stride(),
+                     index_k.dtype, index_k.get_device(), kp & 15,
+                     None if s is None else (s.shape, s.stride(), s.dtype, s.get_device(), sp & 15))  # fmt: skip
+        plan = self._set_plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
+            plan = remember(self._set_plans, signature, self._plan_set(loc, index_k, s, lp, kp, sp))
+        if plan is _GENERAL:
+            self._set_general(layer_index, loc, index_k, index_k_scale)
+            return
+        if not 0 <= layer_index < self.layers:
+            self._check_layer(layer_index)
+        if plan is not None:
+            loc_args, k_args, tail = plan.fixed
+
+            def as_bytes():  # what the dispatcher sees (made only on its calls)
+                return self.index_buf, loc, index_k.view(torch.uint8), (index_k if s is None else s).view(torch.uint8)
+
+            plan((self._buf_ptr, layer_index, lp, *loc_args, kp, *k_args, sp, *tail), as_bytes)
+
+    def _plan_set(self, loc: torch.Tensor, index_k: torch.Tensor, s, lp: int, kp: int, sp: int):
+        """The plan of a packed call (None: no rows), or ``_GENERAL`` for a call the general path takes."""
+        n = _check_loc(loc)
+        shape, ks = index_k.shape, index_k.stride()
+        item = index_k.dtype.itemsize
+        if n == 0 or len(shape) != 2 or shape[0] != n or shape[1] * item != self.key_bytes or ks[1] != 1:
+            return _GENERAL
+        if s is None:
+            if self.has_scale:
+                return _GENERAL
+            ss = (0, 0)
+        else:
+            if (not self.has_scale or s.dtype is not torch.float32 or s.dim() != 1 or s.stride(0) != 1
+                    or s.shape[0] != n):  # fmt: skip
+                return _GENERAL
+            ss = (INDEX_SCALE_BYTES, 1)
+        dev = self._device_index
+        if loc.get_device() != dev or index_k.get_device() != dev or (s is not None and s.get_device() != dev):
+            _check_device(dev, self.device, loc=loc, index_k=index_k, **({} if s is None else {"index_k_scale": s}))
+        block_n = min(_INDEX_BLOCK_N, next_pow2(n))
+        byte_strides = (ks[0] * item, 1)
+        key = (byte_strides, ss, kp & 15, sp & 15, loc.dtype, lp & 15, block_n)
+        return Plan(self._set, key, (cdiv(n, block_n), 1, 1), _INDEX_NUM_WARPS, ((loc.stride(0), n), byte_strides, (
+            *ss, INDEX_PAGE_SIZE, self._layer_bytes, self.page_bytes, self.key_bytes, s is not None, block_n)))
+
+    def _set_general(self, layer_index: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale) -> None:
+        """:meth:`set` of any accepted form: keys of any dtype and token stride, scales as float32 or their
+        bytes, through views and copies made per call."""
         self._check_layer(layer_index)
         n = _check_loc(loc)
-        if self.use_triton and n and self._set_packed(layer_index, loc, n, index_k, index_k_scale):
-            return
         keys = _key_bytes(index_k)
         if keys.shape[0] != n:
             raise ValueError(f"{n} locations but {keys.shape[0]} index keys")
@@ -668,30 +786,6 @@ class IndexerPages:
             s, ss = scales, scales.stride()
         self._launch_set(layer_index, loc, n, keys, keys.stride(), s, ss, (self.index_buf, loc, keys, s))
 
-    def _set_packed(self, layer_index: int, loc: torch.Tensor, n: int, index_k: torch.Tensor, index_k_scale) -> bool:
-        """The common call, made without views: keys ``[N, D]`` with packed columns and scales None or ``[N]``
-        packed float32; their byte strides are the element strides times the item size.  False, having done
-        nothing, for any other call (the general path then takes it)."""
-        shape, ks = index_k.shape, index_k.stride()
-        item = index_k.dtype.itemsize
-        if len(shape) != 2 or shape[0] != n or shape[1] * item != self.key_bytes or ks[1] != 1:
-            return False
-        if index_k_scale is None:
-            if self.has_scale:
-                return False
-            scale, ss = index_k, (0, 0)
-        else:
-            if (not self.has_scale or index_k_scale.dtype is not torch.float32 or index_k_scale.dim() != 1
-                    or index_k_scale.stride(0) != 1 or index_k_scale.shape[0] != n):  # fmt: skip
-                return False
-            scale, ss = index_k_scale, (INDEX_SCALE_BYTES, 1)
-
-        def as_bytes():  # what the dispatcher sees (made only on its calls)
-            return self.index_buf, loc, index_k.view(torch.uint8), scale.view(torch.uint8)
-
-        self._launch_set(layer_index, loc, n, index_k, (ks[0] * item, 1), scale, ss, as_bytes)
-        return True
-
     def _launch_set(self, layer_index, loc, n, keys, ks, s, ss, tensors) -> None:
         """One launch of the set kernel; ``ks`` / ``ss`` are the keys' and scales' byte strides, and ``s is
         keys`` when there are no scales."""
@@ -716,32 +810,7 @@ class IndexerPages:
         if seq_len < 0 or page_indices.shape[0] < needed:
             raise ValueError(f"seq_len={seq_len} needs {needed} page indices, got {page_indices.shape[0]}")
 
-    def get_new(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, want_k: bool, want_s: bool
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-        """A sequence's keys ``[seq_len, key_bytes]`` and/or scales ``[seq_len, 4]`` (uint8) as new contiguous
-        tensors (None for what is not wanted); otherwise as :meth:`get`."""
-        self._check_get(layer_index, seq_len, page_indices)
-        if want_s and not self.has_scale:
-            raise ValueError("this indexer buffer keeps no scales")
-        k_bytes, s_bytes = self.key_bytes, INDEX_SCALE_BYTES
-        new = torch.empty_strided
-        k_out = new((seq_len, k_bytes), (k_bytes, 1), dtype=torch.uint8, device=self.device) if want_k else None
-        s_out = new((seq_len, s_bytes), (s_bytes, 1), dtype=torch.uint8, device=self.device) if want_s else None
-        if seq_len == 0 or not (want_k or want_s):
-            return k_out, s_out
-        if not self.use_triton:
-            self.get(layer_index, seq_len, page_indices, k_out, s_out)
-            return k_out, s_out
-        if page_indices.get_device() != self._device_index:
-            _check_device(self._device_index, self.device, page_indices=page_indices)
-        k = k_out if k_out is not None else s_out
-        self._launch_get(layer_index, seq_len, page_indices, k, s_out if s_out is not None else k, want_k, want_s)
-        return k_out, s_out
-
-    def get(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, k_out: torch.Tensor | None,
-            s_out: torch.Tensor | None) -> None:  # fmt: skip
-        """See :func:`get_index_k_triton`."""
-        self._check_get(layer_index, seq_len, page_indices)
+    def _check_outputs(self, seq_len: int, k_out: torch.Tensor | None, s_out: torch.Tensor | None) -> None:
         if k_out is not None and (k_out.dtype != torch.uint8 or k_out.shape != (seq_len, self.key_bytes) or not k_out.is_contiguous()):
             raise ValueError(f"k_out must be contiguous uint8 [{seq_len}, {self.key_bytes}], got {k_out.dtype} {tuple(k_out.shape)}")
         if s_out is not None:
@@ -749,31 +818,106 @@ class IndexerPages:
                 raise ValueError("this indexer buffer keeps no scales")
             if s_out.dtype != torch.uint8 or s_out.shape != (seq_len, INDEX_SCALE_BYTES) or not s_out.is_contiguous():
                 raise ValueError(f"s_out must be contiguous uint8 [{seq_len}, 4], got {s_out.dtype} {tuple(s_out.shape)}")
+
+    def get_new(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, want_k: bool, want_s: bool
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        """A sequence's keys ``[seq_len, key_bytes]`` and/or scales ``[seq_len, 4]`` (uint8) as new contiguous
+        tensors (None for what is not wanted); otherwise as :meth:`get`.  Planned once per call signature; new
+        outputs are 16-byte aligned (the caching allocator's blocks are), which the plan takes for granted and
+        checks."""
+        if seq_len < 0:
+            self._check_get(layer_index, seq_len, page_indices)
+        k_bytes, s_bytes = self.key_bytes, INDEX_SCALE_BYTES
+        new = torch.empty_strided
+        k_out = new((seq_len, k_bytes), (k_bytes, 1), dtype=torch.uint8, device=self.device) if want_k else None
+        s_out = new((seq_len, s_bytes), (s_bytes, 1), dtype=torch.uint8, device=self.device) if want_s else None
+        if not self.use_triton:
+            self._check_get(layer_index, seq_len, page_indices)
+            if want_s and not self.has_scale:
+                raise ValueError("this indexer buffer keeps no scales")
+            self.get(layer_index, seq_len, page_indices, k_out, s_out)
+            return k_out, s_out
+        k = k_out if k_out is not None else s_out
+        s = s_out if s_out is not None else k
+        pp = page_indices.data_ptr()
+        kp, sp = (k.data_ptr(), s.data_ptr()) if k is not None else (0, 0)
+        signature = (seq_len, page_indices.shape, page_indices.stride(), page_indices.dtype,
+                     page_indices.get_device(), pp & 15, want_k, want_s)  # fmt: skip
+        plan = self._get_plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED or (kp | sp) & 15:
+            self._check_get(layer_index, seq_len, page_indices)
+            if want_s and not self.has_scale:
+                raise ValueError("this indexer buffer keeps no scales")
+            if page_indices.get_device() != self._device_index:
+                _check_device(self._device_index, self.device, page_indices=page_indices)
+            plan = self._plan_get(seq_len, page_indices, kp, sp, pp, want_k, want_s)
+            if not (kp | sp) & 15:  # (a plan of unaligned outputs is used once, and forgotten at the next miss)
+                remember(self._get_plans, signature, plan)
+        self._fire_get(plan, layer_index, pp, kp, sp, page_indices, k, s)
+        return k_out, s_out
+
+    def get(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, k_out: torch.Tensor | None,
+            s_out: torch.Tensor | None, check: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+            ) -> None:  # fmt: skip
+        """See :func:`get_index_k_triton`.  Checked and planned once per call signature; ``check(seq_len, k_out,
+        s_out)``, when given, is a caller's own check of the outputs, run before this one's."""
+        if not self.use_triton:
+            if check is not None:
+                check(seq_len, k_out, s_out)
+            self._get_native(layer_index, seq_len, page_indices, k_out, s_out)
+            return
+        k = k_out if k_out is not None else s_out
+        s = s_out if s_out is not None else k
+        pp = page_indices.data_ptr()
+        if k is None:
+            kp = sp = 0
+            outputs = None
+        else:
+            kp, sp = k.data_ptr(), s.data_ptr()
+            outputs = (k.shape, k.stride(), k.dtype, k.get_device(), kp & 15, s.shape, s.stride(), s.dtype,
+                       s.get_device(), sp & 15)  # fmt: skip
+        signature = (check, seq_len, page_indices.shape, page_indices.stride(), page_indices.dtype,
+                     page_indices.get_device(), pp & 15, k_out is not None, s_out is not None, outputs)  # fmt: skip
+        plan = self._get_plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
+            if check is not None:
+                check(seq_len, k_out, s_out)
+            self._check_get(layer_index, seq_len, page_indices)
+            self._check_outputs(seq_len, k_out, s_out)
+            if k is not None:
+                _check_device(self._device_index, self.device, page_indices=page_indices, k_out=k, s_out=s)
+            plan = remember(self._get_plans, signature, self._plan_get(
+                seq_len, page_indices, kp, sp, pp, k_out is not None, s_out is not None))  # fmt: skip
+        self._fire_get(plan, layer_index, pp, kp, sp, page_indices, k, s)
+
+    def _get_native(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, k_out, s_out) -> None:
+        self._check_get(layer_index, seq_len, page_indices)
+        self._check_outputs(seq_len, k_out, s_out)
         if seq_len == 0 or (k_out is None and s_out is None):
             return
-        if not self.use_triton:
-            page_keys, page_scales = self._pages(layer_index)
-            i = torch.arange(seq_len, device=self.index_buf.device)
-            page, slot = page_indices.long()[i // INDEX_PAGE_SIZE], i % INDEX_PAGE_SIZE
-            if k_out is not None:
-                k_out.copy_(page_keys[page, slot])
-            if s_out is not None:
-                s_out.copy_(page_scales[page, slot])
-            return
-        dummy = k_out if k_out is not None else s_out
-        k, s = (k_out if k_out is not None else dummy), (s_out if s_out is not None else dummy)
-        _check_device(self._device_index, self.device, page_indices=page_indices, k_out=k, s_out=s)
-        self._launch_get(layer_index, seq_len, page_indices, k, s, k_out is not None, s_out is not None)
+        page_keys, page_scales = self._pages(layer_index)
+        i = torch.arange(seq_len, device=self.index_buf.device)
+        page, slot = page_indices.long()[i // INDEX_PAGE_SIZE], i % INDEX_PAGE_SIZE
+        if k_out is not None:
+            k_out.copy_(page_keys[page, slot])
+        if s_out is not None:
+            s_out.copy_(page_scales[page, slot])
 
-    def _launch_get(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, k: torch.Tensor,
-                    s: torch.Tensor, want_k: bool, want_s: bool) -> None:  # fmt: skip
+    def _plan_get(self, seq_len: int, page_indices: torch.Tensor, kp: int, sp: int, pp: int, want_k: bool,
+                  want_s: bool) -> Plan | None:  # fmt: skip
+        if seq_len == 0 or not (want_k or want_s):
+            return None
         block_n = min(_INDEX_BLOCK_N, next_pow2(seq_len))
-        kp, sp, pp = k.data_ptr(), s.data_ptr(), page_indices.data_ptr()
         key = (kp & 15, sp & 15, page_indices.dtype, pp & 15, want_k, want_s, block_n)
-        self._get(key, -(-seq_len // block_n), 1, (
-            self._buf_ptr, layer_index, pp, page_indices.stride(0), seq_len, kp, sp, INDEX_PAGE_SIZE,
-            self._layer_bytes, self.page_bytes, self.key_bytes, want_k, want_s, block_n,
-        ), (self.index_buf, page_indices, k, s), _INDEX_NUM_WARPS)  # fmt: skip
+        return Plan(self._get, key, (cdiv(seq_len, block_n), 1, 1), _INDEX_NUM_WARPS, ((page_indices.stride(0), seq_len), (
+            INDEX_PAGE_SIZE, self._layer_bytes, self.page_bytes, self.key_bytes, want_k, want_s, block_n)))
+
+    def _fire_get(self, plan: Plan | None, layer_index: int, pp: int, kp: int, sp: int, page_indices, k, s) -> None:
+        if not 0 <= layer_index < self.layers:
+            self._check_layer(layer_index)
+        if plan is not None:
+            page_args, tail = plan.fixed
+            plan((self._buf_ptr, layer_index, pp, *page_args, kp, sp, *tail), lambda: (self.index_buf, page_indices, k, s))
 
 
 # ==========================================================================================================

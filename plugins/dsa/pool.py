@@ -209,13 +209,21 @@ class DSATokenToKVPool(MLATokenToKVPool):
         if not self.dsa_kv_cache_store_fp8:
             return super().get_mla_kv_buffer(layer, loc, dst_dtype, out=out)
         local = self.local_layer(layer)
-        self._wait_for_layer(local)
+        if self.layer_transfer_counter is not None:
+            self._wait_for_layer(local)
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
-        if out is not None:
-            nope, rope = self._latent_outputs(loc.shape[0], out, dst_dtype)
-            self._scaled.gather(local, loc, nope, rope)
-            return nope, rope
-        return self._scaled.gather_new(local, loc, dst_dtype or ROPE_STORAGE_DTYPE)
+        if out is None:
+            return self._scaled.gather_new(local, loc, dst_dtype or ROPE_STORAGE_DTYPE)
+        if dst_dtype is None and type(out) is tuple and len(out) == 2:  # checked once per call signature
+            try:
+                self._scaled.gather(local, loc, *out, check=self._check_latent_outputs)
+            except AttributeError:  # an output that is no tensor: the method's own error
+                self._latent_outputs(loc.shape[0], out, dst_dtype)
+                raise
+            return out
+        nope, rope = self._latent_outputs(loc.shape[0], out, dst_dtype)
+        self._scaled.gather(local, loc, nope, rope)
+        return nope, rope
 
     # -- indexer -----------------------------------------------------------------------------------------
 
@@ -253,20 +261,26 @@ class DSATokenToKVPool(MLATokenToKVPool):
     def _index_get(self, layer_id: int, seq_len: int, page_indices: torch.Tensor, want_k: bool, want_s: bool,
                    out=None):  # fmt: skip
         local = self.local_layer(layer_id)
-        self._wait_for_layer(local)
+        if self.layer_transfer_counter is not None:
+            self._wait_for_layer(local)
         if want_s and not self._index_has_scale:
             raise ValueError("the bf16 indexer (kv_cache.options.index_dtype=bfloat16) keeps no scales")
-        seq_len = int(seq_len)
+        seq_len = seq_len if type(seq_len) is int else int(seq_len)
         page_indices = page_indices if page_indices.dim() == 1 else page_indices.reshape(-1)
-        if out is not None:  # the fp8 indexer's keys and scales (want_k and want_s)
-            shapes = ((seq_len, self._indexer.key_bytes), (seq_len, INDEX_SCALE_BYTES))
-            k_out, s_out = gather_outputs(out, shapes, torch.uint8, "get_index_k_scale_buffer")
-            self._indexer.get(local, seq_len, page_indices, k_out, s_out)
-            return k_out, s_out
+        if out is not None:  # the fp8 indexer's keys and scales (want_k and want_s), checked once per signature
+            if type(out) is not tuple or len(out) != 2:
+                out = self._check_index_outputs(seq_len, out)
+            self._indexer.get(local, seq_len, page_indices, *out, check=self._check_index_outputs)
+            return out
         k_out, s_out = self._indexer.get_new(local, seq_len, page_indices, want_k, want_s)
         if k_out is not None and not self._index_has_scale:
             k_out = k_out.view(self.index_k_dtype)
         return k_out, s_out
+
+    def _check_index_outputs(self, seq_len: int, *out) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``out`` of :meth:`get_index_k_scale_buffer` (given whole, or as its two tensors), checked."""
+        shapes = ((seq_len, self._indexer.key_bytes), (seq_len, INDEX_SCALE_BYTES))
+        return gather_outputs(out[0] if len(out) == 1 else out, shapes, torch.uint8, "get_index_k_scale_buffer")
 
     def get_index_k_continuous(self, layer_id: int, seq_len: int, page_indices: torch.Tensor) -> torch.Tensor:
         """A sequence's indexer keys in token order: ``[seq_len, 128]`` uint8 fp8 bytes (bf16 indexer: bfloat16).

@@ -57,7 +57,7 @@ from kvcore import dtypes
 from kvcore.dtypes import FP8_DTYPES, is_fp8_dtype, storage_dtype
 from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import Launcher, Plan, cdiv, remember
+from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
 from kvcore.row_move import next_pow2 as _next_pow2
 from kvcore.row_move import prev_pow2 as _prev_pow2
 
@@ -259,10 +259,6 @@ def _flat(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.reshape(x.shape[0], width)
 
 
-#: what a plan memo answers for a signature it has not seen (None is the plan of a call without rows)
-_UNPLANNED = object()
-
-
 class LatentRows:
     """The store and gather of one pool's stacked latent rows: the Triton kernel (``use_triton``) or its torch
     reference, sharing the checks.
@@ -398,8 +394,8 @@ class LatentRows:
         lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
         signature = (0, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, a.shape, a.stride(), a.dtype,
                      a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(), bp & 15)  # fmt: skip
-        plan = self._plans.get(signature, _UNPLANNED)
-        if plan is _UNPLANNED:
+        plan = self._plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
             plan = self._plan(signature, loc, a, b, ("cache_k_nope", "cache_k_rope"), gather=False)
         self._fire(plan, layer_index, lp, ap, bp, loc, a, b)
 
@@ -417,8 +413,8 @@ class LatentRows:
         lp, ap = loc.data_ptr(), cache_k.data_ptr()
         signature = (1, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, cache_k.shape, cache_k.stride(),
                      cache_k.dtype, cache_k.get_device(), ap & 15)  # fmt: skip
-        plan = self._plans.get(signature, _UNPLANNED)
-        if plan is _UNPLANNED:
+        plan = self._plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
             plan = self._plan(signature, loc, cache_k, None, ("cache_k", "cache_k"), gather=False, split=True)
         self._fire(plan, layer_index, lp, ap, ap, loc, cache_k, cache_k)
 
@@ -441,8 +437,8 @@ class LatentRows:
             return a, b
         lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
         signature = (3, shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, dtype, a_width, b_width)
-        plan = self._plans.get(signature, _UNPLANNED)
-        if plan is _UNPLANNED or (ap | bp) & 15:  # a first call, or outputs less aligned than plans take them
+        plan = self._plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED or (ap | bp) & 15:  # a first call, or outputs less aligned than plans take them
             self.gather(layer_index, loc, a, b)
             if not (ap | bp) & 15:  # the gather's plan serves every call of this signature
                 remember(self._plans, signature, self._plans[self._gather_signature(loc, a, b, lp, ap, bp)])
@@ -468,8 +464,8 @@ class LatentRows:
         lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
         signature = (2, check, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, a.shape, a.stride(),
                      a.dtype, a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(), bp & 15)  # fmt: skip
-        plan = self._plans.get(signature, _UNPLANNED)
-        if plan is _UNPLANNED:
+        plan = self._plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
             if check is not None:
                 check(loc, a, b)
             plan = self._plan(signature, loc, a, b, ("out_nope", "out_rope"), gather=True)

@@ -111,7 +111,11 @@ class MLATokenToKVPool(KVCache):
         if out is None:
             return self._rows.gather_new(local, loc, dst_dtype or self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
         if dst_dtype is None and type(out) is tuple and len(out) == 2:  # checked once per call signature
-            self._rows.gather(local, loc, *out, check=self._check_latent_outputs)
+            try:
+                self._rows.gather(local, loc, *out, check=self._check_latent_outputs)
+            except AttributeError:  # an output that is no tensor: the method's own error
+                self._latent_outputs(loc.shape[0], out, dst_dtype)
+                raise
             return out
         nope, rope = self._latent_outputs(loc.shape[0], out, dst_dtype)
         self._rows.gather(local, loc, nope, rope)
