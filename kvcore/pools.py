@@ -78,6 +78,17 @@ def _raise_for_outputs(out: Any, shapes: Sequence[tuple[int, ...]], dst_dtype: t
     raise ValueError(f"{method}: out tensors must share one dtype{want}, got {[t.dtype for t in out]}")
 
 
+def empty_of(empties: dict[torch.dtype, torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor of ``dtype`` on ``device``, made once and kept in ``empties``.  A hot path allocates its new
+    outputs as ``empty.new_empty_strided(size, stride)``: the same tensor as ``torch.empty_strided(size, stride,
+    dtype=dtype, device=device)``, for less host time (no dtype and device to parse; on an H200 host 0.6 of its
+    4.5 us)."""
+    empty = empties.get(dtype)
+    if empty is None:
+        empty = empties[dtype] = torch.empty(0, dtype=dtype, device=device)
+    return empty
+
+
 def host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised host tensor, page-locked (from torch's pinned caching allocator) when CUDA is present,
     so device copies into it run asynchronously at the full pinned rate."""

@@ -48,6 +48,7 @@ from kvcore import dtypes
 from kvcore.dtypes import E4M3FN_MAX
 from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
 from kvcore.kernel_mode import triton_interpreting
+from kvcore.pools import empty_of
 from kvcore.row_move import next_pow2
 from kvcore_dsa.layout import (
     INDEX_PAGE_SIZE,
@@ -488,6 +489,7 @@ class ScaledRows:
         self._store_plans: dict[tuple, Plan | None] = {}
         self._gather_plans: dict[tuple, Plan | None] = {}
         self._new_plans: dict[tuple, Plan | None] = {}
+        self._empties: dict[torch.dtype, torch.Tensor] = {}
 
     def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:
@@ -608,8 +610,11 @@ class ScaledRows:
         if dtype not in _FLOAT_INPUTS:
             raise ValueError(f"dequantized rows must be float32/float16/bfloat16, got {dtype}")
         n, r, p = shape[0], self.kv_lora_rank, self.qk_rope_head_dim
-        nope = torch.empty_strided((n, 1, r), (r, r, 1), dtype=dtype, device=self.device)
-        rope = torch.empty_strided((n, 1, p), (p, p, 1), dtype=dtype, device=self.device)
+        empty = self._empties.get(dtype)
+        if empty is None:
+            empty = empty_of(self._empties, dtype, self.device)
+        nope = empty.new_empty_strided((n, 1, r), (r, r, 1))
+        rope = empty.new_empty_strided((n, 1, p), (p, p, 1))
         if not self.use_triton:
             self.gather(layer_index, loc, nope, rope)
             return nope, rope
@@ -683,6 +688,7 @@ class IndexerPages:
         self.device, self._device_index = index_buf.device, index_buf.get_device()
         self._set_plans: dict[tuple, Plan | None] = {}
         self._get_plans: dict[tuple, Plan | None] = {}
+        self._empty_bytes = torch.empty(0, dtype=torch.uint8, device=self.device)  # new outputs: see empty_of
 
     def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:
@@ -828,9 +834,9 @@ class IndexerPages:
         if seq_len < 0:
             self._check_get(layer_index, seq_len, page_indices)
         k_bytes, s_bytes = self.key_bytes, INDEX_SCALE_BYTES
-        new = torch.empty_strided
-        k_out = new((seq_len, k_bytes), (k_bytes, 1), dtype=torch.uint8, device=self.device) if want_k else None
-        s_out = new((seq_len, s_bytes), (s_bytes, 1), dtype=torch.uint8, device=self.device) if want_s else None
+        new = self._empty_bytes.new_empty_strided
+        k_out = new((seq_len, k_bytes), (k_bytes, 1)) if want_k else None
+        s_out = new((seq_len, s_bytes), (s_bytes, 1)) if want_s else None
         if not self.use_triton:
             self._check_get(layer_index, seq_len, page_indices)
             if want_s and not self.has_scale:

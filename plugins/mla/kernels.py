@@ -58,6 +58,7 @@ from kvcore.dtypes import FP8_DTYPES, is_fp8_dtype, storage_dtype
 from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
+from kvcore.pools import empty_of
 from kvcore.row_move import next_pow2 as _next_pow2
 from kvcore.row_move import prev_pow2 as _prev_pow2
 
@@ -297,6 +298,7 @@ class LatentRows:
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
         self._codes: dict[tuple, tuple[int, int]] = {}
         self._plans: dict[tuple, Plan | None] = {}
+        self._empties: dict[torch.dtype, torch.Tensor] = {}
 
     # -- checks ---------------------------------------------------------------------------------------------
 
@@ -423,15 +425,18 @@ class LatentRows:
         """Rows ``loc`` of a layer as two new contiguous tensors, columns ``[0, a_width)`` as ``[N, 1, a_width]``
         and the next ``b_width`` as ``[N, 1, b_width]``, of ``dtype`` (converted as :meth:`gather` converts).
 
-        (Two ``torch.empty_strided`` calls: on an H200 they cost less host time than one allocation carved into
-        two views, each view costing about as much as an allocation.)  New outputs are 16-byte aligned (the
+        (Two allocations, :func:`kvcore.pools.empty_of`: on an H200 they cost less host time than one allocation
+        carved into two views, each view costing about as much as an allocation.)  New outputs are 16-byte aligned (the
         caching allocator's blocks are), which the plan of a call signature takes for granted and checks."""
         shape = loc.shape
         if len(shape) != 1:
             self._check_loc(loc)
         n = shape[0]
-        a = torch.empty_strided((n, 1, a_width), (a_width, a_width, 1), dtype=dtype, device=self.device)
-        b = torch.empty_strided((n, 1, b_width), (b_width, b_width, 1), dtype=dtype, device=self.device)
+        empty = self._empties.get(dtype)
+        if empty is None:
+            empty = empty_of(self._empties, dtype, self.device)
+        a = empty.new_empty_strided((n, 1, a_width), (a_width, a_width, 1))
+        b = empty.new_empty_strided((n, 1, b_width), (b_width, b_width, 1))
         if not self.use_triton:
             self.gather(layer_index, loc, a, b)
             return a, b
