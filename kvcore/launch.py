@@ -194,23 +194,31 @@ class Plan:
     """One call signature of a hot path, worked out once (see the module docstring): a kernel's launch key,
     grid and warps, and ``fixed``, whatever else the signature settles that the hot path wants kept (strides,
     constexprs, ...).  Calling it launches the kernel: directly once :meth:`Launcher.entry` has its compiled
-    kernel, through the :class:`Launcher` until then (and always while launches are checked or hooked)."""
+    kernel, through the :class:`Launcher` until then (and always while launches are checked or hooked).
 
-    __slots__ = ("launcher", "key", "grid", "warps", "fixed", "entry", "_stream", "_device_index")
+    :param views: when the dispatcher must see other tensors than a call's own (fp8 tensors as their bytes),
+        the function making them from the call's ``tensors``; called only on launches through the dispatcher.
+    """
 
-    def __init__(self, launcher: Launcher, key: Any, grid: tuple[int, int, int], warps: int, fixed: Any = None):
+    __slots__ = ("launcher", "key", "grid", "warps", "fixed", "views", "entry", "_stream", "_device_index")
+
+    def __init__(self, launcher: Launcher, key: Any, grid: tuple[int, int, int], warps: int, fixed: Any = None,
+                 views: Callable[..., Sequence[torch.Tensor]] | None = None):  # fmt: skip
         self.launcher, self.key, self.grid, self.warps, self.fixed = launcher, key, grid, warps, fixed
-        self.entry = None
+        self.views, self.entry = views, None
         self._stream, self._device_index = launcher._stream, launcher._device_index
 
     def __call__(self, args: Sequence[Any],
                  tensors: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] = ()) -> None:  # fmt: skip
-        """Launch with ``args`` (every kernel parameter in signature order, as :meth:`Launcher.__call__`)."""
+        """Launch with ``args`` (every kernel parameter in signature order, as :meth:`Launcher.__call__`) and
+        the ``tensors`` behind its addresses (as :meth:`Launcher.__call__`; passed through ``views`` if given)."""
         entry = self.entry
         if entry is not None and not _launch_hooks_installed():
             entry[0](*self.grid, self._stream(self._device_index), *entry[1], *args)
             return
         gx, gy, gz = self.grid
+        if self.views is not None:
+            tensors = self.views(*tensors)
         self.launcher(self.key, gx, gy, args, tensors, self.warps, gz)
         if self.launcher.direct:
             self.entry = self.launcher.entry(self.key)

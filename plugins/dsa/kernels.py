@@ -538,7 +538,7 @@ class ScaledRows:
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
         if plan is not None:
-            plan((*self._view_ptrs, layer_index, np_, rp, lp, *plan.fixed), lambda: (*self._views, nope, rope, loc))
+            plan((*self._view_ptrs, layer_index, np_, rp, lp, *plan.fixed), (*self._views, nope, rope, loc))
 
     def _plan_store(self, signature: tuple, loc, nope, rope) -> Plan | None:
         n, nope_s, rope_s = self._check_store(loc, nope, rope)
@@ -597,7 +597,7 @@ class ScaledRows:
             self._check_layer(layer_index)
         if plan is not None:
             loc_args, tail = plan.fixed
-            plan((*self._view_ptrs, layer_index, lp, *loc_args, ap, bp, *tail), lambda: (*self._views, loc, a, b))
+            plan((*self._view_ptrs, layer_index, lp, *loc_args, ap, bp, *tail), (*self._views, loc, a, b))
 
     def gather_new(self, layer_index: int, loc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``loc`` dequantized into two new contiguous tensors ``[N, 1, kv_lora_rank]`` and
@@ -722,13 +722,16 @@ class IndexerPages:
             return
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
-        if plan is not None:
+        if plan is not None:  # (no closure here: its cells would cost every call)
             loc_args, k_args, tail = plan.fixed
+            plan((self._buf_ptr, layer_index, lp, *loc_args, kp, *k_args, sp, *tail),
+                 (self.index_buf, loc, index_k, index_k if s is None else s))  # fmt: skip
 
-            def as_bytes():  # what the dispatcher sees (made only on its calls)
-                return self.index_buf, loc, index_k.view(torch.uint8), (index_k if s is None else s).view(torch.uint8)
-
-            plan((self._buf_ptr, layer_index, lp, *loc_args, kp, *k_args, sp, *tail), as_bytes)
+    @staticmethod
+    def _byte_views(buf: torch.Tensor, loc: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor
+                    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """The tensors behind a write's addresses as the dispatcher sees them: keys and scales as bytes."""
+        return buf, loc, keys.view(torch.uint8), scales.view(torch.uint8)
 
     def _plan_set(self, loc: torch.Tensor, index_k: torch.Tensor, s, lp: int, kp: int, sp: int):
         """The plan of a packed call (None: no rows), or ``_GENERAL`` for a call the general path takes."""
@@ -753,7 +756,8 @@ class IndexerPages:
         byte_strides = (ks[0] * item, 1)
         key = (byte_strides, ss, kp & 15, sp & 15, loc.dtype, lp & 15, block_n)
         return Plan(self._set, key, (cdiv(n, block_n), 1, 1), _INDEX_NUM_WARPS, ((loc.stride(0), n), byte_strides, (
-            *ss, INDEX_PAGE_SIZE, self._layer_bytes, self.page_bytes, self.key_bytes, s is not None, block_n)))
+            *ss, INDEX_PAGE_SIZE, self._layer_bytes, self.page_bytes, self.key_bytes, s is not None, block_n)),
+            self._byte_views)  # fmt: skip
 
     def _set_general(self, layer_index: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale) -> None:
         """:meth:`set` of any accepted form: keys of any dtype and token stride, scales as float32 or their
@@ -923,7 +927,7 @@ class IndexerPages:
             self._check_layer(layer_index)
         if plan is not None:
             page_args, tail = plan.fixed
-            plan((self._buf_ptr, layer_index, pp, *page_args, kp, sp, *tail), lambda: (self.index_buf, page_indices, k, s))
+            plan((self._buf_ptr, layer_index, pp, *page_args, kp, sp, *tail), (self.index_buf, page_indices, k, s))
 
 
 # ==========================================================================================================

@@ -6,7 +6,9 @@ padding).  The storage dtype is the cache dtype, except fp8 caches, which are st
 holding float8_e4m3fn / float8_e5m2 bytes.  Offsets are computed in int64 (pools exceed 2**31 bytes).
 
 Every kernel has a torch reference of the same signature beside it (``*_native``).  Nothing here picks an
-implementation: the pool calls ``*_triton`` or ``*_native`` (see ``kvcore.kernel_mode``).
+implementation: a pool keeps one :class:`KVStore` bound to its caches, on the kernel or the reference by its
+kernels mode (see ``kvcore.kernel_mode``); the store checks and plans each call signature once and launches the
+compiled kernel directly (:mod:`kvcore.launch`).  ``store_kv_triton`` / ``store_kv_native`` build one per call.
 
 ``store_kv_triton``
     One launch writes K and V: grid ``(token blocks, column blocks of K + column blocks of V)``; a program
@@ -21,6 +23,8 @@ Moves between slots are the family-independent row move of :mod:`kvcore.row_move
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +33,7 @@ from kvcore import dtypes
 from kvcore.dtypes import is_fp8_dtype, storage_dtype
 from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import Launcher, cdiv
+from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
 from kvcore.row_move import next_pow2 as _next_pow2
 
 __all__ = [
@@ -227,20 +231,44 @@ def _scale_args(scale, dummy: torch.Tensor):
     return _SCALE_VALUE, dummy, float(scale)
 
 
+def _scale_signature(scale) -> tuple | type | None:
+    """What a call signature holds of a scale: None, ``float`` for a python number (its value is read per call),
+    or a tensor's element count, dtype, device and alignment (its address is read per call)."""
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor):
+        return scale.numel(), scale.dtype, scale.get_device(), scale.data_ptr() & 15
+    return float
+
+
+def _scale_call(mode: int, scale, dummy_ptr: int) -> tuple[int, float]:
+    """(pointer, value) a call passes for a scale of the given mode (the pointer of an unread scale is
+    ``dummy_ptr``, a cache's own address)."""
+    if mode == _SCALE_POINTER:
+        return scale.data_ptr(), 1.0
+    return dummy_ptr, float(scale) if mode == _SCALE_VALUE else 1.0
+
+
 class KVStore:
     """The K/V store bound to one pool's caches: the Triton kernel (``use_triton``) or its torch reference.
 
-    What is fixed at pool creation (shapes, strides, constexprs, the launcher) is computed once, so a call only
-    checks its inputs, names its launch key (:mod:`kvcore.launch`) and launches.  Both paths share the checks.
+    What is fixed at pool creation (shapes, strides, constexprs, the launcher) is computed once; what is fixed by
+    a call's signature (its tensors' shapes, strides, dtypes, devices and alignments, the kind of each scale) is
+    checked and planned on the signature's first call (:class:`kvcore.launch.Plan`); a call reads its signature,
+    finds its plan and launches once.  Both paths share the checks.
 
     :param k_cache: ``[L, R, H, Dk]`` cache, rows contiguous (``stride(2) == Dk``, ``stride(3) == 1``),
         dtype ``storage_dtype(cache_dtype)``.
     :param v_cache: ``[L, R, H, Dv]`` cache, same conditions.
     :param cache_dtype: the cache's logical dtype.
     :param use_triton: the Triton kernel (True) or the torch reference (False).
+    :param index_map: when given, the store's own map: every call writes rows ``index_map[loc]`` (a page-major
+        pool's token -> row map) and passes no map of its own.  1-D int32/int64 on the caches' device, checked here
+        once: its shape, dtype and address must stay as they are (its values are read by every launch).
     """
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_dtype: torch.dtype, use_triton: bool = True):
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_dtype: torch.dtype, use_triton: bool = True,
+                 index_map: torch.Tensor | None = None):  # fmt: skip
         ks, vs = k_cache.shape, v_cache.shape
         if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3]:
             raise ValueError(f"caches must be [L, R, H, D] alike, got {tuple(ks)} and {tuple(vs)}")
@@ -262,7 +290,13 @@ class KVStore:
         self._fixed = (self.dk, self.dv, self.heads * self.dk, self.heads * self.dv, kcs[0], vcs[0], kcs[1], vcs[1],
                        torch_e4m3fn_saturates(), not triton_interpreting())  # fmt: skip
         self._codes: dict[torch.dtype, int] = {}
-        self._specs: dict[tuple, tuple] = {}
+        self._plans: dict[tuple, Plan | None] = {}
+        self._check_index_map(index_map)
+        if index_map is not None and index_map.get_device() != self._device_index:
+            raise ValueError(f"index_map must be on {k_cache.device}, got {index_map.device}")
+        self._own_map, self._own_map_address = index_map, 0 if index_map is None else index_map.data_ptr()
+
+    # -- checks ---------------------------------------------------------------------------------------------
 
     def _code(self, dtype: torch.dtype) -> int:
         code = self._codes.get(dtype)
@@ -272,27 +306,27 @@ class KVStore:
             code = self._codes[dtype] = dtypes.conversion_code(dtype, self.cache_dtype, "cache_k")
         return code
 
-    def _spec(self, key: tuple) -> tuple:
-        """(BLOCK_N, column blocks, the kernel's arguments from ``DK`` on) of a launch key."""
-        n_pad, out, kss, vss, k_mode, v_mode = key[0], key[1], key[3], key[4], key[-2], key[-1]
-        # key[-3]: the index map's (dtype, alignment), or None without a map
-        block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(
-            self.heads * self.dk, self.heads * self.dv, n_pad, out == dtypes.SAME
-        )
-        f = self._fixed
-        tail = (*f[:8], kss[2] == 1 and kss[1] == self.dk, vss[2] == 1 and vss[1] == self.dv, out, f[8], k_mode,
-                v_mode, block_n, block_ck, block_cv, num_cb_k, f[9], key[-3] is not None)  # fmt: skip
-        return block_n, num_cb, tail
-
-    def __call__(self, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                 k_scale=None, v_scale=None, index_map: torch.Tensor | None = None) -> None:  # fmt: skip
-        """Store ``cache_k`` / ``cache_v`` at rows ``loc`` of layer ``layer_index`` (rows ``index_map[loc]`` when
-        an index map is given: a 1-D int32/int64 tensor on the cache's device, read in the kernel); see
-        :func:`store_kv_triton`."""
-        if index_map is not None and (index_map.dim() != 1 or index_map.dtype not in (torch.int32, torch.int64)):
-            raise ValueError(f"index_map must be a 1-D int32/int64 tensor, got {index_map.dtype} {tuple(index_map.shape)}")
+    def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:
             raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
+
+    @staticmethod
+    def _check_index_map(index_map: torch.Tensor | None) -> None:
+        if index_map is not None and (index_map.dim() != 1 or index_map.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(
+                f"index_map must be a 1-D int32/int64 tensor, got {index_map.dtype} {tuple(index_map.shape)}"
+            )
+        if index_map is not None and index_map.stride(0) != 1:  # the kernel reads entry i at index_map + i
+            raise ValueError(f"index_map must be contiguous, got stride {index_map.stride(0)}")
+
+    def _check_not_remapped(self, index_map: torch.Tensor | None) -> None:
+        """A store with a map of its own takes no other (``index_map`` is the call's map, or the store's own)."""
+        if self._own_map is not None and index_map is not self._own_map:
+            raise ValueError("this store writes every call through its own index_map: a call passes none")
+
+    def _check(self, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> tuple[int, int]:
+        """The checks of the inputs both paths make (the kernel's also checks their devices): (rows, conversion
+        code)."""
         loc_dtype = loc.dtype
         if loc.dim() != 1 or (loc_dtype is not torch.int32 and loc_dtype is not torch.int64):
             raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc_dtype} {tuple(loc.shape)}")
@@ -304,49 +338,149 @@ class KVStore:
         src_dtype = cache_k.dtype
         if cache_v.dtype != src_dtype:
             raise ValueError(f"cache_k and cache_v must share a dtype, got {src_dtype} and {cache_v.dtype}")
-        out = self._code(src_dtype)
+        return n, self._code(src_dtype)
+
+    # -- plans and the one launch ----------------------------------------------------------------------------
+
+    def _spec(self, key: tuple) -> tuple:
+        """(BLOCK_N, column blocks, the kernel's arguments from ``DK`` on) of a launch key."""
+        n_pad, out, kss, vss, k_mode, v_mode = key[0], key[1], key[3], key[4], key[12], key[13]
+        # key[11]: the index map's (dtype, alignment), or None without a map
+        block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(
+            self.heads * self.dk, self.heads * self.dv, n_pad, out == dtypes.SAME
+        )
+        f = self._fixed
+        tail = (*f[:8], kss[2] == 1 and kss[1] == self.dk, vss[2] == 1 and vss[1] == self.dv, out, f[8], k_mode,
+                v_mode, block_n, block_ck, block_cv, num_cb_k, f[9], key[11] is not None)  # fmt: skip
+        return block_n, num_cb, tail
+
+    def _plan(self, signature: tuple, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale,
+              v_scale, index_map: torch.Tensor | None) -> Plan | None:  # fmt: skip
+        """The plan of a call signature (:mod:`kvcore.launch`), after the full checks of its first call; None
+        when the call has no rows.
+
+        ``plan.fixed`` is ``(K cache address, V cache address, loc stride, rest, per call)``.  ``per call`` None
+        (the common case): no scale is read (none given, or the inputs have the cache dtype, which ignores them),
+        the kernel reads the inputs as they are, ``rest`` is every argument after the map's address, and the
+        tensors behind the addresses are the call's own.  Otherwise it is ``(K scale mode, V scale mode, whether
+        the kernel reads the inputs as their bytes)``, ``rest`` is ``(the arguments from the token count to the
+        scales' pointers, those after the scales' values)``, and each scale's pointer and value are read per call
+        (:func:`_scale_call`).
+        """
+        self._check_index_map(index_map)
+        self._check_not_remapped(index_map)
+        n, out = self._check(loc, cache_k, cache_v)
         if n == 0:
-            return
-        if not self.use_triton:
-            idx = loc.long() if index_map is None else index_map[loc.long()].long()
-            self.k_cache[layer_index, idx] = _convert_native(cache_k, self.cache_dtype, k_scale)
-            self.v_cache[layer_index, idx] = _convert_native(cache_v, self.cache_dtype, v_scale)
-            return
+            return remember(self._plans, signature, None)
         device = self._device_index
         if cache_k.get_device() != device or cache_v.get_device() != device or loc.get_device() != device:
             raise ValueError(f"loc, cache_k and cache_v must be on {self.k_cache.device}, got {loc.device}, "
                              f"{cache_k.device} and {cache_v.device}")  # fmt: skip
         if index_map is None:
-            map_t, mp, map_key = loc, 0, None
+            map_key = None
         else:
             if index_map.get_device() != device:
                 raise ValueError(f"index_map must be on {self.k_cache.device}, got {index_map.device}")
-            map_t, mp = index_map, index_map.data_ptr()
-            map_key = (index_map.dtype, mp & 15)
+            map_key = (index_map.dtype, index_map.data_ptr() & 15)
         if out == dtypes.SAME:
             k_scale = v_scale = None  # SGLang's rule: scales apply only to inputs that are converted
-            if src_dtype != self.k_cache.dtype:  # fp8 inputs into an fp8 cache: move their bytes
-                cache_k, cache_v = cache_k.view(torch.uint8), cache_v.view(torch.uint8)
         k_ptr, v_ptr = self._cache_ptrs
         if k_scale is None and v_scale is None:
             k_mode = v_mode = _SCALE_NONE
-            k_scale_t, v_scale_t, k_sp, v_sp, k_scale_value, v_scale_value = self.k_cache, self.v_cache, k_ptr, v_ptr, 1.0, 1.0
+            k_sp, v_sp = k_ptr, v_ptr
         else:
-            k_mode, k_scale_t, k_scale_value = _scale_args(k_scale, self.k_cache)
-            v_mode, v_scale_t, v_scale_value = _scale_args(v_scale, self.v_cache)
+            k_mode, k_scale_t, _ = _scale_args(k_scale, self.k_cache)
+            v_mode, v_scale_t, _ = _scale_args(v_scale, self.v_cache)
             k_sp, v_sp = k_scale_t.data_ptr(), v_scale_t.data_ptr()
         kss, vss = cache_k.stride(), cache_v.stride()
-        kp, vp, lp = cache_k.data_ptr(), cache_v.data_ptr(), loc.data_ptr()
-        key = (1 << (n - 1).bit_length(), out, src_dtype, kss, vss, kp & 15, vp & 15, loc_dtype, lp & 15,
-               k_sp & 15, v_sp & 15, map_key, k_mode, v_mode)  # fmt: skip
-        spec = self._specs.get(key)
-        if spec is None:
-            spec = self._specs[key] = self._spec(key)
-        block_n, num_cb, tail = spec
-        self.launch(key, -(-n // block_n), num_cb, (
-            k_ptr, v_ptr, layer_index, kp, vp, lp, loc.stride(0), mp or lp, n, kss[0], kss[1], kss[2], vss[0], vss[1],
-            vss[2], k_sp, v_sp, k_scale_value, v_scale_value, *tail,
-        ), (self.k_cache, self.v_cache, cache_k, cache_v, loc, map_t, k_scale_t, v_scale_t), _STORE_NUM_WARPS)  # fmt: skip
+        kp, vp = cache_k.data_ptr(), cache_v.data_ptr()
+        key = (1 << (n - 1).bit_length(), out, cache_k.dtype, kss, vss, kp & 15, vp & 15, loc.dtype,
+               loc.data_ptr() & 15, k_sp & 15, v_sp & 15, map_key, k_mode, v_mode)  # fmt: skip
+        if k_mode == _SCALE_POINTER or v_mode == _SCALE_POINTER:  # Triton specializes on a scale tensor's dtype too
+            key += (k_scale_t.dtype, v_scale_t.dtype)
+        block_n, num_cb, tail = self._spec(key)
+        sizes = (n, *kss, *vss)
+        byte_views = out == dtypes.SAME and cache_k.dtype != self.k_cache.dtype  # fp8 inputs into an fp8 cache
+        if k_mode == v_mode == _SCALE_NONE and not byte_views:
+            fixed = (k_ptr, v_ptr, loc.stride(0), (*sizes, k_ptr, v_ptr, 1.0, 1.0, *tail), None)
+        else:
+            fixed = (k_ptr, v_ptr, loc.stride(0), (sizes, tail), (k_mode, v_mode, byte_views))
+        plan = Plan(self.launch, key, (cdiv(n, block_n), num_cb, 1), _STORE_NUM_WARPS, fixed)
+        return remember(self._plans, signature, plan)
+
+    def _byte_tensors(self, loc, cache_k, cache_v, index_map) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """The tensors behind the addresses of a call whose fp8 inputs the kernel reads as their bytes, for a
+        launch through Triton's dispatcher (kernel order): views, made only when the dispatcher needs them."""
+        kc, vc = self.k_cache, self.v_cache
+        map_t = loc if index_map is None else index_map
+        return lambda: (kc, vc, cache_k.view(torch.uint8), cache_v.view(torch.uint8), loc, map_t, kc, vc)
+
+    def __call__(self, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                 k_scale=None, v_scale=None, index_map: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Store ``cache_k`` / ``cache_v`` at rows ``loc`` of layer ``layer_index`` (rows ``index_map[loc]`` when
+        an index map is given, or the store has its own: a 1-D int32/int64 tensor on the cache's device, read in
+        the kernel); see :func:`store_kv_triton`."""
+        if not self.use_triton:
+            self._store_native(layer_index, loc, cache_k, cache_v, k_scale, v_scale, index_map)
+            return
+        lp, kp, vp = loc.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr()
+        if index_map is None:  # no map, or the store's own (checked at creation: nothing to read)
+            index_map = self._own_map
+            mp, map_signature = lp if index_map is None else self._own_map_address, None
+        else:
+            mp = index_map.data_ptr()
+            map_signature = (index_map.stride(), index_map.dtype, index_map.get_device(), mp & 15)
+        scales = None if k_scale is None and v_scale is None else (_scale_signature(k_scale), _scale_signature(v_scale))
+        signature = (loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, cache_k.shape, cache_k.stride(),
+                     cache_k.dtype, cache_k.get_device(), kp & 15, cache_v.shape, cache_v.stride(), cache_v.dtype,
+                     cache_v.get_device(), vp & 15, map_signature, scales)  # fmt: skip
+        plan = self._plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
+            plan = self._plan(signature, loc, cache_k, cache_v, k_scale, v_scale, index_map)
+        if not 0 <= layer_index < self.layers:
+            self._check_layer(layer_index)
+        if plan is None:
+            return
+        k_ptr, v_ptr, loc_stride, rest, per_call = plan.fixed
+        if per_call is not None:
+            self._launch_reading_more(plan, layer_index, loc, cache_k, cache_v, k_scale, v_scale, index_map, lp, kp,
+                                      vp, mp)  # fmt: skip
+            return
+        kc, vc = self.k_cache, self.v_cache  # the tensors behind the addresses are the call's own
+        plan((k_ptr, v_ptr, layer_index, kp, vp, lp, loc_stride, mp) + rest,
+             (kc, vc, cache_k, cache_v, loc, loc if index_map is None else index_map, kc, vc))  # fmt: skip
+
+    def _launch_reading_more(self, plan: Plan, layer_index: int, loc, cache_k, cache_v, k_scale, v_scale, index_map,
+                             lp: int, kp: int, vp: int, mp: int) -> None:  # fmt: skip
+        """Launch a plan whose scales are read per call, or whose inputs the kernel reads as their bytes (kept out
+        of :meth:`__call__`, which builds no closure: the closure's cells would cost every call)."""
+        k_ptr, v_ptr, loc_stride, (sizes, tail), (k_mode, v_mode, byte_views) = plan.fixed
+        k_sp, k_value = _scale_call(k_mode, k_scale, k_ptr)
+        v_sp, v_value = _scale_call(v_mode, v_scale, v_ptr)
+        args = (k_ptr, v_ptr, layer_index, kp, vp, lp, loc_stride, mp, *sizes, k_sp, v_sp, k_value, v_value, *tail)
+        if byte_views:  # scales are ignored then (the inputs have the cache dtype)
+            plan(args, self._byte_tensors(loc, cache_k, cache_v, index_map))
+            return
+        kc, vc = self.k_cache, self.v_cache
+        k_scale_t = k_scale if k_mode == _SCALE_POINTER else kc
+        v_scale_t = v_scale if v_mode == _SCALE_POINTER else vc
+        plan(args, (kc, vc, cache_k, cache_v, loc, loc if index_map is None else index_map, k_scale_t, v_scale_t))
+
+    # -- the torch reference -----------------------------------------------------------------------------------
+
+    def _store_native(self, layer_index: int, loc, cache_k, cache_v, k_scale, v_scale, index_map) -> None:
+        """The torch reference, after the checks the kernel path makes (but the devices')."""
+        if index_map is None:
+            index_map = self._own_map
+        self._check_index_map(index_map)
+        self._check_not_remapped(index_map)
+        self._check_layer(layer_index)
+        n, _ = self._check(loc, cache_k, cache_v)
+        if n == 0:
+            return
+        idx = loc.long() if index_map is None else index_map[loc.long()].long()
+        self.k_cache[layer_index, idx] = _convert_native(cache_k, self.cache_dtype, k_scale)
+        self.v_cache[layer_index, idx] = _convert_native(cache_v, self.cache_dtype, v_scale)
 
 
 def store_kv_triton(

@@ -57,7 +57,7 @@ class PageMajorMHATokenToKVPool(KVCache):
                                                 base + page_size * row)  # fmt: skip
         tokens = torch.arange(size + page_size, device=device)
         self._row_of_token = self.token_rows()["k"].row_of(tokens)
-        self._store = KVStore(self._k_rows, self._v_rows, dtype, self._use_triton)
+        self._store = KVStore(self._k_rows, self._v_rows, dtype, self._use_triton, index_map=self._row_of_token)
         self._offsets = torch.arange(page_size, device=device)
         self._finalize_allocation()
 
@@ -92,14 +92,16 @@ class PageMajorMHATokenToKVPool(KVCache):
     def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                       k_scale=None, v_scale=None, layer_id_override: int | None = None) -> None:  # fmt: skip
         """As :meth:`MHATokenToKVPool.set_kv_buffer` (SGLang's arguments; one launch, rows found through the
-        token -> row map inside it)."""
-        local = self.local_layer(layer, layer_id_override)
+        token -> row map inside it: the store's own map, checked once)."""
+        layer_id = layer if layer_id_override is None else layer_id_override
+        local = layer_id - self.start_layer if type(layer_id) is int else -1
+        if not 0 <= local < self.layer_num:  # not an int id of a layer stored here: the full lookup, which raises
+            local = self.local_layer(layer, layer_id_override)
         if cache_k.dim() == 2:
             cache_k = cache_k.view(-1, self.head_num, self.head_dim)
             cache_v = cache_v.view(-1, self.head_num, self.v_head_dim)
         try:
-            self._store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k, cache_v, k_scale, v_scale,
-                        self._row_of_token)  # fmt: skip
+            self._store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k, cache_v, k_scale, v_scale)
         except ValueError as exc:
             raise ValueError(f"layer {self.start_layer + local}: {exc}") from None
 

@@ -100,7 +100,10 @@ class MHATokenToKVPool(KVCache):
         :param index_map: write rows ``index_map[loc]`` instead of ``loc``, translated inside the same launch
             (a sliding-window sub-pool stores full-pool locations this way; kvcore's extension).
         """
-        local = self.local_layer(layer, layer_id_override)
+        layer_id = layer if layer_id_override is None else layer_id_override
+        local = layer_id - self.start_layer if type(layer_id) is int else -1
+        if not 0 <= local < self.layer_num:  # not an int id of a layer stored here: the full lookup, which raises
+            local = self.local_layer(layer, layer_id_override)
         if cache_k.dim() == 2:  # [N, H * D], as some attention backends hand them over
             cache_k = cache_k.view(-1, self.head_num, self.head_dim)
             cache_v = cache_v.view(-1, self.head_num, self.v_head_dim)

@@ -10,7 +10,7 @@ in the token and head dims.  A torch reference runs the same checks and writes t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -20,7 +20,7 @@ from kvcore import dtypes
 from kvcore.dtypes import storage_dtype
 from kvcore.fp8 import torch_e4m3fn_saturates
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import Launcher, cdiv
+from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
 from kvcore.row_move import next_pow2
 from kvcore_mha.kernels import STORE_MAX_BLOCK_C, STORE_TILE_ELEMS, _convert_native, _store_tile
 
@@ -57,9 +57,18 @@ def _store_rows_kernel(
                     c_sh, c_sd, loc_ptr, 1.0, C_D, C_HD, C_RS, C_PACKED, C_OUT, SATURATE, 0, BLOCK_N, C_BC, HW_CVT, False)  # fmt: skip
 
 
+#: the store kernel's pointer parameters, passed as addresses (see :mod:`kvcore.launch`)
+_POINTERS = ("a_ptr", "b_ptr", "c_ptr", "a_src", "b_src", "c_src", "loc_ptr")
+
+
 class RowStore:
     """Stores the rows of the same ``loc`` into every one of ``caches`` (1 to 3 stacked ``[L, R, H, D]`` buffers
     with the same ``L`` and ``R``), one launch per call, or through the torch reference (``use_triton=False``).
+
+    What a call's signature fixes (its tensors' shapes, strides, dtypes, devices and alignments) is checked and
+    planned on the signature's first call (:class:`kvcore.launch.Plan`); a call reads its signature, finds its plan
+    and launches once, its addresses and layer read per call.  Buffer slots past ``len(caches)`` are padded with
+    the first buffer and input (the kernel never reaches them).
 
     :param caches: the stacked buffers, rows packed, dtype ``storage_dtype(cache_dtype)``.
     :param cache_dtype: the caches' logical dtype.
@@ -82,15 +91,19 @@ class RowStore:
         self.names = tuple(names[: len(caches)])
         self.layers = caches[0].shape[0]
         self.row_shapes = [tuple(c.shape[2:]) for c in caches]
-        self.launch = Launcher(_store_rows_kernel, caches[0].device)
+        self.launch = Launcher(_store_rows_kernel, caches[0].device, _POINTERS)
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
-        self._specs: dict[tuple, tuple] = {}
+        self._pad = MAX_BUFFERS - len(caches)
+        self._padded_caches = (*caches, *[caches[0]] * self._pad)
+        self._cache_ptrs = tuple(c.data_ptr() for c in self._padded_caches)
+        self._plans: dict[tuple, Plan | None] = {}
 
-    def _check(self, layer_index: int, loc: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:
+    def _check(self, loc: torch.Tensor, inputs: Sequence[torch.Tensor], layer_index: int | None = None) -> None:
+        """The checks of a call (the layer's too, unless ``layer_index`` is None)."""
         if len(inputs) != len(self.caches):
             raise ValueError(f"expected {len(self.caches)} inputs ({', '.join(self.names)}), got {len(inputs)}")
-        if not 0 <= layer_index < self.layers:
-            raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
+        if layer_index is not None:
+            self._check_layer(layer_index)
         if loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"loc must be a 1-D int32/int64 tensor, got {loc.dtype} {tuple(loc.shape)}")
         device = self.caches[0].device
@@ -102,35 +115,93 @@ class RowStore:
         if loc.device != device:
             raise ValueError(f"loc is on {loc.device}, the pool on {device}")
 
+    def _check_layer(self, layer_index: int) -> None:
+        if not 0 <= layer_index < self.layers:
+            raise ValueError(f"layer_index {layer_index} out of range for {self.layers} layers")
+
+    def _codes(self, inputs: Sequence[torch.Tensor]) -> list[int]:
+        return [dtypes.conversion_code(x.dtype, self.cache_dtype, name) for name, x in zip(self.names, inputs)]
+
     def __call__(self, layer_index: int, loc: torch.Tensor, *inputs: torch.Tensor) -> None:
         """Write ``inputs[i]`` (``[N, H_i, D_i]``, float32/float16/bfloat16 or the cache dtype) at rows ``loc`` of
         ``layer_index`` in ``caches[i]``; the inputs are never modified."""
-        self._check(layer_index, loc, inputs)
-        codes = [dtypes.conversion_code(x.dtype, self.cache_dtype, name) for name, x in zip(self.names, inputs)]
+        if not self.use_triton:
+            self._store_native(layer_index, loc, inputs)
+            return
+        lp = loc.data_ptr()
+        signature = [loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15]
+        addresses = []
+        for x in inputs:
+            address = x.data_ptr()
+            addresses.append(address)
+            signature += (x.shape, x.stride(), x.dtype, x.get_device(), address & 15)
+        signature = tuple(signature)
+        plan = self._plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
+            plan = self._plan(signature, loc, inputs)
+        if not 0 <= layer_index < self.layers:
+            self._check_layer(layer_index)
+        if plan is None:
+            return
+        rest, byte_views = plan.fixed
+        addresses += addresses[:1] * self._pad
+        args = (*self._cache_ptrs, layer_index, *addresses, lp, *rest)
+        if byte_views:
+            plan(args, self._byte_tensors(loc, inputs))
+        else:
+            plan(args, (*self._padded_caches, *inputs, *inputs[:1] * self._pad, loc))
+
+    def _plan(self, signature: tuple, loc: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Plan | None:
+        """The plan of a call signature (:mod:`kvcore.launch`), after the full checks of its first call; None
+        when the call has no rows.  ``plan.fixed`` is ``(every argument after loc's address, whether the kernel
+        reads some input as its bytes)``."""
+        self._check(loc, inputs)
+        codes = self._codes(inputs)
         n = loc.shape[0]
         if n == 0:
-            return
-        if not self.use_triton:
-            rows = loc.long()
-            for cache, x in zip(self.caches, inputs):
-                cache[layer_index, rows] = _convert_native(x, self.cache_dtype, None)
-            return
-        inputs = [x.view(torch.uint8) if code == dtypes.SAME and x.dtype != c.dtype else x
-                  for x, code, c in zip(inputs, codes, self.caches)]  # fp8 into an fp8 cache: its bytes
+            return remember(self._plans, signature, None)
+        byte_views = any(self._byte_view(x, code, c) for x, code, c in zip(inputs, codes, self.caches))
+        inputs = self._kernel_inputs(inputs, codes)
         key = (1 << (n - 1).bit_length(), loc.dtype, loc.data_ptr() % 16,
                *((x.dtype, x.stride(), x.data_ptr() % 16, code) for x, code in zip(inputs, codes)))  # fmt: skip
-        spec = self._specs.get(key)
-        if spec is None:
-            spec = self._specs[key] = self._spec(key[0], inputs, codes)
-        block_n, columns, per_buffer = spec
-        pad = len(self.caches)
-        caches = [*self.caches, *[self.caches[0]] * (MAX_BUFFERS - pad)]
-        srcs = [*inputs, *[inputs[0]] * (MAX_BUFFERS - pad)]
+        block_n, columns, per_buffer = self._spec(key[0], inputs, codes)
+        srcs = [*inputs, *[inputs[0]] * self._pad]
         strides = [s for x in srcs for s in x.stride()]
-        self.launch(key, cdiv(n, block_n), columns, (
-            *caches, layer_index, *srcs, loc, loc.stride(0), n, *strides, *per_buffer, self._saturate, block_n,
-            self._hw_cvt,
-        ), (), _NUM_WARPS)  # fmt: skip
+        rest = (loc.stride(0), n, *strides, *per_buffer, self._saturate, block_n, self._hw_cvt)
+        return remember(self._plans, signature, Plan(self.launch, key, (cdiv(n, block_n), columns, 1), _NUM_WARPS,
+                                                     (rest, byte_views)))  # fmt: skip
+
+    @staticmethod
+    def _byte_view(x: torch.Tensor, code: int, cache: torch.Tensor) -> bool:
+        """Whether the kernel reads input ``x`` as its bytes (fp8 into an fp8 cache)."""
+        return code == dtypes.SAME and x.dtype != cache.dtype
+
+    def _kernel_inputs(self, inputs: Sequence[torch.Tensor], codes: Sequence[int]) -> list[torch.Tensor]:
+        """The inputs as the kernel reads them (fp8 into an fp8 cache: its bytes)."""
+        views = zip(inputs, codes, self.caches)
+        return [x.view(torch.uint8) if self._byte_view(x, code, cache) else x for x, code, cache in views]
+
+    def _byte_tensors(self, loc: torch.Tensor, inputs: Sequence[torch.Tensor]
+                      ) -> Callable[[], tuple[torch.Tensor, ...]]:  # fmt: skip
+        """The tensors behind the addresses of a call with inputs the kernel reads as their bytes, for a launch
+        through Triton's dispatcher (kernel order): views, made only when the dispatcher needs them (and a closure
+        built here, not in :meth:`__call__`, whose every call its cells would cost)."""
+
+        def tensors() -> tuple[torch.Tensor, ...]:
+            kernel_inputs = self._kernel_inputs(inputs, self._codes(inputs))
+            return *self._padded_caches, *kernel_inputs, *kernel_inputs[:1] * self._pad, loc
+
+        return tensors
+
+    def _store_native(self, layer_index: int, loc: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:
+        """The torch reference, after the same checks."""
+        self._check(loc, inputs, layer_index)
+        self._codes(inputs)
+        if loc.shape[0] == 0:
+            return
+        rows = loc.long()
+        for cache, x in zip(self.caches, inputs):
+            cache[layer_index, rows] = _convert_native(x, self.cache_dtype, None)
 
     def _spec(self, n_pad: int, inputs, codes) -> tuple:
         """(BLOCK_N, column blocks in all, the constexprs of every buffer slot) of a launch key."""

@@ -357,7 +357,8 @@ class LatentRows:
                 self._check_width(((names[0], a_part), (names[1], b_part)))
         if n == 0:
             return remember(self._plans, signature, None)
-        if a.dtype in FP8_DTYPES or b.dtype in FP8_DTYPES:
+        fp8 = a.dtype in FP8_DTYPES or b.dtype in FP8_DTYPES
+        if fp8:
             a, b = _kernel_view(a), _kernel_view(b)
         key = (1 << (n - 1).bit_length(), gather, a_part, b_part, b_ext0, a.dtype, b.dtype, a.data_ptr() & 15,
                b.data_ptr() & 15, loc.dtype, loc.data_ptr() & 15)  # fmt: skip
@@ -368,22 +369,27 @@ class LatentRows:
             tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block, a_part[2] == 1,
                     b_part[2] == 1, *codes)  # fmt: skip
             return remember(self._plans, signature, Plan(self.launch_row, key, (n, 1, 1), ROW_KERNEL_WARPS, (
-                (loc.stride(0),), a_part[1:3], (*b_part[1:3], *tail))))  # fmt: skip
+                (loc.stride(0),), a_part[1:3], (*b_part[1:3], *tail)), self._byte_views if fp8 else None))  # fmt: skip
         copy = a_part[4] == dtypes.SAME and (b_part[0] == 0 or b_part[4] == dtypes.SAME)
         block_n, block_a, block_b, num_cb_a, num_cb, warps = _plan(a_part[0], b_part[0], n_pad, copy)
         tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block_a, block_b, num_cb_a,
                 a_part[2] == 1, b_part[2] == 1, gather, *codes, block_n)  # fmt: skip
         return remember(self._plans, signature, Plan(self.launch, key, (cdiv(n, block_n), num_cb, 1), warps, (
-            (loc.stride(0), n), a_part[1:3], (*b_part[1:3], *tail))))  # fmt: skip
+            (loc.stride(0), n), a_part[1:3], (*b_part[1:3], *tail)), self._byte_views if fp8 else None))  # fmt: skip
 
     def _fire(self, plan: Plan | None, layer_index: int, lp: int, ap: int, bp: int, loc, a, b) -> None:
-        """Launch ``plan`` (None: nothing to launch) for one layer and the call's addresses."""
+        """Launch ``plan`` (None: nothing to launch) for one layer and the call's addresses.  (No closure here:
+        its cells would cost every call; fp8 parts' byte views are the plan's ``views``.)"""
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
         if plan is not None:
             loc_args, a_args, b_args = plan.fixed
-            plan((self._cache_ptr, layer_index, lp, *loc_args, ap, *a_args, bp, *b_args),
-                 lambda: (self.kv_cache, loc, _kernel_view(a), _kernel_view(b)))  # fmt: skip
+            plan((self._cache_ptr, layer_index, lp, *loc_args, ap, *a_args, bp, *b_args), (self.kv_cache, loc, a, b))
+
+    @staticmethod
+    def _byte_views(cache, loc, a, b) -> tuple[torch.Tensor, ...]:
+        """The tensors behind a launch's addresses, fp8 parts as their bytes (what the dispatcher sees)."""
+        return cache, loc, _kernel_view(a), _kernel_view(b)
 
     # -- the operations --------------------------------------------------------------------------------------
 

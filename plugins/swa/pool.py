@@ -119,14 +119,18 @@ class SWAKVPool(KVCache):
     # -- layers -------------------------------------------------------------------------------------------
 
     def _route(self, layer: Any, layer_id_override: int | None = None) -> tuple[KVCache, int, bool]:
-        layer_id = layer_id_of(layer) if layer_id_override is None else layer_id_override
+        if layer_id_override is not None:
+            layer_id = layer_id_override
+        else:
+            layer_id = layer if type(layer) is int else layer_id_of(layer)
         route = self.layers_mapping.get(layer_id)
         if route is None:
             raise IndexError(
                 f"layer {layer_id} is not stored by this SWAKVPool: full-attention layers {self.full_attention_layer_ids}, "
                 f"sliding-window layers {self.swa_attention_layer_ids}"
             )
-        self._wait_for_layer(layer_id - self.start_layer)
+        if self.layer_transfer_counter is not None:
+            self._wait_for_layer(layer_id - self.start_layer)
         index, is_swa = route
         return (self.swa_kv_pool if is_swa else self.full_kv_pool), index, is_swa
 
