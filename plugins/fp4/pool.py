@@ -39,6 +39,43 @@ def _into(out: tuple[torch.Tensor, ...] | None, *values: torch.Tensor) -> tuple[
     return out
 
 
+def _rows_of(loc: torch.Tensor) -> int:
+    """N of ``[N]`` int32/int64 locations, which a planned call takes as they are; -1 for any other ``loc`` (the
+    general paths flatten it or refuse it: :func:`_flat_loc`)."""
+    if loc.dim() != 1 or (loc.dtype is not torch.int64 and loc.dtype is not torch.int32):
+        return -1
+    return loc.shape[0]
+
+
+def _writes_as_given(block_rows: block_kernels.BlockRows, loc: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                     ) -> bool:  # fmt: skip
+    """Whether a store's planned path takes a call as given (``check`` of
+    :meth:`~kvcore_fp4.kernels.BlockRows.store`): ``[N]`` locations, N > 0, and the two parts exactly
+    ``[N, heads, width]`` (K and V ``[N, H, Dk]`` / ``[N, H, Dv]``; nope and rope ``[N, 1, kv_lora_rank]`` /
+    ``[N, 1, qk_rope_head_dim]``).  Any other call takes the pool's general path, with its reshapes and errors."""
+    n, parts = _rows_of(loc), block_rows.parts
+    return n > 0 and a.shape == (n, parts.heads, parts.k_width) and b.shape == (n, parts.heads, parts.v_width)
+
+
+def _latent_rows_as_given(block_rows: block_kernels.BlockRows, loc: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether a store of whole latent rows takes a call as given (``check`` of
+    :meth:`~kvcore_fp4.kernels.BlockRows.store_rows`): ``[N]`` locations, N > 0, rows exactly ``[N, 1, W]`` or
+    ``[N, W]`` (W = kv_lora_rank + qk_rope_head_dim).  Any other call takes the pool's general path."""
+    n, width = _rows_of(loc), block_rows.parts.k_width + block_rows.parts.v_width
+    return n > 0 and rows.shape in ((n, 1, width), (n, width))
+
+
+def _reads_as_given(block_rows: block_kernels.BlockRows, loc: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                    ) -> bool:  # fmt: skip
+    """Whether a read's planned path takes a call as given (``check`` of
+    :meth:`~kvcore_fp4.kernels.BlockRows.gather`): ``[N]`` locations and outputs of one dtype, exactly
+    ``[N, heads, width]`` (as :func:`_writes_as_given`).  Any other call takes the pool's general path, with its
+    errors."""
+    n, parts = _rows_of(loc), block_rows.parts
+    return n >= 0 and a.shape == (n, parts.heads, parts.k_width) and b.shape == (
+        n, parts.heads, parts.v_width) and a.dtype == b.dtype  # fmt: skip
+
+
 def _flat_loc(loc: torch.Tensor) -> torch.Tensor:
     """Locations as a 1-D int32/int64 tensor (the kernels read either; no copy for the usual 1-D call)."""
     if loc.dtype is not torch.int64 and loc.dtype is not torch.int32:
@@ -155,9 +192,10 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         if k_scale is not None or v_scale is not None:
             _refuse_scales(self.kv_format, k_scale, v_scale)
         local = self.local_layer(layer, layer_id_override)
+        if self._use_triton and self._rows.store(local, loc, cache_k, cache_v, _writes_as_given):
+            return  # the usual call ([N, H, D] rows), checked once per call signature
         loc = _flat_loc(loc)
         n = loc.shape[0]
-        # the usual call passes [N, H, D] rows: compared as they are, no view made
         if cache_k.shape != (n, self.head_num, self.head_dim):
             cache_k = self._as_rows(layer, "cache_k", cache_k, n, self.head_dim)
         if cache_v.shape != (n, self.head_num, self.v_head_dim):
@@ -187,7 +225,16 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         pool's ``dtype``): only those rows are read.  ``out``: kvcore extension, ``(k, v)`` of those shapes (any
         strides, one float dtype) to read into instead of allocating; returned."""
         local = self.local_layer(layer)
-        self._wait_for_layer(local)
+        if self.layer_transfer_counter is not None:
+            self._wait_for_layer(local)
+        if self._use_triton:  # the usual calls, checked once per call signature
+            if out is None:
+                new = self._rows.gather_new(local, loc, dst_dtype or self.dtype, _reads_as_given)
+                if new is not None:
+                    return new
+            elif dst_dtype is None and type(out) is tuple and len(out) == 2:
+                if self._rows.gather(local, loc, out[0], out[1], _reads_as_given):
+                    return out
         loc = _flat_loc(loc)
         n = loc.shape[0]
         shapes = ((n, self.head_num, self.head_dim), (n, self.head_num, self.v_head_dim))
@@ -310,9 +357,10 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         """Quantize nope ``[N, 1, kv_lora_rank]`` and rope ``[N, 1, qk_rope_head_dim]`` (or ``[N, W]``) into rows
         ``loc``, each part with its own block scales (one launch)."""
         local = self.local_layer(layer, layer_id_override)
+        if self._use_triton and self._rows.store(local, loc, cache_k_nope, cache_k_rope, _writes_as_given):
+            return  # the usual call ([N, 1, W] parts), checked once per call signature
         loc = _flat_loc(loc)
         n = loc.shape[0]
-        # the usual call passes [N, 1, W] parts: compared as they are, no view made
         if cache_k_nope.shape != (n, 1, self.kv_lora_rank):
             cache_k_nope = self._as_part(layer, "cache_k_nope", cache_k_nope, n, self.kv_lora_rank)
         if cache_k_rope.shape != (n, 1, self.qk_rope_head_dim):
@@ -343,6 +391,10 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         ignored, as in SGLang; block-scaled rows take no ``k_scale`` / ``v_scale``)."""
         if k_scale is not None or v_scale is not None:
             raise ValueError(f"{self.kv_format} rows carry their own block scales; pass k_scale=None, v_scale=None")
+        if self._use_triton:  # the usual call ([N, 1, W] rows): checked once per call signature, no views made
+            local = self.local_layer(layer, layer_id_override)
+            if self._rows.store_rows(local, loc, cache_k, _latent_rows_as_given):
+                return
         flat = cache_k.reshape(cache_k.shape[0], -1)
         r = self.kv_lora_rank
         self.set_mla_kv_buffer(layer, loc, flat[:, :r], flat[:, r:], layer_id_override)
@@ -354,7 +406,16 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         dequantized to ``dst_dtype`` (default the pool's ``dtype``): only those rows are read.  ``out``: kvcore
         extension, the two tensors (any strides, one float dtype) to read into instead of allocating; returned."""
         local = self.local_layer(layer)
-        self._wait_for_layer(local)
+        if self.layer_transfer_counter is not None:
+            self._wait_for_layer(local)
+        if self._use_triton:  # the usual calls, checked once per call signature
+            if out is None:
+                new = self._rows.gather_new(local, loc, dst_dtype or self.dtype, _reads_as_given)
+                if new is not None:
+                    return new
+            elif dst_dtype is None and type(out) is tuple and len(out) == 2:
+                if self._rows.gather(local, loc, out[0], out[1], _reads_as_given):
+                    return out
         loc = _flat_loc(loc)
         n = loc.shape[0]
         shapes = ((n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim))
