@@ -179,6 +179,17 @@ def e4m3fn_bits_to_f32(b):
 
 
 @triton.jit
+def e4m3fn_bits_to_f32_hw(b, HW_CVT: tl.constexpr):
+    """Like :func:`e4m3fn_bits_to_f32`, through the GPU's own conversion when ``HW_CVT`` (compiled kernels; it
+    differs from the integer decoder only in a NaN's bits), the integer decoder otherwise (the interpreter)."""
+    if HW_CVT:
+        r = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        r = e4m3fn_bits_to_f32(b)
+    return r
+
+
+@triton.jit
 def e5m2_bits_to_f32(b):
     """Integer tensor of float8_e5m2 bytes -> float32, exact; bits identical to torch's ``.float()``
     (inf kept, NaN -> quiet NaN 0x7FC00000 | mantissa << 21 | sign)."""
@@ -205,6 +216,7 @@ def fp8_bits_to_f32(b, KIND: tl.constexpr):
 
 __all__ = [
     "e4m3fn_bits_to_f32",
+    "e4m3fn_bits_to_f32_hw",
     "e5m2_bits_to_f32",
     "f32_to_bf16_bits",
     "f32_to_e4m3fn_bits",

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kvcore.fp8 import (
-    e4m3fn_bits_to_f32,
+    e4m3fn_bits_to_f32_hw,
     f32_to_bf16_bits,
     f32_to_e4m3fn_bits,
     torch_e4m3fn_saturates,
@@ -198,17 +198,6 @@ def _e4m3_bits(q, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_to_f32(b, HW_CVT: tl.constexpr):
-    """float8_e4m3fn bytes -> float32, exact (compiled through the hardware conversion, which only differs
-    from the integer decoder in the bits of a NaN, a byte the store never writes)."""
-    if HW_CVT:
-        xf = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        xf = e4m3fn_bits_to_f32(b)
-    return xf
-
-
-@triton.jit
 def _row_block(
     loc_ptr, loc_stride, n_tokens, layer, LAYER_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     KV_LORA: tl.constexpr, NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, TILE: tl.constexpr,
@@ -337,7 +326,7 @@ def _gather_dsa_fp8_kernel(
     t = tl.arange(0, TILES_PAD)
     s = tl.load(cache_f32 + ((base + KV_LORA) // 4)[:, None] + t[None, :],
                 mask=mask_n[:, None] & (t < NUM_TILES)[None, :], other=0.0)  # fmt: skip
-    x3 = tl.reshape(_e4m3_to_f32(b, HW_CVT), (BLOCK_N, TILES_PAD, TILE)) * s[:, :, None]
+    x3 = tl.reshape(e4m3fn_bits_to_f32_hw(b, HW_CVT), (BLOCK_N, TILES_PAD, TILE)) * s[:, :, None]
     xf = tl.reshape(x3, (BLOCK_N, TILES_PAD * TILE))
     _store_converted(nope_out + offs_n[:, None] * KV_LORA + cols[None, :], xf, mask, OUT, HW_CVT)
     r_d = tl.arange(0, ROPE_PAD)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.fp8 import e4m3fn_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3fn_bits
+from kvcore.fp8 import e4m3fn_bits_to_f32, e4m3fn_bits_to_f32_hw, f32_to_bf16_bits, f32_to_e4m3fn_bits
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
 from kvcore.pools import empty_of
@@ -190,17 +190,6 @@ def _e4m3_bits(x, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_value(byte, HW_CVT: tl.constexpr):
-    """e4m3fn bytes (int32, no NaN) -> float32, exactly: the GPU's conversion compiled, the integer decoder
-    interpreted."""
-    if HW_CVT:
-        r = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        r = e4m3fn_bits_to_f32(byte)
-    return r
-
-
-@triton.jit
 def _load_pair_magnitudes(base, pair, mask):
     """Values ``2 * pair`` and ``2 * pair + 1`` after ``base`` (a float32 / float16 / bfloat16 pointer whose
     pairs are aligned to twice the value's size) as float32 magnitudes and signs ``(|even|, |odd|, signs)``:
@@ -298,7 +287,7 @@ def _quantize_heads(src, sn, sh, sd, data, scale, rows, tok, mask_n, g,
         # clamped on both sides, as the reference: a negative g makes s negative, and torch <= 2.11's encoding
         # (SATURATE False) would make NaN of anything past -448
         scale_byte = _e4m3_bits(tl.minimum(tl.maximum(s, -_E4M3_MAX), _E4M3_MAX), SATURATE, HW_CVT)
-        step = _mul_rn(_e4m3_value(scale_byte, HW_CVT), gs, PTX)
+        step = _mul_rn(e4m3fn_bits_to_f32_hw(scale_byte, HW_CVT), gs, PTX)
         # the magnitudes times the step's reciprocal (kvcore_fp4.formats.reciprocal_step): one division a block.
         # step = e4m3(s) x g is never below +0 (s has g's sign, or is 0 of g's sign), so neither is inv, and the
         # inputs' sign bits (signs) are the scaled values' own
