@@ -214,16 +214,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
         if out is None:
             return self._scaled.gather_new(local, loc, dst_dtype or ROPE_STORAGE_DTYPE)
-        if dst_dtype is None and type(out) is tuple and len(out) == 2:  # checked once per call signature
-            try:
-                self._scaled.gather(local, loc, *out, check=self._check_latent_outputs)
-            except AttributeError:  # an output that is no tensor: the method's own error
-                self._latent_outputs(loc.shape[0], out, dst_dtype)
-                raise
-            return out
-        nope, rope = self._latent_outputs(loc.shape[0], out, dst_dtype)
-        self._scaled.gather(local, loc, nope, rope)
-        return nope, rope
+        return self._read_into(self._scaled, local, loc, out, dst_dtype)
 
     # -- indexer -----------------------------------------------------------------------------------------
 

@@ -466,9 +466,8 @@ class BlockRows:
     decline it: the operation then launches nothing and answers False (:meth:`gather_new`: None), and the pool
     takes its general path (its reshapes, its errors).
 
-    Each operation reads its signature, looks its plan up and launches inline: a helper's call would cost about
-    0.1 us of the 2.5 us a planned call takes on the host (and no closure: its cells would cost every call; the
-    tensors for the dispatcher are the plan's ``views`` of the call's own).
+    Each operation reads its signature, looks its plan up and launches it (:meth:`_fire`; no closure: its cells
+    would cost every call; the tensors for the dispatcher are the plan's ``views`` of the call's own).
     """
 
     def __init__(self, parts: Parts):
@@ -537,6 +536,20 @@ class BlockRows:
                     views or self._behind)  # fmt: skip
         return remember(self._plans, signature, plan)
 
+    def _fire(self, plan, layer: int, lp: int, kp: int, vp: int, tensors: tuple[torch.Tensor, ...]) -> bool:
+        """Launch ``plan`` for one local layer and the call's addresses of loc, K and V (V's added to the offset
+        its slot holds); None: nothing to launch.  False, launching nothing, for a declined call's plan."""
+        if plan is _DECLINED:
+            return False
+        if not 0 <= layer < self._layers:
+            raise ValueError(f"layer {layer} out of range for {self._layers} layers")
+        if plan is not None:  # the kernel's arguments: the plan's, and the call's layer and addresses
+            args = plan.fixed.copy()
+            args[_LAYER_ARG], args[_LOC_ARG], args[_K_ARG] = layer, lp, kp
+            args[_V_ARG] += vp
+            plan(args, tensors)
+        return True
+
     def _behind(self, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The tensors behind a launch's pointer arguments, in the kernel's order, from the call's own (a plan's
         ``views``: made only for launches through the dispatcher)."""
@@ -576,16 +589,7 @@ class BlockRows:
                 plan = remember(self._plans, signature, _DECLINED)
             else:
                 plan = self._plan(signature, loc, k, v, gather=False)
-        if plan is _DECLINED:
-            return False
-        if not 0 <= layer < self._layers:
-            raise ValueError(f"layer {layer} out of range for {self._layers} layers")
-        if plan is not None:  # the kernel's arguments: the plan's, and the call's layer and addresses
-            args = plan.fixed.copy()
-            args[_LAYER_ARG], args[_LOC_ARG], args[_K_ARG] = layer, lp, kp
-            args[_V_ARG] += vp
-            plan(args, (loc, k, v))
-        return True
+        return self._fire(plan, layer, lp, kp, vp, (loc, k, v))
 
     def _row_parts(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows holding both parts, ``[N, 1, k_width + v_width]`` or ``[N, k_width + v_width]`` (one head a part),
@@ -615,16 +619,7 @@ class BlockRows:
             else:
                 k, v = self._row_parts(rows)  # views at fixed offsets from rows' address (its shape and strides)
                 plan = self._plan(signature, loc, k, v, False, v.data_ptr() - rp, self._behind_rows)
-        if plan is _DECLINED:
-            return False
-        if not 0 <= layer < self._layers:
-            raise ValueError(f"layer {layer} out of range for {self._layers} layers")
-        if plan is not None:  # the kernel's arguments: the plan's, and the call's layer and addresses
-            args = plan.fixed.copy()
-            args[_LAYER_ARG], args[_LOC_ARG], args[_K_ARG] = layer, lp, rp
-            args[_V_ARG] += rp
-            plan(args, (loc, rows))
-        return True
+        return self._fire(plan, layer, lp, rp, rp, (loc, rows))
 
     def gather(self, layer: int, loc: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor,
                check: Check | None = None) -> bool:
@@ -647,16 +642,7 @@ class BlockRows:
                 plan = remember(self._plans, signature, _DECLINED)
             else:
                 plan = self._plan(signature, loc, out_k, out_v, gather=True)
-        if plan is _DECLINED:
-            return False
-        if not 0 <= layer < self._layers:
-            raise ValueError(f"layer {layer} out of range for {self._layers} layers")
-        if plan is not None:  # the kernel's arguments: the plan's, and the call's layer and addresses
-            args = plan.fixed.copy()
-            args[_LAYER_ARG], args[_LOC_ARG], args[_K_ARG] = layer, lp, kp
-            args[_V_ARG] += vp
-            plan(args, (loc, out_k, out_v))
-        return True
+        return self._fire(plan, layer, lp, kp, vp, (loc, out_k, out_v))
 
     def gather_new(self, layer: int, loc: torch.Tensor, dtype: torch.dtype, check: Check | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
@@ -688,11 +674,5 @@ class BlockRows:
                                     dtype, out_v.get_device(), vp & 15)  # as gather reads it  # fmt: skip
                 remember(self._plans, signature, self._plans[gather_signature])
             return out_k, out_v
-        if not 0 <= layer < self._layers:
-            raise ValueError(f"layer {layer} out of range for {self._layers} layers")
-        if plan is not None:  # the kernel's arguments: the plan's, and the call's layer and addresses
-            args = plan.fixed.copy()
-            args[_LAYER_ARG], args[_LOC_ARG], args[_K_ARG] = layer, lp, kp
-            args[_V_ARG] += vp
-            plan(args, (loc, out_k, out_v))
+        self._fire(plan, layer, lp, kp, vp, (loc, out_k, out_v))
         return out_k, out_v

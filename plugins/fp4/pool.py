@@ -76,6 +76,19 @@ def _reads_as_given(block_rows: block_kernels.BlockRows, loc: torch.Tensor, a: t
         n, parts.heads, parts.v_width) and a.dtype == b.dtype  # fmt: skip
 
 
+def _planned_read(block_rows: block_kernels.BlockRows, local: int, loc: torch.Tensor, dst_dtype: torch.dtype | None,
+                  default_dtype: torch.dtype, out) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """A pool's usual read through its block rows' plans: new outputs of ``dst_dtype or default_dtype`` (``out``
+    None), or the two tensors of ``out`` (no ``dst_dtype`` given); None, having read nothing, for any other call
+    (the pool's general path then takes it, with its checks and errors)."""
+    if out is None:
+        return block_rows.gather_new(local, loc, dst_dtype or default_dtype, _reads_as_given)
+    if dst_dtype is None and type(out) is tuple and len(out) == 2:
+        if block_rows.gather(local, loc, out[0], out[1], _reads_as_given):
+            return out
+    return None
+
+
 def _flat_loc(loc: torch.Tensor) -> torch.Tensor:
     """Locations as a 1-D int32/int64 tensor (the kernels read either; no copy for the usual 1-D call)."""
     if loc.dtype is not torch.int64 and loc.dtype is not torch.int32:
@@ -228,13 +241,9 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         if self.layer_transfer_counter is not None:
             self._wait_for_layer(local)
         if self._use_triton:  # the usual calls, checked once per call signature
-            if out is None:
-                new = self._rows.gather_new(local, loc, dst_dtype or self.dtype, _reads_as_given)
-                if new is not None:
-                    return new
-            elif dst_dtype is None and type(out) is tuple and len(out) == 2:
-                if self._rows.gather(local, loc, out[0], out[1], _reads_as_given):
-                    return out
+            read = _planned_read(self._rows, local, loc, dst_dtype, self.dtype, out)
+            if read is not None:
+                return read
         loc = _flat_loc(loc)
         n = loc.shape[0]
         shapes = ((n, self.head_num, self.head_dim), (n, self.head_num, self.v_head_dim))
@@ -409,13 +418,9 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         if self.layer_transfer_counter is not None:
             self._wait_for_layer(local)
         if self._use_triton:  # the usual calls, checked once per call signature
-            if out is None:
-                new = self._rows.gather_new(local, loc, dst_dtype or self.dtype, _reads_as_given)
-                if new is not None:
-                    return new
-            elif dst_dtype is None and type(out) is tuple and len(out) == 2:
-                if self._rows.gather(local, loc, out[0], out[1], _reads_as_given):
-                    return out
+            read = _planned_read(self._rows, local, loc, dst_dtype, self.dtype, out)
+            if read is not None:
+                return read
         loc = _flat_loc(loc)
         n = loc.shape[0]
         shapes = ((n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim))

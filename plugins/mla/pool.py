@@ -110,15 +110,22 @@ class MLATokenToKVPool(KVCache):
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
         if out is None:
             return self._rows.gather_new(local, loc, dst_dtype or self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
-        if dst_dtype is None and type(out) is tuple and len(out) == 2:  # checked once per call signature
+        return self._read_into(self._rows, local, loc, out, dst_dtype)
+
+    def _read_into(self, rows, local: int, loc: torch.Tensor, out, dst_dtype: torch.dtype | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """:meth:`get_mla_kv_buffer` with ``out``, through ``rows`` (:class:`~kvcore_mla.kernels.LatentRows`, or a
+        family's rows with the same ``gather(local, loc, nope, rope, check=None)``).  The usual call (a tuple of
+        two tensors, no ``dst_dtype``) has its outputs checked once per call signature."""
+        if dst_dtype is None and type(out) is tuple and len(out) == 2:
             try:
-                self._rows.gather(local, loc, *out, check=self._check_latent_outputs)
+                rows.gather(local, loc, *out, check=self._check_latent_outputs)
             except AttributeError:  # an output that is no tensor: the method's own error
                 self._latent_outputs(loc.shape[0], out, dst_dtype)
                 raise
             return out
         nope, rope = self._latent_outputs(loc.shape[0], out, dst_dtype)
-        self._rows.gather(local, loc, nope, rope)
+        rows.gather(local, loc, nope, rope)
         return nope, rope
 
     def _latent_outputs(self, n: int, out, dst_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
