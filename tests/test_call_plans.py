@@ -162,3 +162,51 @@ def test_the_indexer_plans_its_writes_and_reads():
         assert all(bits_equal(a, b) for a, b in zip(fast.get_index_k_scale_buffer(step % 2, 70, pages, out=out), want))
     with pytest.raises(ValueError, match="index_k_scale"):
         fast.set_index_k_scale_buffer(0, loc, keys, None)
+
+
+def test_a_dropped_pool_frees_its_buffers_at_once():
+    """Plans live inside a pool's kernels objects and keep checks and views of their own: none may tie the pool
+    or its buffers into a reference cycle (a dropped pool's device memory would then wait for the garbage
+    collector).  Checked with the collector off, after planned stores and reads of every kind."""
+    import gc
+    import weakref
+
+    from kvcore_fp4.pool import MHATokenToKVPoolFP4, MLATokenToKVPoolFP4
+    from kvcore_mha.page_major import PageMajorMHATokenToKVPool
+    from kvcore_mha.pool import MHATokenToKVPool
+
+    common = dict(device=DEVICE, enable_memory_saver=False, kernels="triton")
+    factories = {
+        "mla": lambda: _mla("triton"),
+        "dsa": lambda: _dsa("triton"),
+        "mha": lambda: MHATokenToKVPool(size=24, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=16,
+                                        layer_num=2, **common),
+        "page-major": lambda: PageMajorMHATokenToKVPool(size=24, page_size=4, dtype=torch.bfloat16, head_num=2,
+                                                        head_dim=16, layer_num=2, **common),
+        "nvfp4": lambda: MHATokenToKVPoolFP4(size=24, page_size=4, dtype=torch.bfloat16, head_num=2, head_dim=32,
+                                             layer_num=2, kv_format="nvfp4", **common),
+        "fp4 mla": lambda: MLATokenToKVPoolFP4(size=24, page_size=4, dtype=torch.bfloat16, kv_lora_rank=RANK,
+                                               qk_rope_head_dim=ROPE, layer_num=2, kv_format="fp4_e2m1", **common),
+    }  # fmt: skip
+    loc = torch.tensor([1, 2, 3], device=DEVICE)
+    gc.collect()
+    gc.disable()
+    try:
+        for name, factory in factories.items():
+            pool = factory()
+            pool.self_test_write(1, loc, torch.Generator().manual_seed(1))
+            pool.self_test_write(1, loc, torch.Generator().manual_seed(2))
+            if hasattr(pool, "get_mla_kv_buffer"):
+                read = pool.get_mla_kv_buffer(1, loc)
+                pool.get_mla_kv_buffer(1, loc, out=read)
+            elif hasattr(pool, "get_kv_buffer_by_loc"):
+                read = pool.get_kv_buffer_by_loc(1, loc)
+                pool.get_kv_buffer_by_loc(1, loc, out=read)
+            if name == "dsa":
+                pages = torch.tensor([0], device=DEVICE)
+                pool.get_index_k_scale_buffer(1, 3, pages, out=pool.get_index_k_scale_buffer(1, 3, pages))
+            buffers = [weakref.ref(b) for b in pool.buffers().values()]
+            del pool
+            assert all(b() is None for b in buffers), f"{name}: a dropped pool's buffers outlive it"
+    finally:
+        gc.enable()

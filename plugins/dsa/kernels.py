@@ -538,10 +538,10 @@ class ScaledRows:
             _check_device(dev, self.device, loc=loc, cache_k_nope=nope, cache_k_rope=rope)
         block_n = min(_STORE_BLOCK_N, next_pow2(n))
         key = (nope.dtype, rope.dtype, nope_s, rope_s, signature[9], signature[14], loc.dtype, signature[4], block_n)
-        return remember(self._store_plans, signature, Plan(self._store, key, (cdiv(n, block_n), 1, 1), _STORE_NUM_WARPS, (
-            loc.stride(0), n, *nope_s, *rope_s, *self._dims, rope.dtype == torch.bfloat16, SCALE_MIN, self._saturate,
-            self._hw_cvt, block_n,
-        )))  # fmt: skip
+        fixed = (loc.stride(0), n, *nope_s, *rope_s, *self._dims, rope.dtype == torch.bfloat16, SCALE_MIN,
+                 self._saturate, self._hw_cvt, block_n)  # fmt: skip
+        plan = Plan(self._store, key, (cdiv(n, block_n), 1, 1), _STORE_NUM_WARPS, fixed)
+        return remember(self._store_plans, signature, plan)
 
     def gather(self, layer_index: int, loc: torch.Tensor, nope_out: torch.Tensor, rope_out: torch.Tensor,
                check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:  # fmt: skip
@@ -908,8 +908,9 @@ class IndexerPages:
             return None
         block_n = min(_INDEX_BLOCK_N, next_pow2(seq_len))
         key = (kp & 15, sp & 15, page_indices.dtype, pp & 15, want_k, want_s, block_n)
-        return Plan(self._get, key, (cdiv(seq_len, block_n), 1, 1), _INDEX_NUM_WARPS, ((page_indices.stride(0), seq_len), (
-            INDEX_PAGE_SIZE, self._layer_bytes, self.page_bytes, self.key_bytes, want_k, want_s, block_n)))
+        tail = (INDEX_PAGE_SIZE, self._layer_bytes, self.page_bytes, self.key_bytes, want_k, want_s, block_n)
+        return Plan(self._get, key, (cdiv(seq_len, block_n), 1, 1), _INDEX_NUM_WARPS,
+                    ((page_indices.stride(0), seq_len), tail))  # fmt: skip
 
     def _fire_get(self, plan: Plan | None, layer_index: int, pp: int, kp: int, sp: int, page_indices, k, s) -> None:
         if not 0 <= layer_index < self.layers:

@@ -24,6 +24,19 @@ from kvcore_dsa.layout import (
 from kvcore_mla.pool import MLATokenToKVPool
 
 
+def _index_output_check(key_bytes: int):
+    """The check of :meth:`DSATokenToKVPool.get_index_k_scale_buffer`'s ``out`` (given whole, or as its two
+    tensors: ``check(seq_len, *out)``), which the indexer runs once per call signature; returns the outputs.  A
+    function of the key width alone, not a method: kept in the indexer's plans, a method would tie the pool into a
+    reference cycle."""
+
+    def check(seq_len: int, *out) -> tuple[torch.Tensor, torch.Tensor]:
+        shapes = ((seq_len, key_bytes), (seq_len, INDEX_SCALE_BYTES))
+        return gather_outputs(out[0] if len(out) == 1 else out, shapes, torch.uint8, "get_index_k_scale_buffer")
+
+    return check
+
+
 class DSATokenToKVPool(MLATokenToKVPool):
     """SGLang's ``DSATokenToKVPool`` (formerly ``NSATokenToKVPool``, kept as an alias): an MLA pool whose fp8 rows carry per-tile scales, plus the indexer's keys.
 
@@ -99,6 +112,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         self.index_k_with_scale_buffer = list(self.index_k_with_scale_cache.unbind(0))
         if self.dsa_kv_cache_store_fp8:
             self._scaled = ScaledRows(self.kv_cache, self.kv_lora_rank, self.qk_rope_head_dim, self._use_triton)
+        self._index_out_check = _index_output_check(self._index_key_bytes)
         self._indexer = IndexerPages(self.index_k_with_scale_cache, self._index_key_bytes, self._index_has_scale,
                                      self._use_triton)  # fmt: skip
 
@@ -260,18 +274,13 @@ class DSATokenToKVPool(MLATokenToKVPool):
         page_indices = page_indices if page_indices.dim() == 1 else page_indices.reshape(-1)
         if out is not None:  # the fp8 indexer's keys and scales (want_k and want_s), checked once per signature
             if type(out) is not tuple or len(out) != 2:
-                out = self._check_index_outputs(seq_len, out)
-            self._indexer.get(local, seq_len, page_indices, *out, check=self._check_index_outputs)
+                out = self._index_out_check(seq_len, out)
+            self._indexer.get(local, seq_len, page_indices, *out, check=self._index_out_check)
             return out
         k_out, s_out = self._indexer.get_new(local, seq_len, page_indices, want_k, want_s)
         if k_out is not None and not self._index_has_scale:
             k_out = k_out.view(self.index_k_dtype)
         return k_out, s_out
-
-    def _check_index_outputs(self, seq_len: int, *out) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``out`` of :meth:`get_index_k_scale_buffer` (given whole, or as its two tensors), checked."""
-        shapes = ((seq_len, self._indexer.key_bytes), (seq_len, INDEX_SCALE_BYTES))
-        return gather_outputs(out[0] if len(out) == 1 else out, shapes, torch.uint8, "get_index_k_scale_buffer")
 
     def get_index_k_continuous(self, layer_id: int, seq_len: int, page_indices: torch.Tensor) -> torch.Tensor:
         """A sequence's indexer keys in token order: ``[seq_len, 128]`` uint8 fp8 bytes (bf16 indexer: bfloat16).

@@ -27,6 +27,7 @@ outside the contract.
 from __future__ import annotations
 
 import struct
+from functools import partial
 from collections.abc import Callable
 
 import attrs
@@ -451,6 +452,24 @@ _LAYER_ARG, _LOC_ARG, _K_ARG, _V_ARG = (_rows_kernel.arg_names.index(name)
 Check = Callable[..., bool]
 
 
+def _row_parts(parts: Parts, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows holding both parts, ``[N, 1, k_width + v_width]`` or ``[N, k_width + v_width]`` (one head a part),
+    as the views ``[N, 1, k_width]`` / ``[N, 1, v_width]`` of their first ``k_width`` and next ``v_width``
+    values (the views the MLA pool's general path makes of them)."""
+    p = parts
+    width = p.k_width + p.v_width
+    n = rows.shape[0] if rows.dim() else -1
+    if p.heads != 1 or rows.shape not in ((n, 1, width), (n, width)):
+        raise ValueError(f"rows must be [N, 1, {width}] or [N, {width}] of one-head parts, got {tuple(rows.shape)}")
+    flat = rows.reshape(n, width)
+    return flat[:, : p.k_width].reshape(n, 1, p.k_width), flat[:, p.k_width :].reshape(n, 1, p.v_width)
+
+
+def _behind_rows(parts: Parts, buffers: tuple, loc: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:meth:`BlockRows._behind` of a :meth:`BlockRows.store_rows` call: its rows' two parts as views."""
+    return (*buffers, loc, *_row_parts(parts, rows))
+
+
 class BlockRows:
     """The quantize-store and dequantize-gather of one pool's two parts, bound at pool creation.
 
@@ -547,17 +566,15 @@ class BlockRows:
             args = plan.fixed.copy()
             args[_LAYER_ARG], args[_LOC_ARG], args[_K_ARG] = layer, lp, kp
             args[_V_ARG] += vp
-            plan(args, tensors)
+            plan(args, (self._buffers, *tensors))
         return True
 
-    def _behind(self, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The tensors behind a launch's pointer arguments, in the kernel's order, from the call's own (a plan's
-        ``views``: made only for launches through the dispatcher)."""
-        return (*self._buffers, loc, k, v)
-
-    def _behind_rows(self, loc: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """:meth:`_behind` of a :meth:`store_rows` call: its rows' two parts as views."""
-        return (*self._buffers, loc, *self._row_parts(rows))
+    @staticmethod
+    def _behind(buffers: tuple, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The tensors behind a launch's pointer arguments, in the kernel's order, from the pool's buffers and the
+        call's own (a plan's ``views``: made only for launches through the dispatcher; a function, not a method:
+        kept in this object's plans, a method would tie it, and the buffers, into a reference cycle)."""
+        return (*buffers, loc, k, v)
 
     def _pairs_of(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether a store may read (a gather write) each even/odd pair of values of ``k`` / ``v`` as one word:
@@ -591,22 +608,10 @@ class BlockRows:
                 plan = self._plan(signature, loc, k, v, gather=False)
         return self._fire(plan, layer, lp, kp, vp, (loc, k, v))
 
-    def _row_parts(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows holding both parts, ``[N, 1, k_width + v_width]`` or ``[N, k_width + v_width]`` (one head a part),
-        as the views ``[N, 1, k_width]`` / ``[N, 1, v_width]`` of their first ``k_width`` and next ``v_width``
-        values (the views the MLA pool's general path makes of them)."""
-        p = self.parts
-        width = p.k_width + p.v_width
-        n = rows.shape[0] if rows.dim() else -1
-        if p.heads != 1 or rows.shape not in ((n, 1, width), (n, width)):
-            raise ValueError(f"rows must be [N, 1, {width}] or [N, {width}] of one-head parts, got {tuple(rows.shape)}")
-        flat = rows.reshape(n, width)
-        return flat[:, : p.k_width].reshape(n, 1, p.k_width), flat[:, p.k_width :].reshape(n, 1, p.v_width)
-
     def store_rows(self, layer: int, loc: torch.Tensor, rows: torch.Tensor, check: Check | None = None) -> bool:
         """:meth:`store` of the two parts of latent ``rows`` (one head a part): ``[N, 1, k_width + v_width]`` or
         ``[N, k_width + v_width]``, part K their first ``k_width`` values and V the next ``v_width``, as
-        ``[N, 1, width]`` views (:meth:`_row_parts`); a planned call makes no views (their addresses are at
+        ``[N, 1, width]`` views (:func:`_row_parts`); a planned call makes no views (their addresses are at
         offsets from ``rows``' that its signature fixes).  ``check(block_rows, loc, rows)``: see the class; False
         when it declined the call, True otherwise."""
         lp, rp = loc.data_ptr(), rows.data_ptr()
@@ -617,8 +622,8 @@ class BlockRows:
             if check is not None and not check(self, loc, rows):
                 plan = remember(self._plans, signature, _DECLINED)
             else:
-                k, v = self._row_parts(rows)  # views at fixed offsets from rows' address (its shape and strides)
-                plan = self._plan(signature, loc, k, v, False, v.data_ptr() - rp, self._behind_rows)
+                k, v = _row_parts(self.parts, rows)  # views at offsets from rows' address its signature fixes
+                plan = self._plan(signature, loc, k, v, False, v.data_ptr() - rp, partial(_behind_rows, self.parts))
         return self._fire(plan, layer, lp, rp, rp, (loc, rows))
 
     def gather(self, layer: int, loc: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor,

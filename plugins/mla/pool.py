@@ -10,6 +10,19 @@ from kvcore_mla.kernels import LatentRows
 from kvcore_mla.layout import mla_row_dim
 
 
+def _latent_output_check(kv_lora_rank: int, qk_rope_head_dim: int):
+    """The check of :meth:`MLATokenToKVPool.get_mla_kv_buffer`'s ``out`` tensors that its rows run once per call
+    signature (``check(loc, nope, rope)``).  A function of the dimensions alone: kept in the rows' plans, a method of
+    the pool would tie the pool, and its buffers, into a reference cycle freed only by the garbage collector."""
+
+    def check(loc: torch.Tensor, nope: torch.Tensor, rope: torch.Tensor) -> None:
+        n = loc.shape[0] if loc.dim() == 1 else loc.numel()
+        shapes = ((n, 1, kv_lora_rank), (n, 1, qk_rope_head_dim))
+        gather_outputs((nope, rope), shapes, None, "get_mla_kv_buffer")
+
+    return check
+
+
 class MLATokenToKVPool(KVCache):
     """Latent KV rows of multi-head latent attention layers (DeepSeek-V2/V3), SGLang's ``MLATokenToKVPool``.
 
@@ -68,6 +81,7 @@ class MLATokenToKVPool(KVCache):
         )
         self.kv_buffer = list(self.kv_cache.unbind(0))
         self._rows = LatentRows(self.kv_cache, self.dtype, self._use_triton)
+        self._out_check = _latent_output_check(self.kv_lora_rank, self.qk_rope_head_dim)
 
     # -- layout and sizes --------------------------------------------------------------------------------
 
@@ -119,7 +133,7 @@ class MLATokenToKVPool(KVCache):
         two tensors, no ``dst_dtype``) has its outputs checked once per call signature."""
         if dst_dtype is None and type(out) is tuple and len(out) == 2:
             try:
-                rows.gather(local, loc, *out, check=self._check_latent_outputs)
+                rows.gather(local, loc, *out, check=self._out_check)
             except AttributeError:  # an output that is no tensor: the method's own error
                 self._latent_outputs(loc.shape[0], out, dst_dtype)
                 raise
@@ -132,9 +146,6 @@ class MLATokenToKVPool(KVCache):
         """The ``out`` of :meth:`get_mla_kv_buffer`, checked for ``n`` rows (:func:`kvcore.pools.gather_outputs`)."""
         shapes = ((n, 1, self.kv_lora_rank), (n, 1, self.qk_rope_head_dim))
         return gather_outputs(out, shapes, dst_dtype, "get_mla_kv_buffer")
-
-    def _check_latent_outputs(self, loc: torch.Tensor, nope: torch.Tensor, rope: torch.Tensor) -> None:
-        self._latent_outputs(loc.shape[0] if loc.dim() == 1 else loc.numel(), (nope, rope), None)
 
     # -- writes ------------------------------------------------------------------------------------------
 
