@@ -336,12 +336,12 @@ class LatentRows:
 
     # -- plans and the one launch ----------------------------------------------------------------------------
 
-    def _plan(self, signature: tuple, loc: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, names: tuple[str, str],
-              gather: bool, split: bool = False) -> Plan | None:  # fmt: skip
+    def _plan(self, signature: tuple, loc: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None,
+              names: tuple[str, str], gather: bool, split: bool = False) -> Plan | None:  # fmt: skip
         """The plan of a call signature (:mod:`kvcore.launch`), after the full checks of its first call; None
         when the call has no rows.  ``b`` None with ``split``: ``a`` is whole rows, copied as two parts split at
         the largest power of two below their width (576 = 512 + 64: tiles of 512 and 64 columns instead of one
-        1024-wide tile with 448 idle lanes), part B the same tensor from column ``split``."""
+        1024-wide tile with 448 idle lanes), part B the same tensor from that column on."""
         n = self._check_loc(loc)
         a_part = self._check_part(n, names[0], a, gather)
         if split:
