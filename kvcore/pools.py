@@ -219,7 +219,10 @@ class KVCache(abc.ABC):
 
         ``layer_id_override``, when given, is the global id instead (SGLang's composite pools call their
         sub-pools' writes with ``layer=None`` and the id here)."""
-        layer_id = layer_id_of(layer) if layer_id_override is None else layer_id_override
+        if layer_id_override is not None:
+            layer_id = layer_id_override
+        else:  # an int first: this runs on every hot-path call
+            layer_id = layer if type(layer) is int else layer_id_of(layer)
         if not self.start_layer <= layer_id <= self.end_layer:
             raise IndexError(
                 f"layer {layer_id} is not stored by this {type(self).__name__} "
@@ -234,6 +237,14 @@ class KVCache(abc.ABC):
     def _wait_for_layer(self, local_layer: int) -> None:
         if self.layer_transfer_counter is not None:
             self.layer_transfer_counter.wait_until(local_layer)
+
+    def _read_layer(self, layer: Any) -> int:
+        """:meth:`local_layer` of a read (an accessor of a layer's rows), once a layer-wise load of that layer is
+        done (:meth:`register_layer_transfer_counter`)."""
+        local = self.local_layer(layer)
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(local)
+        return local
 
     # -- buffers -----------------------------------------------------------------------------------------
 

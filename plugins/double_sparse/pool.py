@@ -42,8 +42,7 @@ class DoubleSparseTokenToKVPool(KVCache):
         return {"k": self.k_cache, "v": self.v_cache, "label": self.label_cache}
 
     def _view(self, stacked: torch.Tensor, layer_id) -> torch.Tensor:
-        local = self.local_layer(layer_id)
-        self._wait_for_layer(local)
+        local = self._read_layer(layer_id)
         buf = stacked[local]
         return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
 

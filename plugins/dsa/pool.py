@@ -222,9 +222,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         """
         if not self.dsa_kv_cache_store_fp8:
             return super().get_mla_kv_buffer(layer, loc, dst_dtype, out=out)
-        local = self.local_layer(layer)
-        if self.layer_transfer_counter is not None:
-            self._wait_for_layer(local)
+        local = self._read_layer(layer)
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
         if out is None:
             return self._scaled.gather_new(local, loc, dst_dtype or ROPE_STORAGE_DTYPE)
@@ -234,8 +232,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
 
     def get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:
         """One layer's indexer pages ``[pages, page_bytes]`` uint8 (waits for a layer-wise load)."""
-        local = self.local_layer(layer_id)
-        self._wait_for_layer(local)
+        local = self._read_layer(layer_id)
         return self.index_k_with_scale_buffer[local]
 
     def set_index_k_scale_buffer(
@@ -265,9 +262,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
 
     def _index_get(self, layer_id: int, seq_len: int, page_indices: torch.Tensor, want_k: bool, want_s: bool,
                    out=None):  # fmt: skip
-        local = self.local_layer(layer_id)
-        if self.layer_transfer_counter is not None:
-            self._wait_for_layer(local)
+        local = self._read_layer(layer_id)
         if want_s and not self._index_has_scale:
             raise ValueError("the bf16 indexer (kv_cache.options.index_dtype=bfloat16) keeps no scales")
         seq_len = seq_len if type(seq_len) is int else int(seq_len)

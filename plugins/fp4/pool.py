@@ -237,9 +237,7 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         """K ``[N, H, Dk]`` and V ``[N, H, Dv]`` of rows ``loc``, dequantized to ``dst_dtype`` (default the
         pool's ``dtype``): only those rows are read.  ``out``: kvcore extension, ``(k, v)`` of those shapes (any
         strides, one float dtype) to read into instead of allocating; returned."""
-        local = self.local_layer(layer)
-        if self.layer_transfer_counter is not None:
-            self._wait_for_layer(local)
+        local = self._read_layer(layer)
         if self._use_triton:  # the usual calls, checked once per call signature
             read = _planned_read(self._rows, local, loc, dst_dtype, self.dtype, out)
             if read is not None:
@@ -260,8 +258,7 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         return _into(out, k, v)
 
     def _whole_layer(self, layer_id: int, data: torch.Tensor, scales: torch.Tensor, which: int) -> torch.Tensor:
-        local = self.local_layer(layer_id)
-        self._wait_for_layer(local)
+        local = self._read_layer(layer_id)
         return dequantize(data[local], scales[local], self.recipe, self.dtype, self._globals(local)[which])
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
@@ -414,9 +411,7 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         """``(cache_k_nope [N, 1, kv_lora_rank], cache_k_rope [N, 1, qk_rope_head_dim])`` of rows ``loc``,
         dequantized to ``dst_dtype`` (default the pool's ``dtype``): only those rows are read.  ``out``: kvcore
         extension, the two tensors (any strides, one float dtype) to read into instead of allocating; returned."""
-        local = self.local_layer(layer)
-        if self.layer_transfer_counter is not None:
-            self._wait_for_layer(local)
+        local = self._read_layer(layer)
         if self._use_triton:  # the usual calls, checked once per call signature
             read = _planned_read(self._rows, local, loc, dst_dtype, self.dtype, out)
             if read is not None:

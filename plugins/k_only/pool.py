@@ -31,8 +31,7 @@ class MHATokenToKOnlyPool(KVCache):
         return {"k": self.k_cache}
 
     def get_key_buffer(self, layer_id) -> torch.Tensor:
-        local = self.local_layer(layer_id)
-        self._wait_for_layer(local)
+        local = self._read_layer(layer_id)
         buf = self.k_cache[local]
         return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
 

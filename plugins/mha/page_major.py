@@ -78,8 +78,7 @@ class PageMajorMHATokenToKVPool(KVCache):
     # -- reads and writes -------------------------------------------------------------------------------------
 
     def _view(self, layer_id, part: int) -> torch.Tensor:
-        local = self.local_layer(layer_id)
-        self._wait_for_layer(local)
+        local = self._read_layer(layer_id)
         buf = self.kv_cache[0, :, local, part]
         return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
 
@@ -93,10 +92,7 @@ class PageMajorMHATokenToKVPool(KVCache):
                       k_scale=None, v_scale=None, layer_id_override: int | None = None) -> None:  # fmt: skip
         """As :meth:`MHATokenToKVPool.set_kv_buffer` (SGLang's arguments; one launch, rows found through the
         token -> row map inside it: the store's own map, checked once)."""
-        layer_id = layer if layer_id_override is None else layer_id_override
-        local = layer_id - self.start_layer if type(layer_id) is int else -1
-        if not 0 <= local < self.layer_num:  # not an int id of a layer stored here: the full lookup, which raises
-            local = self.local_layer(layer, layer_id_override)
+        local = self.local_layer(layer, layer_id_override)
         if cache_k.dim() == 2:
             cache_k = cache_k.view(-1, self.head_num, self.head_dim)
             cache_v = cache_v.view(-1, self.head_num, self.v_head_dim)

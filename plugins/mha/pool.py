@@ -66,8 +66,7 @@ class MHATokenToKVPool(KVCache):
     # -- reads -------------------------------------------------------------------------------------------
 
     def _view(self, stacked: torch.Tensor, layer_id: int) -> torch.Tensor:
-        local = self.local_layer(layer_id)
-        self._wait_for_layer(local)
+        local = self._read_layer(layer_id)
         buf = stacked[local]
         return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
 
@@ -100,10 +99,7 @@ class MHATokenToKVPool(KVCache):
         :param index_map: write rows ``index_map[loc]`` instead of ``loc``, translated inside the same launch
             (a sliding-window sub-pool stores full-pool locations this way; kvcore's extension).
         """
-        layer_id = layer if layer_id_override is None else layer_id_override
-        local = layer_id - self.start_layer if type(layer_id) is int else -1
-        if not 0 <= local < self.layer_num:  # not an int id of a layer stored here: the full lookup, which raises
-            local = self.local_layer(layer, layer_id_override)
+        local = self.local_layer(layer, layer_id_override)
         if cache_k.dim() == 2:  # [N, H * D], as some attention backends hand them over
             cache_k = cache_k.view(-1, self.head_num, self.head_dim)
             cache_v = cache_v.view(-1, self.head_num, self.v_head_dim)

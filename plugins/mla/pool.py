@@ -91,8 +91,7 @@ class MLATokenToKVPool(KVCache):
     # -- reads -------------------------------------------------------------------------------------------
 
     def _layer_rows(self, layer_id) -> torch.Tensor:
-        local = self.local_layer(layer_id)
-        self._wait_for_layer(local)
+        local = self._read_layer(layer_id)
         return self.kv_buffer[local]
 
     def _as_dtype(self, rows: torch.Tensor) -> torch.Tensor:
@@ -118,9 +117,7 @@ class MLATokenToKVPool(KVCache):
         :returns: ``(cache_k_nope [N, 1, kv_lora_rank], cache_k_rope [N, 1, qk_rope_head_dim])``, read in one
             launch.
         """
-        local = self.local_layer(layer)
-        if self.layer_transfer_counter is not None:
-            self._wait_for_layer(local)
+        local = self._read_layer(layer)
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
         if out is None:
             return self._rows.gather_new(local, loc, dst_dtype or self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)

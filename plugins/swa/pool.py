@@ -129,8 +129,7 @@ class SWAKVPool(KVCache):
                 f"layer {layer_id} is not stored by this SWAKVPool: full-attention layers {self.full_attention_layer_ids}, "
                 f"sliding-window layers {self.swa_attention_layer_ids}"
             )
-        if self.layer_transfer_counter is not None:
-            self._wait_for_layer(layer_id - self.start_layer)
+        self._wait_for_layer(layer_id - self.start_layer)
         index, is_swa = route
         return (self.swa_kv_pool if is_swa else self.full_kv_pool), index, is_swa
 
