@@ -523,25 +523,25 @@ class ScaledRows:
                      rp & 15)  # fmt: skip
         plan = self._store_plans.get(signature, UNPLANNED)
         if plan is UNPLANNED:
-            plan = self._plan_store(signature, loc, nope, rope)
+            plan = remember(self._store_plans, signature, self._plan_store(loc, nope, rope))
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
         if plan is not None:
             plan((*self._view_ptrs, layer_index, np_, rp, lp, *plan.fixed), (*self._views, nope, rope, loc))
 
-    def _plan_store(self, signature: tuple, loc, nope, rope) -> Plan | None:
+    def _plan_store(self, loc, nope, rope) -> Plan | None:
         n, nope_s, rope_s = self._check_store(loc, nope, rope)
         if n == 0:
-            return remember(self._store_plans, signature, None)
+            return None
         dev = self._device_index
         if loc.get_device() != dev or nope.get_device() != dev or rope.get_device() != dev:
             _check_device(dev, self.device, loc=loc, cache_k_nope=nope, cache_k_rope=rope)
         block_n = min(_STORE_BLOCK_N, next_pow2(n))
-        key = (nope.dtype, rope.dtype, nope_s, rope_s, signature[9], signature[14], loc.dtype, signature[4], block_n)
+        key = (nope.dtype, rope.dtype, nope_s, rope_s, nope.data_ptr() & 15, rope.data_ptr() & 15, loc.dtype,
+               loc.data_ptr() & 15, block_n)  # fmt: skip
         fixed = (loc.stride(0), n, *nope_s, *rope_s, *self._dims, rope.dtype == torch.bfloat16, SCALE_MIN,
                  self._saturate, self._hw_cvt, block_n)  # fmt: skip
-        plan = Plan(self._store, key, (cdiv(n, block_n), 1, 1), _STORE_NUM_WARPS, fixed)
-        return remember(self._store_plans, signature, plan)
+        return Plan(self._store, key, (cdiv(n, block_n), 1, 1), _STORE_NUM_WARPS, fixed)
 
     def gather(self, layer_index: int, loc: torch.Tensor, nope_out: torch.Tensor, rope_out: torch.Tensor,
                check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:  # fmt: skip

@@ -518,11 +518,10 @@ class BlockRows:
 
     # -- plans and the one launch ----------------------------------------------------------------------------
 
-    def _plan(self, signature: tuple, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool,
-              v_offset: int = 0, views: Callable[..., tuple[torch.Tensor, ...]] | None = None
-              ) -> Plan | None:  # fmt: skip
-        """The plan of a call signature (:mod:`kvcore.launch`), after the full checks of its first call; None
-        when the call has no rows.  ``v_offset``: bytes from the address a call passes for ``v`` to ``v``'s first
+    def _plan(self, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool, v_offset: int = 0,
+              views: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> Plan | None:  # fmt: skip
+        """The plan of a call's signature (:mod:`kvcore.launch`), after the full checks of the call; None when
+        the call has no rows.  ``v_offset``: bytes from the address a call passes for ``v`` to ``v``'s first
         value; ``views``: the tensors behind a launch from those the call passes (default :meth:`_behind`); both
         for :meth:`store_rows`, whose call passes one tensor for both parts."""
         if gather:
@@ -537,7 +536,7 @@ class BlockRows:
             raise ValueError(f"k and v must be [N, heads, width] = {(n, p.heads, p.k_width)} and "
                              f"{(n, p.heads, p.v_width)}, got {tuple(k.shape)} and {tuple(v.shape)}")  # fmt: skip
         if n == 0:
-            return remember(self._plans, signature, None)
+            return None
         dev = self._device_index
         if loc.get_device() != dev or k.get_device() != dev or v.get_device() != dev:
             raise ValueError(f"loc and the rows must be on {self.device}, got {loc.device}, {k.device}, {v.device}")
@@ -553,7 +552,7 @@ class BlockRows:
                 self._hw_cvt, self._pairs_of(k, v), self._ptx, block_n, *heads]  # fmt: skip
         plan = Plan(self.launch, key, (cdiv(n, block_n), 2 * p.heads // heads[0], 1), warps, args,
                     views or self._behind)  # fmt: skip
-        return remember(self._plans, signature, plan)
+        return plan
 
     def _fire(self, plan, layer: int, lp: int, kp: int, vp: int, tensors: tuple[torch.Tensor, ...]) -> bool:
         """Launch ``plan`` for one local layer and the call's addresses of loc, K and V (V's added to the offset
@@ -605,7 +604,7 @@ class BlockRows:
             if check is not None and not check(self, loc, k, v):
                 plan = remember(self._plans, signature, _DECLINED)
             else:
-                plan = self._plan(signature, loc, k, v, gather=False)
+                plan = remember(self._plans, signature, self._plan(loc, k, v, gather=False))
         return self._fire(plan, layer, lp, kp, vp, (loc, k, v))
 
     def store_rows(self, layer: int, loc: torch.Tensor, rows: torch.Tensor, check: Check | None = None) -> bool:
@@ -623,7 +622,8 @@ class BlockRows:
                 plan = remember(self._plans, signature, _DECLINED)
             else:
                 k, v = _row_parts(self.parts, rows)  # views at offsets from rows' address its signature fixes
-                plan = self._plan(signature, loc, k, v, False, v.data_ptr() - rp, partial(_behind_rows, self.parts))
+                plan = remember(self._plans, signature, self._plan(loc, k, v, False, v.data_ptr() - rp,
+                                                                   partial(_behind_rows, self.parts)))  # fmt: skip
         return self._fire(plan, layer, lp, rp, rp, (loc, rows))
 
     def gather(self, layer: int, loc: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor,
@@ -646,7 +646,7 @@ class BlockRows:
             if check is not None and not check(self, loc, out_k, out_v):
                 plan = remember(self._plans, signature, _DECLINED)
             else:
-                plan = self._plan(signature, loc, out_k, out_v, gather=True)
+                plan = remember(self._plans, signature, self._plan(loc, out_k, out_v, gather=True))
         return self._fire(plan, layer, lp, kp, vp, (loc, out_k, out_v))
 
     def gather_new(self, layer: int, loc: torch.Tensor, dtype: torch.dtype, check: Check | None = None
@@ -671,13 +671,10 @@ class BlockRows:
         signature = (3, check, shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, dtype)
         plan = self._plans.get(signature, UNPLANNED)
         if plan is UNPLANNED or (kp | vp) & 15:  # a first call, or outputs less aligned than plans take them
-            if not self.gather(layer, loc, out_k, out_v, check):
-                return None
-            if not (kp | vp) & 15:  # the gather's plan serves every call of this signature
-                gather_signature = (2, check, shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, out_k.shape,
-                                    out_k.stride(), dtype, out_k.get_device(), kp & 15, out_v.shape, out_v.stride(),
-                                    dtype, out_v.get_device(), vp & 15)  # as gather reads it  # fmt: skip
-                remember(self._plans, signature, self._plans[gather_signature])
-            return out_k, out_v
-        self._fire(plan, layer, lp, kp, vp, (loc, out_k, out_v))
-        return out_k, out_v
+            if check is not None and not check(self, loc, out_k, out_v):
+                plan = _DECLINED
+            else:
+                plan = self._plan(loc, out_k, out_v, gather=True)
+            if not (kp | vp) & 15:  # (a plan of unaligned outputs is used once)
+                remember(self._plans, signature, plan)
+        return (out_k, out_v) if self._fire(plan, layer, lp, kp, vp, (loc, out_k, out_v)) else None

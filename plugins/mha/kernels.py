@@ -354,10 +354,10 @@ class KVStore:
                 v_mode, block_n, block_ck, block_cv, num_cb_k, f[9], key[11] is not None)  # fmt: skip
         return block_n, num_cb, tail
 
-    def _plan(self, signature: tuple, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale,
-              v_scale, index_map: torch.Tensor | None) -> Plan | None:  # fmt: skip
-        """The plan of a call signature (:mod:`kvcore.launch`), after the full checks of its first call; None
-        when the call has no rows.
+    def _plan(self, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale, v_scale,
+              index_map: torch.Tensor | None) -> Plan | None:  # fmt: skip
+        """The plan of a call's signature (:mod:`kvcore.launch`), after the full checks of the call; None when
+        the call has no rows.
 
         ``plan.fixed`` is ``(K cache address, V cache address, loc stride, rest, per call)``.  ``per call`` None
         (the common case): no scale is read (none given, or the inputs have the cache dtype, which ignores them),
@@ -371,7 +371,7 @@ class KVStore:
         self._check_not_remapped(index_map)
         n, out = self._check(loc, cache_k, cache_v)
         if n == 0:
-            return remember(self._plans, signature, None)
+            return None
         device = self._device_index
         if cache_k.get_device() != device or cache_v.get_device() != device or loc.get_device() != device:
             raise ValueError(f"loc, cache_k and cache_v must be on {self.k_cache.device}, got {loc.device}, "
@@ -406,7 +406,7 @@ class KVStore:
         else:
             fixed = (k_ptr, v_ptr, loc.stride(0), (sizes, tail), (k_mode, v_mode, byte_views))
         plan = Plan(self.launch, key, (cdiv(n, block_n), num_cb, 1), _STORE_NUM_WARPS, fixed)
-        return remember(self._plans, signature, plan)
+        return plan
 
     def _byte_tensors(self, loc, cache_k, cache_v, index_map) -> Callable[[], tuple[torch.Tensor, ...]]:
         """The tensors behind the addresses of a call whose fp8 inputs the kernel reads as their bytes, for a
@@ -436,7 +436,7 @@ class KVStore:
                      cache_v.get_device(), vp & 15, map_signature, scales)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
         if plan is UNPLANNED:
-            plan = self._plan(signature, loc, cache_k, cache_v, k_scale, v_scale, index_map)
+            plan = remember(self._plans, signature, self._plan(loc, cache_k, cache_v, k_scale, v_scale, index_map))
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
         if plan is None:

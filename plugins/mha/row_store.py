@@ -138,7 +138,7 @@ class RowStore:
         signature = tuple(signature)
         plan = self._plans.get(signature, UNPLANNED)
         if plan is UNPLANNED:
-            plan = self._plan(signature, loc, inputs)
+            plan = remember(self._plans, signature, self._plan(loc, inputs))
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
         if plan is None:
@@ -151,15 +151,15 @@ class RowStore:
         else:
             plan(args, (*self._padded_caches, *inputs, *inputs[:1] * self._pad, loc))
 
-    def _plan(self, signature: tuple, loc: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Plan | None:
-        """The plan of a call signature (:mod:`kvcore.launch`), after the full checks of its first call; None
-        when the call has no rows.  ``plan.fixed`` is ``(every argument after loc's address, whether the kernel
+    def _plan(self, loc: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Plan | None:
+        """The plan of a call's signature (:mod:`kvcore.launch`), after the full checks of the call; None when
+        the call has no rows.  ``plan.fixed`` is ``(every argument after loc's address, whether the kernel
         reads some input as its bytes)``."""
         self._check(loc, inputs)
         codes = self._codes(inputs)
         n = loc.shape[0]
         if n == 0:
-            return remember(self._plans, signature, None)
+            return None
         byte_views = any(self._byte_view(x, code, c) for x, code, c in zip(inputs, codes, self.caches))
         inputs = self._kernel_inputs(inputs, codes)
         key = (1 << (n - 1).bit_length(), loc.dtype, loc.data_ptr() % 16,
@@ -168,8 +168,7 @@ class RowStore:
         srcs = [*inputs, *[inputs[0]] * self._pad]
         strides = [s for x in srcs for s in x.stride()]
         rest = (loc.stride(0), n, *strides, *per_buffer, self._saturate, block_n, self._hw_cvt)
-        return remember(self._plans, signature, Plan(self.launch, key, (cdiv(n, block_n), columns, 1), _NUM_WARPS,
-                                                     (rest, byte_views)))  # fmt: skip
+        return Plan(self.launch, key, (cdiv(n, block_n), columns, 1), _NUM_WARPS, (rest, byte_views))
 
     @staticmethod
     def _byte_view(x: torch.Tensor, code: int, cache: torch.Tensor) -> bool:

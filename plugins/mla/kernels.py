@@ -336,10 +336,10 @@ class LatentRows:
 
     # -- plans and the one launch ----------------------------------------------------------------------------
 
-    def _plan(self, signature: tuple, loc: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None,
-              names: tuple[str, str], gather: bool, split: bool = False) -> Plan | None:  # fmt: skip
-        """The plan of a call signature (:mod:`kvcore.launch`), after the full checks of its first call; None
-        when the call has no rows.  ``b`` None with ``split``: ``a`` is whole rows, copied as two parts split at
+    def _plan(self, loc: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, names: tuple[str, str],
+              gather: bool, split: bool = False) -> Plan | None:  # fmt: skip
+        """The plan of a call's signature (:mod:`kvcore.launch`), after the full checks of the call; None when
+        the call has no rows.  ``b`` None with ``split``: ``a`` is whole rows, copied as two parts split at
         the largest power of two below their width (576 = 512 + 64: tiles of 512 and 64 columns instead of one
         1024-wide tile with 448 idle lanes), part B the same tensor from that column on."""
         n = self._check_loc(loc)
@@ -356,7 +356,7 @@ class LatentRows:
             if a_part[0] + b_part[0] > self.width:
                 self._check_width(((names[0], a_part), (names[1], b_part)))
         if n == 0:
-            return remember(self._plans, signature, None)
+            return None
         fp8 = a.dtype in FP8_DTYPES or b.dtype in FP8_DTYPES
         if fp8:
             a, b = _kernel_view(a), _kernel_view(b)
@@ -368,14 +368,14 @@ class LatentRows:
             block = _next_pow2(a_part[0] + b_part[0])
             tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block, a_part[2] == 1,
                     b_part[2] == 1, *codes)  # fmt: skip
-            return remember(self._plans, signature, Plan(self.launch_row, key, (n, 1, 1), ROW_KERNEL_WARPS, (
-                (loc.stride(0),), a_part[1:3], (*b_part[1:3], *tail)), self._byte_views if fp8 else None))  # fmt: skip
+            return Plan(self.launch_row, key, (n, 1, 1), ROW_KERNEL_WARPS, (
+                (loc.stride(0),), a_part[1:3], (*b_part[1:3], *tail)), self._byte_views if fp8 else None)  # fmt: skip
         copy = a_part[4] == dtypes.SAME and (b_part[0] == 0 or b_part[4] == dtypes.SAME)
         block_n, block_a, block_b, num_cb_a, num_cb, warps = _plan(a_part[0], b_part[0], n_pad, copy)
         tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block_a, block_b, num_cb_a,
                 a_part[2] == 1, b_part[2] == 1, gather, *codes, block_n)  # fmt: skip
-        return remember(self._plans, signature, Plan(self.launch, key, (cdiv(n, block_n), num_cb, 1), warps, (
-            (loc.stride(0), n), a_part[1:3], (*b_part[1:3], *tail)), self._byte_views if fp8 else None))  # fmt: skip
+        return Plan(self.launch, key, (cdiv(n, block_n), num_cb, 1), warps, (
+            (loc.stride(0), n), a_part[1:3], (*b_part[1:3], *tail)), self._byte_views if fp8 else None)  # fmt: skip
 
     def _fire(self, plan: Plan | None, layer_index: int, lp: int, ap: int, bp: int, loc, a, b) -> None:
         """Launch ``plan`` (None: nothing to launch) for one layer and the call's addresses.  (No closure here:
@@ -404,7 +404,8 @@ class LatentRows:
                      a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(), bp & 15)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
         if plan is UNPLANNED:
-            plan = self._plan(signature, loc, a, b, ("cache_k_nope", "cache_k_rope"), gather=False)
+            plan = remember(self._plans, signature,
+                            self._plan(loc, a, b, ("cache_k_nope", "cache_k_rope"), gather=False))
         self._fire(plan, layer_index, lp, ap, bp, loc, a, b)
 
     def store_rows(self, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
@@ -423,7 +424,8 @@ class LatentRows:
                      cache_k.dtype, cache_k.get_device(), ap & 15)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
         if plan is UNPLANNED:
-            plan = self._plan(signature, loc, cache_k, None, ("cache_k", "cache_k"), gather=False, split=True)
+            plan = remember(self._plans, signature,
+                            self._plan(loc, cache_k, None, ("cache_k", "cache_k"), gather=False, split=True))
         self._fire(plan, layer_index, lp, ap, ap, loc, cache_k, cache_k)
 
     def gather_new(self, layer_index: int, loc: torch.Tensor, dtype: torch.dtype, a_width: int, b_width: int
@@ -432,8 +434,8 @@ class LatentRows:
         and the next ``b_width`` as ``[N, 1, b_width]``, of ``dtype`` (converted as :meth:`gather` converts).
 
         (Two allocations, :func:`kvcore.pools.empty_of`: on an H200 they cost less host time than one allocation
-        carved into two views, each view costing about as much as an allocation.)  New outputs are 16-byte aligned (the
-        caching allocator's blocks are), which the plan of a call signature takes for granted and checks."""
+        carved into two views, each view costing about as much as an allocation.)  New outputs are 16-byte aligned
+        (the caching allocator's blocks are), which the plan of a call signature takes for granted and checks."""
         shape = loc.shape
         if len(shape) != 1:
             self._check_loc(loc)
@@ -450,17 +452,11 @@ class LatentRows:
         signature = (3, shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, dtype, a_width, b_width)
         plan = self._plans.get(signature, UNPLANNED)
         if plan is UNPLANNED or (ap | bp) & 15:  # a first call, or outputs less aligned than plans take them
-            self.gather(layer_index, loc, a, b)
-            if not (ap | bp) & 15:  # the gather's plan serves every call of this signature
-                remember(self._plans, signature, self._plans[self._gather_signature(loc, a, b, lp, ap, bp)])
-            return a, b
+            plan = self._plan(loc, a, b, ("out_nope", "out_rope"), gather=True)
+            if not (ap | bp) & 15:  # (a plan of unaligned outputs is used once)
+                remember(self._plans, signature, plan)
         self._fire(plan, layer_index, lp, ap, bp, loc, a, b)
         return a, b
-
-    @staticmethod
-    def _gather_signature(loc, a, b, lp: int, ap: int, bp: int) -> tuple:
-        return (2, None, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, a.shape, a.stride(), a.dtype,
-                a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(), bp & 15)  # fmt: skip
 
     def gather(self, layer_index: int, loc: torch.Tensor, out_nope: torch.Tensor, out_rope: torch.Tensor,
                check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:  # fmt: skip
@@ -474,12 +470,13 @@ class LatentRows:
             return
         lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
         signature = (2, check, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, a.shape, a.stride(),
-                     a.dtype, a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(), bp & 15)  # fmt: skip
+                     a.dtype, a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(),
+                     bp & 15)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
         if plan is UNPLANNED:
             if check is not None:
                 check(loc, a, b)
-            plan = self._plan(signature, loc, a, b, ("out_nope", "out_rope"), gather=True)
+            plan = remember(self._plans, signature, self._plan(loc, a, b, ("out_nope", "out_rope"), gather=True))
         self._fire(plan, layer_index, lp, ap, bp, loc, a, b)
 
     # -- the torch reference -----------------------------------------------------------------------------------
@@ -495,7 +492,8 @@ class LatentRows:
         return n, a_part[0], b_part[0]
 
     def _store_native(self, layer_index: int, loc, cache_k_nope, cache_k_rope) -> None:
-        n, r, p = self._native_parts(layer_index, loc, cache_k_nope, cache_k_rope, ("cache_k_nope", "cache_k_rope"), False)
+        names = ("cache_k_nope", "cache_k_rope")
+        n, r, p = self._native_parts(layer_index, loc, cache_k_nope, cache_k_rope, names, False)
         if n:
             rows, idx = self.kv_cache[layer_index].flatten(1), loc.long()
             rows[idx, :r] = _to_storage(_flat(cache_k_nope, r), self.cache_dtype)
