@@ -74,6 +74,7 @@ def _hook_active(hook) -> bool:
 
 
 _RUNTIME_KNOBS = triton.knobs.runtime if hasattr(triton, "knobs") else None
+_HOOK_CHAIN = getattr(triton.knobs, "HookChain", None) if hasattr(triton, "knobs") else None
 
 
 def _launch_hooks_installed() -> bool:
@@ -83,9 +84,6 @@ def _launch_hooks_installed() -> bool:
     if type(enter) is type(exit_) is _HOOK_CHAIN:  # the usual case, read without a call
         return bool(enter.calls or exit_.calls)
     return _hook_active(enter) or _hook_active(exit_)
-
-
-_HOOK_CHAIN = getattr(triton.knobs, "HookChain", None) if hasattr(triton, "knobs") else None
 
 
 #: Triton releases whose compiled launcher's C entry point kvcore calls itself (its argument list was read from
