@@ -8,6 +8,11 @@ of percent, ratios much less):
   same method with ``hardware.kernels=native`` (the torch path), and for a bare torch op (``x.add_(0)``).
   Methods that return new tensors (the gathers) are also set beside a bare torch op that allocates its
   output (``x.index_select(0, i)``): the least any eager call that returns a new tensor costs.
+* **host cost at changing sizes**: the same, with the token count drawn at random on every call (1..8192; a
+  move's slots 1..512, the range it takes in one launch), as an engine's prefill sizes and decode batches change
+  from step to step (:func:`host_us_of_calls`);
+* **an eager engine step** (:mod:`kvcore.bench_engine`): continuous batching on Llama-3-8B's pools at page 16,
+  prefills, decodes of every layer and frees, against a floor of as many bare torch ops as the step launches;
 * **device time** inside CUDA-graph replay (what a decode step costs on the GPU), for kvcore and the torch
   path, with the bytes moved over the measured device-copy ceiling.
 
@@ -34,6 +39,9 @@ STATE_SLOTS = (8, 256)  # sizes of the state copy; its pool holds twice the larg
 #: [16, 128, 128] float32, 36 layers.
 QWEN3_NEXT_STATE = dict(layers=36, conv=(4096, 3), temporal=(16, 128, 128))
 POOL_TOKENS = 1 << 16  # of every pool timed; locations are drawn among them
+#: the changing-size rows: token counts drawn from 1..VARIED_MAX_TOKENS (a move's slots from 1..MOVE_MAX_TOKENS),
+#: VARIED_CALLS different counts a row, each call a new one
+VARIED_MAX_TOKENS, VARIED_CALLS = 8192, 64
 
 
 #: (table, title, (column head, width) ...) of the two tables, in print order; the widths are Row.as_text's.
@@ -41,6 +49,12 @@ TABLES = (
     ("host", "host time of one eager call (us): kvcore / torch path / bare torch op (x.add_(0)) / bare op that "
      "allocates (x.index_select(0, i), for methods returning new tensors), and the ratios",
      (("kvcore", 9), ("torch", 9), ("bare op", 9), ("/torch", 8), ("/bare", 8), ("alloc op", 9), ("/alloc", 8))),
+    ("varied", "host time of one eager call when N changes on every call (drawn at random in the range shown; "
+     "us): columns as above",
+     (("kvcore", 9), ("torch", 9), ("bare op", 9), ("/torch", 8), ("/bare", 8), ("alloc op", 9), ("/alloc", 8))),
+    ("engine", "an eager engine step, host time of kvcore's calls (us): kvcore / the same step storing through "
+     "the torch path / floor (as many bare torch ops as the step launches, N a step)",
+     (("kvcore", 9), ("torch", 9), ("floor", 9), ("/torch", 8), ("/floor", 8))),
     ("graph", "device time per call in CUDA-graph replay (us): kvcore / torch path; share of the copy ceiling",
      (("kvcore", 9), ("torch", 9), ("/torch", 8), ("of ceil", 9))),
 )  # fmt: skip
@@ -61,9 +75,10 @@ class Row:
 
     def as_text(self) -> str:
         ratio = self.kvcore_us / self.torch_us
-        if self.table == "host":
+        if self.table in ("host", "varied", "engine"):
+            n = f"1-{self.n}" if self.table == "varied" else str(self.n)
             alloc = "" if self.alloc_us is None else f" {self.alloc_us:>9.2f} {self.kvcore_us / self.alloc_us:>8.2f}"
-            return (f"{self.op:<34} {self.n:>6} {self.kvcore_us:>9.2f} {self.torch_us:>9.2f} {self.bare_us:>9.2f} "
+            return (f"{self.op:<34} {n:>6} {self.kvcore_us:>9.2f} {self.torch_us:>9.2f} {self.bare_us:>9.2f} "
                     f"{ratio:>8.2f} {self.kvcore_us / self.bare_us:>8.2f}{alloc}")  # fmt: skip
         ceil = "" if self.of_ceiling is None else f"{self.of_ceiling:>9.2f}"
         return f"{self.op:<34} {self.n:>6} {self.kvcore_us:>9.2f} {self.torch_us:>9.2f} {ratio:>8.2f} {ceil}"
@@ -87,6 +102,30 @@ def host_us(*fns: Callable[[], object], reps: int = 2000, rounds: int = 5) -> li
                 fn()
             best[i] = min(best[i], (time.perf_counter() - start) / calls * 1e6)
             torch.cuda.synchronize()
+    return best
+
+
+def host_us_of_calls(*call_lists: list[Callable[[], object]], passes: int = 8, rounds: int = 5) -> list[float]:
+    """Host time of one call, for each list of calls (each made with its own arguments: a changing size): in each
+    of ``rounds`` rounds, every list in turn runs ``passes`` times through, with the device waited for after each
+    pass, outside the time (calls of thousands of tokens may take the device longer than the host: unwaited, the
+    launch queue would fill and the host loop would time the device).  A list's time is its fastest round's
+    mean."""
+    for calls in call_lists:
+        for fn in calls:
+            fn()
+    torch.cuda.synchronize()
+    best = [float("inf")] * len(call_lists)
+    for _ in range(rounds):
+        for i, calls in enumerate(call_lists):
+            spent = 0.0
+            for _ in range(passes):
+                start = time.perf_counter()
+                for fn in calls:
+                    fn()
+                spent += time.perf_counter() - start
+                torch.cuda.synchronize()
+            best[i] = min(best[i], spent / (passes * len(calls)) * 1e6)
     return best
 
 
@@ -263,8 +302,57 @@ def format_tables(rows: list[Row]) -> list[str]:
     return lines
 
 
-def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 8, 64, 256, 32768), reps: int = 2000, out=print) -> list[Row]:
-    """Check, then time every case; print both tables with ``out`` and return the rows."""
+def _check(op: str, n: int, ours: Callable, theirs: Callable, written, fast_pool, ref_pool) -> None:
+    """One call of each, then the check that kvcore's output (or the rows it wrote, or every state) is the torch
+    path's."""
+    got, want = ours(), theirs()
+    if written is None or written is INTO:
+        ok = _same(got, want)
+    elif written is STATE:
+        mine, reference = fast_pool.buffers(), ref_pool.buffers()
+        ok = all(_same(mine[b], reference[b]) for b in mine)
+    else:  # a write: the rows it wrote, in every buffer, must be the torch path's
+        mine, reference = fast_pool.token_rows(), ref_pool.token_rows()
+        ok = all(_same(mine[b].take(written), reference[b].take(written)) for b in mine)
+    if not ok:
+        raise AssertionError(f"kvcore bench: {op} at N={n} differs from the torch path")
+
+
+def _varied_rows(fast: dict, ref: dict, bare: Callable, alloc_bare: Callable) -> list[Row]:
+    """The changing-size rows: every case but the state copy with a new token count each call, each call checked
+    against the torch path, then timed (:func:`host_us_of_calls`)."""
+    import random
+
+    from kvcore.row_move import MOVE_MAX_TOKENS
+
+    rng = random.Random(11)
+    sizes = [rng.randint(1, VARIED_MAX_TOKENS) for _ in range(VARIED_CALLS)]
+    move_sizes = [2 * rng.randint(1, MOVE_MAX_TOKENS) for _ in range(VARIED_CALLS)]  # a move case moves N // 2
+    calls: dict[str, list] = {}
+    for moves, counts in ((False, sizes), (True, move_sizes)):
+        for i, n in enumerate(counts):
+            for op, case in _cases(n, torch.Generator().manual_seed(1000 + i)).items():
+                if op.startswith("move_kv_cache") == moves and case[2] is not STATE:
+                    calls.setdefault(op, []).append((n, case))
+    rows = []
+    for op, entries in calls.items():
+        ours, theirs = [], []
+        for n, (pool, make, written) in entries:
+            ours.append(make(fast[pool]))
+            theirs.append(make(ref[pool]))
+            _check(op, n, ours[-1], theirs[-1], written, fast[pool], ref[pool])
+        allocating = entries[0][1][2] is None
+        lists = [ours, theirs, [bare] * len(ours)] + ([[alloc_bare] * len(ours)] if allocating else [])
+        times = host_us_of_calls(*lists)
+        top = MOVE_MAX_TOKENS if op.startswith("move_kv_cache") else VARIED_MAX_TOKENS
+        rows.append(Row("varied", op, top, *times[:3], alloc_us=times[3] if allocating else None))
+    return rows
+
+
+def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 8, 64, 256, 32768), reps: int = 2000, varied: bool = True,
+        engine_steps: int = 300, out=print) -> list[Row]:  # fmt: skip
+    """Check, then time every case; print the tables with ``out`` and return the rows.  ``varied``: the
+    changing-size rows; ``engine_steps``: steps of each engine loop (0: none)."""
     if not torch.cuda.is_available():
         raise RuntimeError("kvcore bench times kernels on a CUDA GPU and this machine has none")
     fast, ref = _pools("triton"), _pools("native")
@@ -283,17 +371,7 @@ def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 8, 64, 256, 32768), reps: i
     for n in sorted(set(host_sizes) | set(graph_sizes)):
         for op, (pool, make, written) in _cases(n, torch.Generator().manual_seed(n)).items():
             ours, theirs = make(fast[pool]), make(ref[pool])
-            got, want = ours(), theirs()
-            if written is None or written is INTO:
-                ok = _same(got, want)
-            elif written is STATE:
-                mine, reference = fast[pool].buffers(), ref[pool].buffers()
-                ok = all(_same(mine[b], reference[b]) for b in mine)
-            else:  # a write: the rows it wrote, in every buffer, must be the torch path's
-                mine, reference = fast[pool].token_rows(), ref[pool].token_rows()
-                ok = all(_same(mine[b].take(written), reference[b].take(written)) for b in mine)
-            if not ok:
-                raise AssertionError(f"kvcore bench: {op} at N={n} differs from the torch path")
+            _check(op, n, ours, theirs, written, fast[pool], ref[pool])
             if n in host_sizes and written is not STATE:  # a state copy's GPU time would stall the host loop
                 fns = [ours, theirs, lambda: x.add_(0)] + ([lambda: x.index_select(0, one)] if written is None else [])
                 times = host_us(*fns, reps=reps)
@@ -303,6 +381,13 @@ def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 8, 64, 256, 32768), reps: i
                 moved = _bytes_moved(op, n)
                 of_ceiling = None if moved is None else moved / (t_ours * 1e-6) / 1e9 / ceiling
                 rows.append(Row("graph", op, n, t_ours, t_ref, of_ceiling=of_ceiling))
+    if varied:
+        rows += _varied_rows(fast, ref, lambda: x.add_(0), lambda: x.index_select(0, one))
+    del fast, ref
+    if engine_steps:
+        from kvcore.bench_engine import engine_rows
+
+        rows += engine_rows(engine_steps)
     import triton
 
     out(f"kvcore bench on {torch.cuda.get_device_name()} (torch {torch.__version__}, triton {triton.__version__}); "

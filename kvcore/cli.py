@@ -247,7 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     from kvcore.bench import run
 
-    sizes = dict(host_sizes=(8,), graph_sizes=(1, 64), reps=500) if args.quick else {}
+    sizes = dict(host_sizes=(8,), graph_sizes=(1, 64), reps=500, engine_steps=100) if args.quick else {}
     rows = run(**sizes)
     if args.json:
         import json

@@ -26,12 +26,22 @@ every tensor on the pool's device.
 Call plans: what a hot path's checks conclude depends only on its arguments' metadata (shapes, strides, dtypes,
 devices, the alignment of their addresses), which repeats from call to call: every layer of a forward pass
 calls with the same.  A hot path therefore reads that metadata into a *call signature* and keeps, per
-signature, a :class:`Plan`: the launch key, grid, warps and the kernel arguments the signature fixes, worked out
+signature, a :class:`Plan`: the launch key, tile, warps and the kernel arguments the signature fixes, worked out
 by the full checks on the signature's first call.  A later call with the same signature reads its metadata,
 finds the plan in one dict lookup and launches; its checks passed on the first call, since everything they read
 is in the signature.  A signature must therefore hold every value the checks and the plan read (dtypes,
 shapes, strides, devices, ``data_ptr() % 16``), and everything else a call passes must be read per call (the
-addresses, the layer).  :func:`remember` keeps a hot path's plans bounded.
+addresses, the layer).
+
+The token count is not in a signature: an engine's prefill sizes and decode batches change nearly every step,
+and a plan per count would be planned again on almost every call.  A signature holds the shapes without their
+token dimension and the count's *size class*, ``(n - 1).bit_length() if n else -1``: the exponent of the power of
+two the count rounds up to, which is all a plan reads of it (a tile's rows, the warps); 1..8192 tokens are 14
+classes.  A call reads its count ``n``,
+checks on every call that each token-indexed tensor has ``n`` rows (a call whose counts disagree goes through the
+full checks, which refuse it), and passes ``n`` to the plan, which launches ``cdiv(n, block_n)`` programs along
+the grid's first axis and gives ``n`` to the kernel as an argument.  :func:`remember` keeps a hot path's plans
+bounded, forgetting the oldest one at a time.
 
 Under Triton's interpreter, and while a Triton launch hook is installed (profilers), every call goes through
 the dispatcher.  ``KVCORE_DIRECT_LAUNCH=0`` does the same everywhere.
@@ -190,34 +200,40 @@ class Launcher:
 
 class Plan:
     """One call signature of a hot path, worked out once (see the module docstring): a kernel's launch key,
-    grid and warps, and ``fixed``, whatever else the signature settles that the hot path wants kept (strides,
-    constexprs, ...).  Calling it launches the kernel: directly once :meth:`Launcher.entry` has its compiled
-    kernel, through the :class:`Launcher` until then (and always while launches are checked or hooked).
+    tile and warps, and ``fixed``, whatever else the signature settles that the hot path wants kept (strides,
+    constexprs, ...).  Calling it with a call's token count launches the kernel on ``(cdiv(n, block_n), grid_y,
+    grid_z)`` programs: directly once :meth:`Launcher.entry` has its compiled kernel, through the
+    :class:`Launcher` until then (and always while launches are checked or hooked).
 
+    :param block_n: tokens a program takes along the grid's first axis (1: a program a token).
+    :param grid_yz: the grid's other two extents, fixed by the signature.
     :param views: when the dispatcher must see other tensors than a call's own (fp8 tensors as their bytes),
         the function making them from the call's ``tensors``; called only on launches through the dispatcher.
     """
 
-    __slots__ = ("launcher", "key", "grid", "warps", "fixed", "views", "entry", "_stream", "_device_index")
+    __slots__ = ("launcher", "key", "block_n", "grid_y", "grid_z", "warps", "fixed", "views", "entry", "_stream",
+                 "_device_index")  # fmt: skip
 
-    def __init__(self, launcher: Launcher, key: Any, grid: tuple[int, int, int], warps: int, fixed: Any = None,
-                 views: Callable[..., Sequence[torch.Tensor]] | None = None):  # fmt: skip
-        self.launcher, self.key, self.grid, self.warps, self.fixed = launcher, key, grid, warps, fixed
+    def __init__(self, launcher: Launcher, key: Any, block_n: int, grid_yz: tuple[int, int], warps: int,
+                 fixed: Any = None, views: Callable[..., Sequence[torch.Tensor]] | None = None):  # fmt: skip
+        self.launcher, self.key, self.block_n, self.warps, self.fixed = launcher, key, block_n, warps, fixed
+        self.grid_y, self.grid_z = grid_yz
         self.views, self.entry = views, None
         self._stream, self._device_index = launcher._stream, launcher._device_index
 
-    def __call__(self, args: Sequence[Any],
+    def __call__(self, n: int, args: Sequence[Any],
                  tensors: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] = ()) -> None:  # fmt: skip
-        """Launch with ``args`` (every kernel parameter in signature order, as :meth:`Launcher.__call__`) and
-        the ``tensors`` behind its addresses (as :meth:`Launcher.__call__`; passed through ``views`` if given)."""
+        """Launch for ``n`` tokens (``n >= 1``) with ``args`` (every kernel parameter in signature order, as
+        :meth:`Launcher.__call__`) and the ``tensors`` behind its addresses (as :meth:`Launcher.__call__`; passed
+        through ``views`` if given)."""
         entry = self.entry
         if entry is not None and not _launch_hooks_installed():
-            entry[0](*self.grid, self._stream(self._device_index), *entry[1], *args)
+            entry[0](-(-n // self.block_n), self.grid_y, self.grid_z, self._stream(self._device_index), *entry[1],
+                     *args)  # fmt: skip
             return
-        gx, gy, gz = self.grid
         if self.views is not None:
             tensors = self.views(*tensors)
-        self.launcher(self.key, gx, gy, args, tensors, self.warps, gz)
+        self.launcher(self.key, -(-n // self.block_n), self.grid_y, args, tensors, self.warps, self.grid_z)
         if self.launcher.direct:
             self.entry = self.launcher.entry(self.key)
 
@@ -226,15 +242,15 @@ class Plan:
 #: (None is the plan of a call with nothing to launch, e.g. no rows)
 UNPLANNED = object()
 
-#: the most plans a hot path keeps (one per call signature; a signature includes the token count, so a long run
-#: of prefills of changing sizes would otherwise grow without bound).
+#: the most plans a hot path keeps (one per call signature: its tensors' layouts and the token count's size class)
 PLAN_LIMIT = 256
 
 
 def remember(plans: dict, signature: Any, plan: Any) -> Any:
-    """``plans[signature] = plan``, first forgetting every plan when there are :data:`PLAN_LIMIT`; returns ``plan``."""
+    """``plans[signature] = plan``, first forgetting the oldest plan when there are :data:`PLAN_LIMIT` (one at a
+    time: the plans in use stay, and one forgotten is planned again on its next call); returns ``plan``."""
     if len(plans) >= PLAN_LIMIT:
-        plans.clear()
+        del plans[next(iter(plans))]
     plans[signature] = plan
     return plan
 

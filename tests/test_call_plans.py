@@ -40,16 +40,17 @@ class _FakeLauncher:
 
 
 def test_a_plan_launches_through_its_launcher_until_compiled_then_directly():
+    """The grid's first extent is the call's token count over the plan's tokens a program, rounded up."""
     fake = _FakeLauncher(compiled=False)
-    plan = launch.Plan(fake, ("key",), (3, 2, 1), 4, fixed=(7,))
-    plan((1, 2))
-    plan((3, 4))
-    assert fake.calls == [(("key",), (3, 2, 1), (1, 2), 4), (("key",), (3, 2, 1), (3, 4), 4)] and not fake.direct_calls
+    plan = launch.Plan(fake, ("key",), 4, (2, 1), 4, fixed=(7,))
+    plan(9, (1, 2))
+    plan(4, (3, 4))
+    assert fake.calls == [(("key",), (3, 2, 1), (1, 2), 4), (("key",), (1, 2, 1), (3, 4), 4)] and not fake.direct_calls
     fake.compiled = True
-    plan((5, 6))  # through the launcher once more, which compiles; then the entry is known
-    plan((7, 8))
+    plan(1, (5, 6))  # through the launcher once more, which compiles; then the entry is known
+    plan(13, (7, 8))
     assert len(fake.calls) == 3
-    assert fake.direct_calls == [(3, 2, 1, 1000, "function", "metadata", 7, 8)]
+    assert fake.direct_calls == [(4, 2, 1, 1000, "function", "metadata", 7, 8)]
 
 
 def test_a_plan_goes_through_its_launcher_while_a_launch_hook_is_installed():
@@ -58,25 +59,29 @@ def test_a_plan_goes_through_its_launcher_while_a_launch_hook_is_installed():
     if not hasattr(triton, "knobs") or not hasattr(triton.knobs.runtime.launch_enter_hook, "add"):
         pytest.skip("this Triton keeps no launch-hook chain")
     fake = _FakeLauncher(compiled=True)
-    plan = launch.Plan(fake, "k", (1, 1, 1), 1)
-    plan(())
+    plan = launch.Plan(fake, "k", 1, (1, 1), 1)
+    plan(1, ())
     hook = triton.knobs.runtime.launch_enter_hook
     seen = []
     hook.add(seen.append)
     try:
-        plan((1,))
+        plan(1, (1,))
     finally:
         hook.remove(seen.append)
-    plan((2,))
+    plan(1, (2,))
     assert [c[2] for c in fake.calls] == [(), (1,)] and [c[-1] for c in fake.direct_calls] == [2]
 
 
-def test_the_plan_memo_forgets_everything_at_its_limit():
+def test_the_plan_memo_forgets_its_oldest_plan_at_its_limit():
+    """Never every plan at once: the memo stays full, the oldest plan leaves first, one at a time."""
     plans = {}
     for i in range(launch.PLAN_LIMIT):
         launch.remember(plans, i, i)
     assert len(plans) == launch.PLAN_LIMIT
-    assert launch.remember(plans, "one more", 1) == 1 and plans == {"one more": 1}
+    assert launch.remember(plans, "one more", 1) == 1
+    assert len(plans) == launch.PLAN_LIMIT and 0 not in plans and plans["one more"] == 1
+    launch.remember(plans, "two more", 2)
+    assert list(plans)[:2] == [2, 3] and list(plans)[-2:] == ["one more", "two more"]
 
 
 # -- the hot paths ----------------------------------------------------------------------------------------------

@@ -205,18 +205,25 @@ def test_bench_needs_a_gpu_and_says_so(capsys, monkeypatch):
 
 
 def test_bench_tables_line_up():
-    from kvcore.bench import Row, format_tables
+    from kvcore.bench import TABLES, Row, format_tables
 
     rows = [
         Row("host", "mha set_kv_buffer bf16", 8, 9.5, 18.4, 6.0),
         Row("host", "mla get_mla_kv_buffer", 8, 12.0, 48.0, 6.0, alloc_us=8.0),
+        Row("varied", "mla get_mla_kv_buffer", 8192, 12.0, 96.0, 6.0, alloc_us=8.0),
+        Row("engine", "engine step: steady batch of 64", 33, 300.0, 600.0, 250.0),
         Row("graph", "mla get_mla_kv_buffer", 64, 1.73, 6.33, of_ceiling=0.02),
     ]
     lines = format_tables(rows)
-    host_head, write_row, read_row = lines[2], lines[3], lines[4]
-    graph_head, graph_row = lines[7], lines[8]
+    titles = [lines.index(title) for _, title, _ in TABLES]
+    head = {table: lines[i + 1] for (table, _, _), i in zip(TABLES, titles)}
+    body = {table: lines[i + 2 : i + 2 + sum(r.table == table for r in rows)] for (table, _, _), i in zip(TABLES, titles)}
+    write_row, read_row = body["host"]
     assert write_row.split() == ["mha", "set_kv_buffer", "bf16", "8", "9.50", "18.40", "6.00", "0.52", "1.58"]
     assert read_row.split()[-7:] == ["12.00", "48.00", "6.00", "0.25", "2.00", "8.00", "1.50"]
-    assert graph_row.split()[-4:] == ["1.73", "6.33", "0.27", "0.02"]
-    for head, row in ((host_head, read_row), (graph_head, graph_row)):
-        assert len(head) == len(row), "a column head does not sit over its column"
+    assert body["varied"][0].split()[-8:] == ["1-8192", "12.00", "96.00", "6.00", "0.12", "2.00", "8.00", "1.50"]
+    assert body["engine"][0].split()[-6:] == ["33", "300.00", "600.00", "250.00", "0.50", "1.20"]
+    assert body["graph"][0].split()[-4:] == ["1.73", "6.33", "0.27", "0.02"]
+    for table in head:
+        widest = max(body[table], key=len)
+        assert len(head[table]) == len(widest), f"a column head of {table} does not sit over its column"

@@ -46,7 +46,7 @@ from kvcore.fp8 import (
 )
 from kvcore import dtypes
 from kvcore.dtypes import E4M3FN_MAX
-from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
+from kvcore.launch import UNPLANNED, Launcher, Plan, remember
 from kvcore.kernel_mode import triton_interpreting
 from kvcore.pools import empty_of
 from kvcore.row_move import next_pow2
@@ -517,17 +517,18 @@ class ScaledRows:
                 self.kv_cache[layer_index, loc.long(), 0] = quantize_parts(nope.reshape(n, self.kv_lora_rank),
                                                                            rope.reshape(n, -1))  # fmt: skip
             return
-        np_, rp, lp = nope.data_ptr(), rope.data_ptr(), loc.data_ptr()
-        signature = (loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, nope.shape, nope.stride(),
-                     nope.dtype, nope.get_device(), np_ & 15, rope.shape, rope.stride(), rope.dtype, rope.get_device(),
-                     rp & 15)  # fmt: skip
+        np_, rp, lp, n, ns, rs = nope.data_ptr(), rope.data_ptr(), loc.data_ptr(), loc.numel(), nope.shape, rope.shape
+        signature = ((n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15, ns[1:],
+                     nope.stride(), nope.dtype, nope.get_device(), np_ & 15, rs[1:], rope.stride(), rope.dtype,
+                     rope.get_device(), rp & 15)  # fmt: skip
         plan = self._store_plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED:
+        if plan is UNPLANNED or ns[0] != n or rs[0] != n:  # a first call, or parts of another count (refused)
             plan = remember(self._store_plans, signature, self._plan_store(loc, nope, rope))
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
         if plan is not None:
-            plan((*self._view_ptrs, layer_index, np_, rp, lp, *plan.fixed), (*self._views, nope, rope, loc))
+            loc_stride, rest = plan.fixed
+            plan(n, (*self._view_ptrs, layer_index, np_, rp, lp, loc_stride, n, *rest), (*self._views, nope, rope, loc))
 
     def _plan_store(self, loc, nope, rope) -> Plan | None:
         n, nope_s, rope_s = self._check_store(loc, nope, rope)
@@ -539,9 +540,9 @@ class ScaledRows:
         block_n = min(_STORE_BLOCK_N, next_pow2(n))
         key = (nope.dtype, rope.dtype, nope_s, rope_s, nope.data_ptr() & 15, rope.data_ptr() & 15, loc.dtype,
                loc.data_ptr() & 15, block_n)  # fmt: skip
-        fixed = (loc.stride(0), n, *nope_s, *rope_s, *self._dims, rope.dtype == torch.bfloat16, SCALE_MIN,
-                 self._saturate, self._hw_cvt, block_n)  # fmt: skip
-        return Plan(self._store, key, (cdiv(n, block_n), 1, 1), _STORE_NUM_WARPS, fixed)
+        fixed = (loc.stride(0), (*nope_s, *rope_s, *self._dims, rope.dtype == torch.bfloat16, SCALE_MIN,
+                                 self._saturate, self._hw_cvt, block_n))  # fmt: skip
+        return Plan(self._store, key, block_n, (1, 1), _STORE_NUM_WARPS, fixed)
 
     def gather(self, layer_index: int, loc: torch.Tensor, nope_out: torch.Tensor, rope_out: torch.Tensor,
                check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:  # fmt: skip
@@ -559,18 +560,19 @@ class ScaledRows:
                 a.view(n, self.kv_lora_rank).copy_(nope)
                 b.view(n, self.qk_rope_head_dim).copy_(rope)
             return
-        lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
-        signature = (check, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, a.shape, a.stride(), a.dtype,
-                     a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(), bp & 15)  # fmt: skip
+        lp, ap, bp, n, as_, bs = loc.data_ptr(), a.data_ptr(), b.data_ptr(), loc.numel(), a.shape, b.shape
+        signature = (check, (n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15,
+                     as_[1:], a.stride(), a.dtype, a.get_device(), ap & 15, bs[1:], b.stride(), b.dtype, b.get_device(),
+                     bp & 15)  # fmt: skip
         plan = self._gather_plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED:
+        if plan is UNPLANNED or as_[0] != n or bs[0] != n:  # a first call, or outputs of another count (refused)
             if check is not None:
                 check(loc, a, b)
             n = self._check_gather(loc, a, b)
             _check_device(self._device_index, self.device, loc=loc, nope_out=a, rope_out=b)
             plan = remember(self._gather_plans, signature,
                             self._plan_gather(n, loc.dtype, lp, ap, bp, a.dtype, loc.stride(0)))  # fmt: skip
-        self._fire_gather(plan, layer_index, lp, ap, bp, loc, a, b)
+        self._fire_gather(plan, n, layer_index, lp, ap, bp, loc, a, b)
 
     def _plan_gather(self, n: int, loc_dtype, lp: int, ap: int, bp: int, dtype, loc_stride: int) -> Plan | None:
         if n == 0:
@@ -578,15 +580,15 @@ class ScaledRows:
         block_n = min(_GATHER_BLOCK_N, next_pow2(n))
         out = dtypes.dtype_code(dtype)
         key = (out, ap & 15, bp & 15, loc_dtype, lp & 15, block_n)
-        return Plan(self._gather, key, (cdiv(n, block_n), 1, 1), _GATHER_NUM_WARPS, (
-            (loc_stride, n), (*self._dims, out, self._hw_cvt, block_n)))  # fmt: skip
+        return Plan(self._gather, key, block_n, (1, 1), _GATHER_NUM_WARPS,
+                    (loc_stride, (*self._dims, out, self._hw_cvt, block_n)))  # fmt: skip
 
-    def _fire_gather(self, plan: Plan | None, layer_index: int, lp: int, ap: int, bp: int, loc, a, b) -> None:
+    def _fire_gather(self, plan: Plan | None, n: int, layer_index: int, lp: int, ap: int, bp: int, loc, a, b) -> None:
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
         if plan is not None:
-            loc_args, tail = plan.fixed
-            plan((*self._view_ptrs, layer_index, lp, *loc_args, ap, bp, *tail), (*self._views, loc, a, b))
+            loc_stride, tail = plan.fixed
+            plan(n, (*self._view_ptrs, layer_index, lp, loc_stride, n, ap, bp, *tail), (*self._views, loc, a, b))
 
     def gather_new(self, layer_index: int, loc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``loc`` dequantized into two new contiguous tensors ``[N, 1, kv_lora_rank]`` and
@@ -608,7 +610,7 @@ class ScaledRows:
             self.gather(layer_index, loc, nope, rope)
             return nope, rope
         lp, ap, bp = loc.data_ptr(), nope.data_ptr(), rope.data_ptr()
-        signature = (shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, dtype)
+        signature = ((n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15, dtype)
         plan = self._new_plans.get(signature, UNPLANNED)
         if plan is UNPLANNED or (ap | bp) & 15:
             _check_loc(loc)
@@ -617,7 +619,7 @@ class ScaledRows:
             plan = self._plan_gather(n, loc.dtype, lp, ap, bp, dtype, loc.stride(0))
             if not (ap | bp) & 15:  # (a plan of unaligned outputs is used once, and forgotten at the next miss)
                 remember(self._new_plans, signature, plan)
-        self._fire_gather(plan, layer_index, lp, ap, bp, loc, nope, rope)
+        self._fire_gather(plan, n, layer_index, lp, ap, bp, loc, nope, rope)
         return nope, rope
 
 
@@ -698,22 +700,28 @@ class IndexerPages:
             self._set_general(layer_index, loc, index_k, index_k_scale)
             return
         s = index_k_scale
-        lp, kp = loc.data_ptr(), index_k.data_ptr()
-        sp = kp if s is None else s.data_ptr()
-        signature = (loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, index_k.shape, index_k.stride(),
-                     index_k.dtype, index_k.get_device(), kp & 15,
-                     None if s is None else (s.shape, s.stride(), s.dtype, s.get_device(), sp & 15))  # fmt: skip
+        lp, kp, n, ks = loc.data_ptr(), index_k.data_ptr(), loc.numel(), index_k.shape
+        if s is None:
+            sp, scales, s_agrees = kp, None, True
+        else:
+            sp, ss = s.data_ptr(), s.shape
+            scales = (ss[1:], s.stride(), s.dtype, s.get_device(), sp & 15)
+            s_agrees = len(ss) == 1 and ss[0] == n
+        signature = ((n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15, ks[1:],
+                     index_k.stride(), index_k.dtype, index_k.get_device(), kp & 15, scales)  # fmt: skip
         plan = self._set_plans.get(signature, UNPLANNED)
         if plan is UNPLANNED:
             plan = remember(self._set_plans, signature, self._plan_set(loc, index_k, s, lp, kp, sp))
+        elif not (ks and ks[0] == n and s_agrees):  # counts other than the signature's first call's: checked there
+            plan = _GENERAL
         if plan is _GENERAL:
             self._set_general(layer_index, loc, index_k, index_k_scale)
             return
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
         if plan is not None:  # (no closure here: its cells would cost every call)
-            loc_args, k_args, tail = plan.fixed
-            plan((self._buf_ptr, layer_index, lp, *loc_args, kp, *k_args, sp, *tail),
+            loc_stride, k_args, tail = plan.fixed
+            plan(n, (self._buf_ptr, layer_index, lp, loc_stride, n, kp, *k_args, sp, *tail),
                  (self.index_buf, loc, index_k, index_k if s is None else s))  # fmt: skip
 
     @staticmethod
@@ -744,7 +752,7 @@ class IndexerPages:
         block_n = min(_INDEX_BLOCK_N, next_pow2(n))
         byte_strides = (ks[0] * item, 1)
         key = (byte_strides, ss, kp & 15, sp & 15, loc.dtype, lp & 15, block_n)
-        return Plan(self._set, key, (cdiv(n, block_n), 1, 1), _INDEX_NUM_WARPS, ((loc.stride(0), n), byte_strides, (
+        return Plan(self._set, key, block_n, (1, 1), _INDEX_NUM_WARPS, (loc.stride(0), byte_strides, (
             *ss, INDEX_PAGE_SIZE, self._layer_bytes, self.page_bytes, self.key_bytes, s is not None, block_n)),
             self._byte_views)  # fmt: skip
 
@@ -840,10 +848,11 @@ class IndexerPages:
         s = s_out if s_out is not None else k
         pp = page_indices.data_ptr()
         kp, sp = (k.data_ptr(), s.data_ptr()) if k is not None else (0, 0)
-        signature = (seq_len, page_indices.shape, page_indices.stride(), page_indices.dtype,
+        signature = ((seq_len - 1).bit_length() if seq_len else -1, page_indices.stride(), page_indices.dtype,
                      page_indices.get_device(), pp & 15, want_k, want_s)  # fmt: skip
         plan = self._get_plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED or (kp | sp) & 15:
+        # a first call, outputs less aligned than plans take them, or too few pages (refused)
+        if plan is UNPLANNED or (kp | sp) & 15 or page_indices.numel() * INDEX_PAGE_SIZE < seq_len:
             self._check_get(layer_index, seq_len, page_indices)
             if want_s and not self.has_scale:
                 raise ValueError("this indexer buffer keeps no scales")
@@ -852,7 +861,7 @@ class IndexerPages:
             plan = self._plan_get(seq_len, page_indices, kp, sp, pp, want_k, want_s)
             if not (kp | sp) & 15:  # (a plan of unaligned outputs is used once, and forgotten at the next miss)
                 remember(self._get_plans, signature, plan)
-        self._fire_get(plan, layer_index, pp, kp, sp, page_indices, k, s)
+        self._fire_get(plan, seq_len, layer_index, pp, kp, sp, page_indices, k, s)
         return k_out, s_out
 
     def get(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, k_out: torch.Tensor | None,
@@ -870,15 +879,17 @@ class IndexerPages:
         pp = page_indices.data_ptr()
         if k is None:
             kp = sp = 0
-            outputs = None
+            outputs, counts_agree = None, True
         else:
-            kp, sp = k.data_ptr(), s.data_ptr()
-            outputs = (k.shape, k.stride(), k.dtype, k.get_device(), kp & 15, s.shape, s.stride(), s.dtype,
+            kp, sp, k_shape, s_shape = k.data_ptr(), s.data_ptr(), k.shape, s.shape
+            outputs = (k_shape[1:], k.stride(), k.dtype, k.get_device(), kp & 15, s_shape[1:], s.stride(), s.dtype,
                        s.get_device(), sp & 15)  # fmt: skip
-        signature = (check, seq_len, page_indices.shape, page_indices.stride(), page_indices.dtype,
+            counts_agree = bool(k_shape) and k_shape[0] == seq_len and bool(s_shape) and s_shape[0] == seq_len
+        signature = (check, (seq_len - 1).bit_length() if seq_len else -1, page_indices.stride(), page_indices.dtype,
                      page_indices.get_device(), pp & 15, k_out is not None, s_out is not None, outputs)  # fmt: skip
         plan = self._get_plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED:
+        # a first call, or outputs or pages of other counts than the call's (refused)
+        if plan is UNPLANNED or not counts_agree or page_indices.numel() * INDEX_PAGE_SIZE < seq_len:
             if check is not None:
                 check(seq_len, k_out, s_out)
             self._check_get(layer_index, seq_len, page_indices)
@@ -887,7 +898,7 @@ class IndexerPages:
                 _check_device(self._device_index, self.device, page_indices=page_indices, k_out=k, s_out=s)
             plan = remember(self._get_plans, signature, self._plan_get(
                 seq_len, page_indices, kp, sp, pp, k_out is not None, s_out is not None))  # fmt: skip
-        self._fire_get(plan, layer_index, pp, kp, sp, page_indices, k, s)
+        self._fire_get(plan, seq_len, layer_index, pp, kp, sp, page_indices, k, s)
 
     def _get_native(self, layer_index: int, seq_len: int, page_indices: torch.Tensor, k_out, s_out) -> None:
         self._check_get(layer_index, seq_len, page_indices)
@@ -909,15 +920,16 @@ class IndexerPages:
         block_n = min(_INDEX_BLOCK_N, next_pow2(seq_len))
         key = (kp & 15, sp & 15, page_indices.dtype, pp & 15, want_k, want_s, block_n)
         tail = (INDEX_PAGE_SIZE, self._layer_bytes, self.page_bytes, self.key_bytes, want_k, want_s, block_n)
-        return Plan(self._get, key, (cdiv(seq_len, block_n), 1, 1), _INDEX_NUM_WARPS,
-                    ((page_indices.stride(0), seq_len), tail))  # fmt: skip
+        return Plan(self._get, key, block_n, (1, 1), _INDEX_NUM_WARPS, (page_indices.stride(0), tail))
 
-    def _fire_get(self, plan: Plan | None, layer_index: int, pp: int, kp: int, sp: int, page_indices, k, s) -> None:
+    def _fire_get(self, plan: Plan | None, seq_len: int, layer_index: int, pp: int, kp: int, sp: int, page_indices, k,
+                  s) -> None:  # fmt: skip
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
         if plan is not None:
-            page_args, tail = plan.fixed
-            plan((self._buf_ptr, layer_index, pp, *page_args, kp, sp, *tail), (self.index_buf, page_indices, k, s))
+            page_stride, tail = plan.fixed
+            plan(seq_len, (self._buf_ptr, layer_index, pp, page_stride, seq_len, kp, sp, *tail),
+                 (self.index_buf, page_indices, k, s))  # fmt: skip
 
 
 # ==========================================================================================================

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kvcore.fp8 import e4m3fn_bits_to_f32, e4m3fn_bits_to_f32_hw, f32_to_bf16_bits, f32_to_e4m3fn_bits
 from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
+from kvcore.launch import UNPLANNED, Launcher, Plan, remember
 from kvcore.pools import empty_of
 from kvcore.row_move import next_pow2
 from kvcore_fp4.formats import E2M1_MAX, E4M3_EMAX, E4M3_MAX, UE8M0_BIAS, Recipe
@@ -445,9 +445,10 @@ _POINTERS = ("k_data", "k_scale", "v_data", "v_scale", "g_ptr", "loc_ptr", "k_pt
 #: the plan memo's answer for a signature its caller's ``check`` declined (the caller's general path takes it)
 _DECLINED = object()
 _LOC_DTYPES = (torch.int32, torch.int64)
-#: where the values a call passes (its local layer, the addresses of loc, k and v) go in the kernel's arguments
-_LAYER_ARG, _LOC_ARG, _K_ARG, _V_ARG = (_rows_kernel.arg_names.index(name)
-                                        for name in ("layer", "loc_ptr", "k_ptr", "v_ptr"))  # fmt: skip
+#: where the values a call passes (its local layer, the address of loc, its token count, the addresses of k and v)
+#: go in the kernel's arguments
+_LAYER_ARG, _LOC_ARG, _N_ARG, _K_ARG, _V_ARG = (_rows_kernel.arg_names.index(name)
+                                                for name in ("layer", "loc_ptr", "n_tokens", "k_ptr", "v_ptr"))
 #: a pool's own test of a call, ``check(block_rows, loc, a, b) -> bool`` (:class:`BlockRows`)
 Check = Callable[..., bool]
 
@@ -548,24 +549,37 @@ class BlockRows:
         # the kernel's arguments; a call fills in its layer and addresses (_LAYER_ARG ...), v's added to the
         # offset held in its slot
         out = _OUT[k.dtype] if gather else 0
-        args = [*self._addresses, None, None, loc.stride(0), n, None, *kss, v_offset, *vss, *self._fixed, gather, out,
-                self._hw_cvt, self._pairs_of(k, v), self._ptx, block_n, *heads]  # fmt: skip
-        plan = Plan(self.launch, key, (cdiv(n, block_n), 2 * p.heads // heads[0], 1), warps, args,
-                    views or self._behind)  # fmt: skip
-        return plan
+        args = [*self._addresses, None, None, loc.stride(0), None, None, *kss, v_offset, *vss, *self._fixed, gather,
+                out, self._hw_cvt, self._pairs_of(k, v), self._ptx, block_n, *heads]  # fmt: skip
+        return Plan(self.launch, key, block_n, (2 * p.heads // heads[0], 1), warps, args, views or self._behind)
 
-    def _fire(self, plan, layer: int, lp: int, kp: int, vp: int, tensors: tuple[torch.Tensor, ...]) -> bool:
-        """Launch ``plan`` for one local layer and the call's addresses of loc, K and V (V's added to the offset
-        its slot holds); None: nothing to launch.  False, launching nothing, for a declined call's plan."""
+    def _first_plan(self, signature: tuple, first: bool, check: Check | None, check_args: tuple,
+                    make_plan: Callable[[], Plan | None]) -> Plan | object | None:  # fmt: skip
+        """The plan of a call that found none, or whose counts differ from its signature's first call's: its
+        caller's ``check``, then ``make_plan()`` (:meth:`_plan`'s checks), which decline or refuse a call of
+        mismatched counts; remembered for the signature when ``first``."""
+        plan = _DECLINED if check is not None and not check(self, *check_args) else make_plan()
+        return remember(self._plans, signature, plan) if first else plan
+
+    def _plan_rows(self, loc: torch.Tensor, rows: torch.Tensor) -> Plan | None:
+        """:meth:`_plan` of a store of whole latent rows: its two parts are views at offsets from ``rows``' address
+        that the signature fixes."""
+        k, v = _row_parts(self.parts, rows)
+        return self._plan(loc, k, v, False, v.data_ptr() - rows.data_ptr(), partial(_behind_rows, self.parts))
+
+    def _fire(self, plan, n: int, layer: int, lp: int, kp: int, vp: int, tensors: tuple[torch.Tensor, ...]) -> bool:
+        """Launch ``plan`` for ``n`` tokens of one local layer and the call's addresses of loc, K and V (V's added
+        to the offset its slot holds); None: nothing to launch.  False, launching nothing, for a declined call's
+        plan."""
         if plan is _DECLINED:
             return False
         if not 0 <= layer < self._layers:
             raise ValueError(f"layer {layer} out of range for {self._layers} layers")
-        if plan is not None:  # the kernel's arguments: the plan's, and the call's layer and addresses
+        if plan is not None:  # the kernel's arguments: the plan's, and the call's layer, addresses and count
             args = plan.fixed.copy()
-            args[_LAYER_ARG], args[_LOC_ARG], args[_K_ARG] = layer, lp, kp
+            args[_LAYER_ARG], args[_LOC_ARG], args[_N_ARG], args[_K_ARG] = layer, lp, n, kp
             args[_V_ARG] += vp
-            plan(args, (self._buffers, *tensors))
+            plan(n, args, (self._buffers, *tensors))
         return True
 
     @staticmethod
@@ -595,17 +609,17 @@ class BlockRows:
         float16 / bfloat16) into rows ``loc`` (``[N]`` int32/int64) of local layer ``layer``: one launch, the
         bytes of :func:`kvcore_fp4.formats.quantize` of each part.  ``check(block_rows, loc, k, v)``: see the class;
         False when it declined the call (nothing stored), True otherwise."""
-        lp, kp, vp = loc.data_ptr(), k.data_ptr(), v.data_ptr()
-        signature = (0, check, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, k.shape, k.stride(),
-                     k.dtype, k.get_device(), kp & 15, v.shape, v.stride(), v.dtype, v.get_device(),
+        lp, kp, vp, n, ks, vs = loc.data_ptr(), k.data_ptr(), v.data_ptr(), loc.numel(), k.shape, v.shape
+        signature = (0, check, (n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15,
+                     ks[1:], k.stride(), k.dtype, k.get_device(), kp & 15, vs[1:], v.stride(), v.dtype, v.get_device(),
                      vp & 15)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED:
-            if check is not None and not check(self, loc, k, v):
-                plan = remember(self._plans, signature, _DECLINED)
-            else:
-                plan = remember(self._plans, signature, self._plan(loc, k, v, gather=False))
-        return self._fire(plan, layer, lp, kp, vp, (loc, k, v))
+        if plan is _DECLINED:
+            return False
+        if plan is UNPLANNED or ks[0] != n or vs[0] != n:  # a first call, or parts of another count
+            plan = self._first_plan(signature, plan is UNPLANNED, check, (loc, k, v),
+                                    lambda: self._plan(loc, k, v, gather=False))  # fmt: skip
+        return self._fire(plan, n, layer, lp, kp, vp, (loc, k, v))
 
     def store_rows(self, layer: int, loc: torch.Tensor, rows: torch.Tensor, check: Check | None = None) -> bool:
         """:meth:`store` of the two parts of latent ``rows`` (one head a part): ``[N, 1, k_width + v_width]`` or
@@ -613,18 +627,16 @@ class BlockRows:
         ``[N, 1, width]`` views (:func:`_row_parts`); a planned call makes no views (their addresses are at
         offsets from ``rows``' that its signature fixes).  ``check(block_rows, loc, rows)``: see the class; False
         when it declined the call, True otherwise."""
-        lp, rp = loc.data_ptr(), rows.data_ptr()
-        signature = (1, check, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, rows.shape,
-                     rows.stride(), rows.dtype, rows.get_device(), rp & 15)  # fmt: skip
+        lp, rp, n, shape = loc.data_ptr(), rows.data_ptr(), loc.numel(), rows.shape
+        signature = (1, check, (n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15,
+                     shape[1:], rows.stride(), rows.dtype, rows.get_device(), rp & 15)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED:
-            if check is not None and not check(self, loc, rows):
-                plan = remember(self._plans, signature, _DECLINED)
-            else:
-                k, v = _row_parts(self.parts, rows)  # views at offsets from rows' address its signature fixes
-                plan = remember(self._plans, signature, self._plan(loc, k, v, False, v.data_ptr() - rp,
-                                                                   partial(_behind_rows, self.parts)))  # fmt: skip
-        return self._fire(plan, layer, lp, rp, rp, (loc, rows))
+        if plan is _DECLINED:
+            return False
+        if plan is UNPLANNED or shape[0] != n:  # a first call, or rows of another count
+            plan = self._first_plan(signature, plan is UNPLANNED, check, (loc, rows),
+                                    lambda: self._plan_rows(loc, rows))  # fmt: skip
+        return self._fire(plan, n, layer, lp, rp, rp, (loc, rows))
 
     def gather(self, layer: int, loc: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor,
                check: Check | None = None) -> bool:
@@ -638,16 +650,17 @@ class BlockRows:
             if check is None:
                 raise
             return False
-        signature = (2, check, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, out_k.shape,
-                     out_k.stride(), out_k.dtype, out_k.get_device(), kp & 15, out_v.shape, out_v.stride(),
+        n, ks, vs = loc.numel(), out_k.shape, out_v.shape
+        signature = (2, check, (n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15,
+                     ks[1:], out_k.stride(), out_k.dtype, out_k.get_device(), kp & 15, vs[1:], out_v.stride(),
                      out_v.dtype, out_v.get_device(), vp & 15)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED:
-            if check is not None and not check(self, loc, out_k, out_v):
-                plan = remember(self._plans, signature, _DECLINED)
-            else:
-                plan = remember(self._plans, signature, self._plan(loc, out_k, out_v, gather=True))
-        return self._fire(plan, layer, lp, kp, vp, (loc, out_k, out_v))
+        if plan is _DECLINED:
+            return False
+        if plan is UNPLANNED or ks[0] != n or vs[0] != n:  # a first call, or outputs of another count
+            plan = self._first_plan(signature, plan is UNPLANNED, check, (loc, out_k, out_v),
+                                    lambda: self._plan(loc, out_k, out_v, gather=True))  # fmt: skip
+        return self._fire(plan, n, layer, lp, kp, vp, (loc, out_k, out_v))
 
     def gather_new(self, layer: int, loc: torch.Tensor, dtype: torch.dtype, check: Check | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
@@ -668,13 +681,11 @@ class BlockRows:
         out_k = empty.new_empty_strided((n, p.heads, p.k_width), ks)
         out_v = empty.new_empty_strided((n, p.heads, p.v_width), vs)
         lp, kp, vp = loc.data_ptr(), out_k.data_ptr(), out_v.data_ptr()
-        signature = (3, check, shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, dtype)
+        signature = (3, check, (n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15,
+                     dtype)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
         if plan is UNPLANNED or (kp | vp) & 15:  # a first call, or outputs less aligned than plans take them
-            if check is not None and not check(self, loc, out_k, out_v):
-                plan = _DECLINED
-            else:
-                plan = self._plan(loc, out_k, out_v, gather=True)
-            if not (kp | vp) & 15:  # (a plan of unaligned outputs is used once)
-                remember(self._plans, signature, plan)
-        return (out_k, out_v) if self._fire(plan, layer, lp, kp, vp, (loc, out_k, out_v)) else None
+            # (a plan of unaligned outputs is used once)
+            plan = self._first_plan(signature, not (kp | vp) & 15, check, (loc, out_k, out_v),
+                                    lambda: self._plan(loc, out_k, out_v, gather=True))  # fmt: skip
+        return (out_k, out_v) if self._fire(plan, n, layer, lp, kp, vp, (loc, out_k, out_v)) else None

@@ -342,16 +342,15 @@ class KVStore:
 
     # -- plans and the one launch ----------------------------------------------------------------------------
 
-    def _spec(self, key: tuple) -> tuple:
-        """(BLOCK_N, column blocks, the kernel's arguments from ``DK`` on) of a launch key."""
-        n_pad, out, kss, vss, k_mode, v_mode = key[0], key[1], key[3], key[4], key[12], key[13]
-        # key[11]: the index map's (dtype, alignment), or None without a map
+    def _spec(self, n_pad: int, out: int, kss: tuple, vss: tuple, k_mode: int, v_mode: int, mapped: bool) -> tuple:
+        """(BLOCK_N, column blocks, the kernel's arguments from ``DK`` on) of a call's tokens (rounded up to a
+        power of two), conversion, input strides and scale modes, with or without an index map."""
         block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(
             self.heads * self.dk, self.heads * self.dv, n_pad, out == dtypes.SAME
         )
         f = self._fixed
         tail = (*f[:8], kss[2] == 1 and kss[1] == self.dk, vss[2] == 1 and vss[1] == self.dv, out, f[8], k_mode,
-                v_mode, block_n, block_ck, block_cv, num_cb_k, f[9], key[11] is not None)  # fmt: skip
+                v_mode, block_n, block_ck, block_cv, num_cb_k, f[9], mapped)  # fmt: skip
         return block_n, num_cb, tail
 
     def _plan(self, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale, v_scale,
@@ -361,11 +360,11 @@ class KVStore:
 
         ``plan.fixed`` is ``(K cache address, V cache address, loc stride, rest, per call)``.  ``per call`` None
         (the common case): no scale is read (none given, or the inputs have the cache dtype, which ignores them),
-        the kernel reads the inputs as they are, ``rest`` is every argument after the map's address, and the
+        the kernel reads the inputs as they are, ``rest`` is every argument after the token count, and the
         tensors behind the addresses are the call's own.  Otherwise it is ``(K scale mode, V scale mode, whether
-        the kernel reads the inputs as their bytes)``, ``rest`` is ``(the arguments from the token count to the
-        scales' pointers, those after the scales' values)``, and each scale's pointer and value are read per call
-        (:func:`_scale_call`).
+        the kernel reads the inputs as their bytes)``, ``rest`` is ``(the arguments after the token count up to
+        the scales' pointers, those after the scales' values)``, and each scale's pointer and value are read per
+        call (:func:`_scale_call`).  The token count is the call's own (:mod:`kvcore.launch`).
         """
         self._check_index_map(index_map)
         self._check_not_remapped(index_map)
@@ -394,19 +393,19 @@ class KVStore:
             k_sp, v_sp = k_scale_t.data_ptr(), v_scale_t.data_ptr()
         kss, vss = cache_k.stride(), cache_v.stride()
         kp, vp = cache_k.data_ptr(), cache_v.data_ptr()
-        key = (1 << (n - 1).bit_length(), out, cache_k.dtype, kss, vss, kp & 15, vp & 15, loc.dtype,
-               loc.data_ptr() & 15, k_sp & 15, v_sp & 15, map_key, k_mode, v_mode)  # fmt: skip
+        block_n, num_cb, tail = self._spec(1 << (n - 1).bit_length(), out, kss, vss, k_mode, v_mode,
+                                           map_key is not None)  # fmt: skip
+        key = (block_n, out, cache_k.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, loc.data_ptr() & 15, k_sp & 15,
+               v_sp & 15, map_key, k_mode, v_mode)  # fmt: skip
         if k_mode == _SCALE_POINTER or v_mode == _SCALE_POINTER:  # Triton specializes on a scale tensor's dtype too
             key += (k_scale_t.dtype, v_scale_t.dtype)
-        block_n, num_cb, tail = self._spec(key)
-        sizes = (n, *kss, *vss)
+        strides = (*kss, *vss)
         byte_views = out == dtypes.SAME and cache_k.dtype != self.k_cache.dtype  # fp8 inputs into an fp8 cache
         if k_mode == v_mode == _SCALE_NONE and not byte_views:
-            fixed = (k_ptr, v_ptr, loc.stride(0), (*sizes, k_ptr, v_ptr, 1.0, 1.0, *tail), None)
+            fixed = (k_ptr, v_ptr, loc.stride(0), (*strides, k_ptr, v_ptr, 1.0, 1.0, *tail), None)
         else:
-            fixed = (k_ptr, v_ptr, loc.stride(0), (sizes, tail), (k_mode, v_mode, byte_views))
-        plan = Plan(self.launch, key, (cdiv(n, block_n), num_cb, 1), _STORE_NUM_WARPS, fixed)
-        return plan
+            fixed = (k_ptr, v_ptr, loc.stride(0), (strides, tail), (k_mode, v_mode, byte_views))
+        return Plan(self.launch, key, block_n, (num_cb, 1), _STORE_NUM_WARPS, fixed)
 
     def _byte_tensors(self, loc, cache_k, cache_v, index_map) -> Callable[[], tuple[torch.Tensor, ...]]:
         """The tensors behind the addresses of a call whose fp8 inputs the kernel reads as their bytes, for a
@@ -431,11 +430,12 @@ class KVStore:
             mp = index_map.data_ptr()
             map_signature = (index_map.stride(), index_map.dtype, index_map.get_device(), mp & 15)
         scales = None if k_scale is None and v_scale is None else (_scale_signature(k_scale), _scale_signature(v_scale))
-        signature = (loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, cache_k.shape, cache_k.stride(),
-                     cache_k.dtype, cache_k.get_device(), kp & 15, cache_v.shape, cache_v.stride(), cache_v.dtype,
+        n, ks, vs = loc.numel(), cache_k.shape, cache_v.shape
+        signature = ((n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15, ks[1:], cache_k.stride(),
+                     cache_k.dtype, cache_k.get_device(), kp & 15, vs[1:], cache_v.stride(), cache_v.dtype,
                      cache_v.get_device(), vp & 15, map_signature, scales)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED:
+        if plan is UNPLANNED or ks[0] != n or vs[0] != n:  # a first call, or inputs of another count (refused)
             plan = remember(self._plans, signature, self._plan(loc, cache_k, cache_v, k_scale, v_scale, index_map))
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
@@ -443,28 +443,29 @@ class KVStore:
             return
         k_ptr, v_ptr, loc_stride, rest, per_call = plan.fixed
         if per_call is not None:
-            self._launch_reading_more(plan, layer_index, loc, cache_k, cache_v, k_scale, v_scale, index_map, lp, kp,
-                                      vp, mp)  # fmt: skip
+            self._launch_reading_more(plan, n, layer_index, loc, cache_k, cache_v, k_scale, v_scale, index_map, lp,
+                                      kp, vp, mp)  # fmt: skip
             return
         kc, vc = self.k_cache, self.v_cache  # the tensors behind the addresses are the call's own
-        plan((k_ptr, v_ptr, layer_index, kp, vp, lp, loc_stride, mp) + rest,
+        plan(n, (k_ptr, v_ptr, layer_index, kp, vp, lp, loc_stride, mp, n) + rest,
              (kc, vc, cache_k, cache_v, loc, loc if index_map is None else index_map, kc, vc))  # fmt: skip
 
-    def _launch_reading_more(self, plan: Plan, layer_index: int, loc, cache_k, cache_v, k_scale, v_scale, index_map,
-                             lp: int, kp: int, vp: int, mp: int) -> None:  # fmt: skip
+    def _launch_reading_more(self, plan: Plan, n: int, layer_index: int, loc, cache_k, cache_v, k_scale, v_scale,
+                             index_map, lp: int, kp: int, vp: int, mp: int) -> None:  # fmt: skip
         """Launch a plan whose scales are read per call, or whose inputs the kernel reads as their bytes (kept out
         of :meth:`__call__`, which builds no closure: the closure's cells would cost every call)."""
-        k_ptr, v_ptr, loc_stride, (sizes, tail), (k_mode, v_mode, byte_views) = plan.fixed
+        k_ptr, v_ptr, loc_stride, (strides, tail), (k_mode, v_mode, byte_views) = plan.fixed
         k_sp, k_value = _scale_call(k_mode, k_scale, k_ptr)
         v_sp, v_value = _scale_call(v_mode, v_scale, v_ptr)
-        args = (k_ptr, v_ptr, layer_index, kp, vp, lp, loc_stride, mp, *sizes, k_sp, v_sp, k_value, v_value, *tail)
+        args = (k_ptr, v_ptr, layer_index, kp, vp, lp, loc_stride, mp, n, *strides, k_sp, v_sp, k_value, v_value,
+                *tail)  # fmt: skip
         if byte_views:  # scales are ignored then (the inputs have the cache dtype)
-            plan(args, self._byte_tensors(loc, cache_k, cache_v, index_map))
+            plan(n, args, self._byte_tensors(loc, cache_k, cache_v, index_map))
             return
         kc, vc = self.k_cache, self.v_cache
         k_scale_t = k_scale if k_mode == _SCALE_POINTER else kc
         v_scale_t = v_scale if v_mode == _SCALE_POINTER else vc
-        plan(args, (kc, vc, cache_k, cache_v, loc, loc if index_map is None else index_map, k_scale_t, v_scale_t))
+        plan(n, args, (kc, vc, cache_k, cache_v, loc, loc if index_map is None else index_map, k_scale_t, v_scale_t))
 
     # -- the torch reference -----------------------------------------------------------------------------------
 

@@ -128,16 +128,19 @@ class RowStore:
         if not self.use_triton:
             self._store_native(layer_index, loc, inputs)
             return
-        lp = loc.data_ptr()
-        signature = [loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15]
+        lp, n = loc.data_ptr(), loc.numel()
+        signature = [(n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15]
         addresses = []
+        counts_agree = True
         for x in inputs:
-            address = x.data_ptr()
+            address, shape = x.data_ptr(), x.shape
             addresses.append(address)
-            signature += (x.shape, x.stride(), x.dtype, x.get_device(), address & 15)
+            signature += (shape[1:], x.stride(), x.dtype, x.get_device(), address & 15)
+            if not shape or shape[0] != n:
+                counts_agree = False
         signature = tuple(signature)
         plan = self._plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED:
+        if plan is UNPLANNED or not counts_agree:  # a first call, or inputs of another count (refused)
             plan = remember(self._plans, signature, self._plan(loc, inputs))
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
@@ -145,16 +148,16 @@ class RowStore:
             return
         rest, byte_views = plan.fixed
         addresses += addresses[:1] * self._pad
-        args = (*self._cache_ptrs, layer_index, *addresses, lp, *rest)
+        args = (*self._cache_ptrs, layer_index, *addresses, lp, rest[0], n, *rest[1:])
         if byte_views:
-            plan(args, self._byte_tensors(loc, inputs))
+            plan(n, args, self._byte_tensors(loc, inputs))
         else:
-            plan(args, (*self._padded_caches, *inputs, *inputs[:1] * self._pad, loc))
+            plan(n, args, (*self._padded_caches, *inputs, *inputs[:1] * self._pad, loc))
 
     def _plan(self, loc: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Plan | None:
         """The plan of a call's signature (:mod:`kvcore.launch`), after the full checks of the call; None when
-        the call has no rows.  ``plan.fixed`` is ``(every argument after loc's address, whether the kernel
-        reads some input as its bytes)``."""
+        the call has no rows.  ``plan.fixed`` is ``(every argument after loc's address but the token count, whether
+        the kernel reads some input as its bytes)``."""
         self._check(loc, inputs)
         codes = self._codes(inputs)
         n = loc.shape[0]
@@ -162,13 +165,13 @@ class RowStore:
             return None
         byte_views = any(self._byte_view(x, code, c) for x, code, c in zip(inputs, codes, self.caches))
         inputs = self._kernel_inputs(inputs, codes)
-        key = (1 << (n - 1).bit_length(), loc.dtype, loc.data_ptr() % 16,
+        block_n, columns, per_buffer = self._spec(1 << (n - 1).bit_length(), inputs, codes)
+        key = (block_n, loc.dtype, loc.data_ptr() % 16,
                *((x.dtype, x.stride(), x.data_ptr() % 16, code) for x, code in zip(inputs, codes)))  # fmt: skip
-        block_n, columns, per_buffer = self._spec(key[0], inputs, codes)
         srcs = [*inputs, *[inputs[0]] * self._pad]
         strides = [s for x in srcs for s in x.stride()]
-        rest = (loc.stride(0), n, *strides, *per_buffer, self._saturate, block_n, self._hw_cvt)
-        return Plan(self.launch, key, (cdiv(n, block_n), columns, 1), _NUM_WARPS, (rest, byte_views))
+        rest = (loc.stride(0), *strides, *per_buffer, self._saturate, block_n, self._hw_cvt)
+        return Plan(self.launch, key, block_n, (columns, 1), _NUM_WARPS, (rest, byte_views))
 
     @staticmethod
     def _byte_view(x: torch.Tensor, code: int, cache: torch.Tensor) -> bool:

@@ -189,9 +189,9 @@ def _mla_rows_kernel(
                    B_WIDTH, BLOCK_B, ROW, B_PACKED, GATHER, B_IN, B_OUT, SATURATE, HW_CVT)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["layer", "loc_stride"])
+@triton.jit(do_not_specialize=["layer", "loc_stride", "n_tokens"])
 def _mla_row_kernel(
-    cache_ptr, layer, loc_ptr, loc_stride, a_ptr, a_sn, a_sd, b_ptr, b_sn, b_sd,
+    cache_ptr, layer, loc_ptr, loc_stride, n_tokens, a_ptr, a_sn, a_sd, b_ptr, b_sn, b_sd,
     LAYER_STRIDE: tl.constexpr, ROW: tl.constexpr, A_WIDTH: tl.constexpr, B_WIDTH: tl.constexpr,
     B_EXT0: tl.constexpr, BLOCK: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
     A_IN: tl.constexpr, A_OUT: tl.constexpr, B_IN: tl.constexpr, B_OUT: tl.constexpr,
@@ -199,8 +199,9 @@ def _mla_row_kernel(
 ):  # fmt: skip
     """The stores at decode sizes.  Grid ``(tokens,)``: each program writes one token's whole row, both parts,
     in one ``BLOCK``-wide tile (a power of two >= ``A_WIDTH + B_WIDTH``), its location read as a scalar; parts
-    and columns as :func:`_mla_rows_kernel`'s.  Up to a few hundred tokens one program a token costs less device
-    time than tiles of several tokens: nothing waits on a vector of locations, and one program fills the row."""
+    and columns as :func:`_mla_rows_kernel`'s (``n_tokens``, the grid's extent, is not read: the two kernels take
+    the same arguments).  Up to a few hundred tokens one program a token costs less device time than tiles of
+    several tokens: nothing waits on a vector of locations, and one program fills the row."""
     t = tl.program_id(0).to(tl.int64)
     row = tl.load(loc_ptr + t * loc_stride).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -360,31 +361,33 @@ class LatentRows:
         fp8 = a.dtype in FP8_DTYPES or b.dtype in FP8_DTYPES
         if fp8:
             a, b = _kernel_view(a), _kernel_view(b)
-        key = (1 << (n - 1).bit_length(), gather, a_part, b_part, b_ext0, a.dtype, b.dtype, a.data_ptr() & 15,
-               b.data_ptr() & 15, loc.dtype, loc.data_ptr() & 15)  # fmt: skip
-        n_pad = key[0]
+        key = (gather, a_part, b_part, b_ext0, a.dtype, b.dtype, a.data_ptr() & 15, b.data_ptr() & 15, loc.dtype,
+               loc.data_ptr() & 15)  # fmt: skip
+        n_pad = 1 << (n - 1).bit_length()
         codes = (a_part[3], a_part[4], b_part[3], b_part[4], self._saturate, self._hw_cvt)
-        if n_pad <= ROW_KERNEL_MAX_TOKENS and not gather:  # one program a token: no token count argument
+        views = self._byte_views if fp8 else None
+        if n_pad <= ROW_KERNEL_MAX_TOKENS and not gather:  # one program a token
             block = _next_pow2(a_part[0] + b_part[0])
             tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block, a_part[2] == 1,
                     b_part[2] == 1, *codes)  # fmt: skip
-            return Plan(self.launch_row, key, (n, 1, 1), ROW_KERNEL_WARPS, (
-                (loc.stride(0),), a_part[1:3], (*b_part[1:3], *tail)), self._byte_views if fp8 else None)  # fmt: skip
+            return Plan(self.launch_row, key, 1, (1, 1), ROW_KERNEL_WARPS, (
+                loc.stride(0), a_part[1:3], (*b_part[1:3], *tail)), views)  # fmt: skip
         copy = a_part[4] == dtypes.SAME and (b_part[0] == 0 or b_part[4] == dtypes.SAME)
         block_n, block_a, block_b, num_cb_a, num_cb, warps = _plan(a_part[0], b_part[0], n_pad, copy)
         tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block_a, block_b, num_cb_a,
                 a_part[2] == 1, b_part[2] == 1, gather, *codes, block_n)  # fmt: skip
-        return Plan(self.launch, key, (cdiv(n, block_n), num_cb, 1), warps, (
-            (loc.stride(0), n), a_part[1:3], (*b_part[1:3], *tail)), self._byte_views if fp8 else None)  # fmt: skip
+        return Plan(self.launch, (*key, block_n, warps), block_n, (num_cb, 1), warps, (
+            loc.stride(0), a_part[1:3], (*b_part[1:3], *tail)), views)  # fmt: skip
 
-    def _fire(self, plan: Plan | None, layer_index: int, lp: int, ap: int, bp: int, loc, a, b) -> None:
-        """Launch ``plan`` (None: nothing to launch) for one layer and the call's addresses.  (No closure here:
-        its cells would cost every call; fp8 parts' byte views are the plan's ``views``.)"""
+    def _fire(self, plan: Plan | None, n: int, layer_index: int, lp: int, ap: int, bp: int, loc, a, b) -> None:
+        """Launch ``plan`` (None: nothing to launch) for ``n`` tokens of one layer and the call's addresses.  (No
+        closure here: its cells would cost every call; fp8 parts' byte views are the plan's ``views``.)"""
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
         if plan is not None:
-            loc_args, a_args, b_args = plan.fixed
-            plan((self._cache_ptr, layer_index, lp, *loc_args, ap, *a_args, bp, *b_args), (self.kv_cache, loc, a, b))
+            loc_stride, a_args, b_args = plan.fixed
+            plan(n, (self._cache_ptr, layer_index, lp, loc_stride, n, ap, *a_args, bp, *b_args),
+                 (self.kv_cache, loc, a, b))  # fmt: skip
 
     @staticmethod
     def _byte_views(cache, loc, a, b) -> tuple[torch.Tensor, ...]:
@@ -399,14 +402,15 @@ class LatentRows:
             self._store_native(layer_index, loc, cache_k_nope, cache_k_rope)
             return
         a, b = cache_k_nope, cache_k_rope
-        lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
-        signature = (0, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, a.shape, a.stride(), a.dtype,
-                     a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(), bp & 15)  # fmt: skip
+        lp, ap, bp, n, as_, bs = loc.data_ptr(), a.data_ptr(), b.data_ptr(), loc.numel(), a.shape, b.shape
+        signature = (0, (n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15,
+                     as_[1:], a.stride(), a.dtype, a.get_device(), ap & 15, bs[1:], b.stride(), b.dtype,
+                     b.get_device(), bp & 15)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED:
+        if plan is UNPLANNED or as_[0] != n or bs[0] != n:  # a first call, or parts of another count (refused)
             plan = remember(self._plans, signature,
                             self._plan(loc, a, b, ("cache_k_nope", "cache_k_rope"), gather=False))
-        self._fire(plan, layer_index, lp, ap, bp, loc, a, b)
+        self._fire(plan, n, layer_index, lp, ap, bp, loc, a, b)
 
     def store_rows(self, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
         """See :func:`store_rows_triton`."""
@@ -419,14 +423,14 @@ class LatentRows:
             rows = self.kv_cache[layer_index].flatten(1)
             rows[loc.long(), : geo[0]] = _to_storage(_flat(cache_k, geo[0]), self.cache_dtype)
             return
-        lp, ap = loc.data_ptr(), cache_k.data_ptr()
-        signature = (1, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, cache_k.shape, cache_k.stride(),
-                     cache_k.dtype, cache_k.get_device(), ap & 15)  # fmt: skip
+        lp, ap, n, shape = loc.data_ptr(), cache_k.data_ptr(), loc.numel(), cache_k.shape
+        signature = (1, (n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15,
+                     shape[1:], cache_k.stride(), cache_k.dtype, cache_k.get_device(), ap & 15)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED:
+        if plan is UNPLANNED or shape[0] != n:  # a first call, or rows of another count (refused)
             plan = remember(self._plans, signature,
                             self._plan(loc, cache_k, None, ("cache_k", "cache_k"), gather=False, split=True))
-        self._fire(plan, layer_index, lp, ap, ap, loc, cache_k, cache_k)
+        self._fire(plan, n, layer_index, lp, ap, ap, loc, cache_k, cache_k)
 
     def gather_new(self, layer_index: int, loc: torch.Tensor, dtype: torch.dtype, a_width: int, b_width: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -449,13 +453,14 @@ class LatentRows:
             self.gather(layer_index, loc, a, b)
             return a, b
         lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
-        signature = (3, shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, dtype, a_width, b_width)
+        signature = (3, (n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15, dtype,
+                     a_width, b_width)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
         if plan is UNPLANNED or (ap | bp) & 15:  # a first call, or outputs less aligned than plans take them
             plan = self._plan(loc, a, b, ("out_nope", "out_rope"), gather=True)
             if not (ap | bp) & 15:  # (a plan of unaligned outputs is used once)
                 remember(self._plans, signature, plan)
-        self._fire(plan, layer_index, lp, ap, bp, loc, a, b)
+        self._fire(plan, n, layer_index, lp, ap, bp, loc, a, b)
         return a, b
 
     def gather(self, layer_index: int, loc: torch.Tensor, out_nope: torch.Tensor, out_rope: torch.Tensor,
@@ -468,16 +473,16 @@ class LatentRows:
                 check(loc, a, b)
             self._gather_native(layer_index, loc, a, b)
             return
-        lp, ap, bp = loc.data_ptr(), a.data_ptr(), b.data_ptr()
-        signature = (2, check, loc.shape, loc.stride(), loc.dtype, loc.get_device(), lp & 15, a.shape, a.stride(),
-                     a.dtype, a.get_device(), ap & 15, b.shape, b.stride(), b.dtype, b.get_device(),
+        lp, ap, bp, n, as_, bs = loc.data_ptr(), a.data_ptr(), b.data_ptr(), loc.numel(), a.shape, b.shape
+        signature = (2, check, (n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15,
+                     as_[1:], a.stride(), a.dtype, a.get_device(), ap & 15, bs[1:], b.stride(), b.dtype, b.get_device(),
                      bp & 15)  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
-        if plan is UNPLANNED:
+        if plan is UNPLANNED or as_[0] != n or bs[0] != n:  # a first call, or outputs of another count (refused)
             if check is not None:
                 check(loc, a, b)
             plan = remember(self._plans, signature, self._plan(loc, a, b, ("out_nope", "out_rope"), gather=True))
-        self._fire(plan, layer_index, lp, ap, bp, loc, a, b)
+        self._fire(plan, n, layer_index, lp, ap, bp, loc, a, b)
 
     # -- the torch reference -----------------------------------------------------------------------------------
 
