@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvcore.dtypes import storage_dtype
+from kvcore.errors import ConfigError
 from kvcore.kernel_mode import use_triton
 from kvcore.row_move import RowMover, move_token_rows_native
 from kvcore.token_rows import TokenRows
@@ -36,6 +37,35 @@ def check_memory_saver(enable_memory_saver: bool) -> None:
         raise NotImplementedError(
             "enable_memory_saver=True needs torch_memory_saver, which kvcore does not integrate; pass False"
         )
+
+
+def unsupported(owner: str, keyword: str, value: Any, feature: str, instead: str) -> ConfigError:
+    """The error for an SGLang constructor keyword whose value asks for a feature kvcore does not have: one line
+    naming the keyword, the value, the feature and what to pass instead (raise it)."""
+    return ConfigError(f"{owner}({keyword}={value!r}): {feature} is not supported by kvcore; {instead}")
+
+
+def check_post_capture(owner: str, post_capture_active: bool) -> None:
+    """SGLang's ``post_capture_active``: the pool reserves its address range and backs it with memory only after
+    CUDA-graph capture (CUDA VMM), sized to the final token capacity.  kvcore allocates every buffer at
+    construction, so only ``False`` (the default) is accepted."""
+    if post_capture_active:
+        raise unsupported(owner, "post_capture_active", post_capture_active,
+                          "backing the KV buffers after CUDA-graph capture (CUDA VMM)",
+                          "kvcore allocates the whole pool when it is built: pass post_capture_active=False "
+                          "(size the pool before capture)")  # fmt: skip
+
+
+def check_pool_class(owner: str, keyword: str, cls: Any, accepted: Sequence[type], refused: Sequence[type] = ()
+                     ) -> None:  # fmt: skip
+    """A sub-pool class given by keyword (SGLang's ``token_to_kv_pool_class`` / ``full_kv_pool_class``) must be one
+    of kvcore's pool classes of the family, ``accepted`` (or a subclass), and none of ``refused``."""
+    ok = isinstance(cls, type) and issubclass(cls, tuple(accepted)) and not (refused and issubclass(cls, tuple(refused)))
+    if not ok:
+        name = getattr(cls, "__qualname__", repr(cls))
+        names = " or ".join(f"{c.__module__}.{c.__qualname__}" for c in accepted)
+        raise ConfigError(f"{owner}({keyword}={name}): kvcore builds its sub-pools only with its own pool classes of "
+                          f"this family; pass {names} (or a subclass), or leave {keyword} unset")  # fmt: skip
 
 
 def layer_id_of(layer: Any) -> int:
@@ -174,6 +204,8 @@ class KVCache(abc.ABC):
 
     #: tokens per device->host transfer chunk in CPU offload.
     cpu_offloading_chunk_size = 8192
+    #: SGLang's flag of a pool backed after CUDA-graph capture; never true in kvcore (see :func:`check_post_capture`).
+    post_capture_active = False
 
     def __init__(
         self,
@@ -283,9 +315,17 @@ class KVCache(abc.ABC):
         indexer keys) adds views of it."""
         return {name: TokenRows(buf) for name, buf in self.token_buffers().items()}
 
+    def request_state_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers of :meth:`buffers` that hold per-request state rather than K/V (a hybrid model's
+        linear-attention states), by layout name: :meth:`get_kv_size_bytes` does not count them (SGLang reports
+        them through ``get_state_buf_infos``).  None in a pool of per-token rows."""
+        return {}
+
     def get_kv_size_bytes(self):
-        """Bytes of all buffers, all layers, padding included (MHA returns SGLang's ``(K bytes, V bytes)``)."""
-        return sum(t.nbytes for t in self.buffers().values())
+        """Bytes of the K/V buffers, all layers, padding included: every buffer but the
+        :meth:`request_state_buffers`, as one int.  MHA-shaped pools return SGLang's ``(K bytes, V bytes)``."""
+        states = self.request_state_buffers()
+        return sum(t.nbytes for name, t in self.buffers().items() if name not in states)
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """Per layer and buffer: (data pointer, bytes, bytes of one page) for transfer engines."""
@@ -298,7 +338,10 @@ class KVCache(abc.ABC):
         return ptrs, lens, item_lens
 
     def _finalize_allocation(self) -> None:
-        self.mem_usage = sum(t.nbytes for t in self.buffers().values()) / GB
+        """Record ``mem_usage``: GiB of the K/V buffers (every buffer but the :meth:`request_state_buffers`, as
+        :meth:`get_kv_size_bytes` counts)."""
+        states = self.request_state_buffers()
+        self.mem_usage = sum(t.nbytes for name, t in self.buffers().items() if name not in states) / GB
 
     # -- accessors every family provides -----------------------------------------------------------------
 

@@ -122,7 +122,11 @@ class BaseLayoutTests(_Base):
     def test_kv_size_bytes_counts_every_buffer(self, kv_pool):
         reported = kv_pool.get_kv_size_bytes()
         reported = sum(reported) if isinstance(reported, tuple) else reported
-        assert reported == sum(b.nbytes for b in kv_pool.buffers().values())
+        buffers = kv_pool.buffers()
+        states = kv_pool.request_state_buffers()  # per-request state: reported apart (get_state_buf_infos)
+        unknown = sorted(set(states) - set(buffers))
+        assert not unknown, f"request_state_buffers() names {unknown}, which buffers() does not"
+        assert reported + sum(b.nbytes for b in states.values()) == sum(b.nbytes for b in buffers.values())
 
     def test_fp8_is_stored_as_uint8(self, kv_pool):
         if kv_pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.errors import ConfigError
 from kvcore.pools import gather_outputs
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
@@ -61,6 +62,11 @@ class DSATokenToKVPool(MLATokenToKVPool):
     * :meth:`buffers` (and so ``get_kv_size_bytes``, ``mem_usage``) counts both.
 
     :param index_head_dim: the indexer key width; must be 128.
+    :param kv_cache_dim: SGLang's configurator passes the row width it computed (its
+        ``calculate_mla_kv_cache_dim``); kvcore computes the same from the dtype and checks a given value against
+        it: 656 bytes for a float8_e4m3fn cache (scaled rows), ``kv_lora_rank + qk_rope_head_dim`` otherwise.  A
+        different value (576 for an fp8 cache: the raw rows SGLang keeps for its trtllm and HIP tilelang/aiter
+        DSA backends) is a :class:`~kvcore.errors.ConfigError`.
     :param index_dtype: the indexer's keys: ``None``/``torch.float8_e4m3fn``/``"fp8"`` (default, with float32
         scales) or ``torch.bfloat16``/``"bfloat16"`` (no scales).
     :param kernels: ``auto`` (Triton on CUDA), ``triton`` or ``native`` (torch reference).
@@ -87,16 +93,25 @@ class DSATokenToKVPool(MLATokenToKVPool):
         end_layer: int | None = None,
         kernels: str = "auto",
         index_dtype=None,
+        kv_cache_dim: int | None = None,
     ):
         check_dsa_dims(page_size=page_size, kv_lora_rank=kv_lora_rank, index_head_dim=index_head_dim)
+        row = calculate_mla_kv_cache_dim(kv_lora_rank, qk_rope_head_dim, dtype, is_dsa=True)
+        if kv_cache_dim is not None and kv_cache_dim != row:
+            scaled = uses_scaled_fp8(dtype)
+            kept = "scaled fp8 rows (fp8 nope, float32 tile scales, bf16 rope)" if scaled else "plain latent rows"
+            raise ConfigError(
+                f"DSATokenToKVPool(kv_cache_dim={kv_cache_dim}): a {dtype} DSA cache keeps {kept} of {row} elements "
+                f"(kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={qk_rope_head_dim}); kvcore has no other row format "
+                f"(such as the raw fp8 rows of the trtllm and HIP tilelang/aiter backends): pass kv_cache_dim={row} "
+                f"or leave it unset"
+            )
         self.index_head_dim = index_head_dim
         self.index_k_dtype = resolve_index_dtype(index_dtype)
         self.dsa_kv_cache_store_fp8 = uses_scaled_fp8(dtype)
         super().__init__(
             size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device, enable_memory_saver,
-            start_layer, end_layer,
-            kv_cache_dim=calculate_mla_kv_cache_dim(kv_lora_rank, qk_rope_head_dim, dtype, is_dsa=True),
-            kernels=kernels,
+            start_layer, end_layer, kv_cache_dim=row, kernels=kernels,
         )  # fmt: skip
 
     def _create_buffers(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.pools import KVCache, gather_outputs
+from kvcore.pools import KVCache, check_post_capture, gather_outputs
 from kvcore.sample import random_nonzero
 from kvcore_fp4 import kernels as block_kernels
 from kvcore_fp4.formats import RECIPES, dequantize, quantize
@@ -124,7 +124,19 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
 
     Stores and reads by location run one Triton launch each (:mod:`kvcore_fp4.kernels`), or the torch
     references of :mod:`kvcore_fp4.formats` with ``kernels="native"``; both write the same bytes.
+
+    SGLang's per-layer buffer names are views of the same bytes: ``k_buffer[i]`` / ``v_buffer[i]`` are local layer
+    ``i``'s codes ``[size + page_size, head_num, code bytes]`` uint8 (``head_dim // 2`` bytes for FP4, as in
+    SGLang), and ``k_scale_buffer[i]`` / ``v_scale_buffer[i]`` its block scales flattened over the heads,
+    ``[size + page_size, head_num * scale bytes]`` uint8 (``head_num * head_dim // 16`` for FP4, as in SGLang).
+    The V views follow ``v_head_dim`` (SGLang sizes V like K).
+
+    SGLang's constructor keywords ``enable_alt_stream`` and ``enable_kv_cache_copy`` are accepted either way (one
+    launch quantizes and stores K and V; :meth:`move_kv_cache` always exists, moving codes and scales together);
+    ``post_capture_active=True`` is a :class:`~kvcore.errors.ConfigError` (kvcore allocates the pool when built).
     """
+
+    alt_stream = None
 
     def __init__(
         self,
@@ -139,9 +151,13 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         v_head_dim: int | None = None,
         start_layer: int | None = None,
         end_layer: int | None = None,
+        enable_alt_stream: bool = True,
+        enable_kv_cache_copy: bool = False,
+        post_capture_active: bool = False,
         kernels: str = "auto",
         kv_format: str = "fp4_e2m1",
     ):
+        check_post_capture(type(self).__name__, post_capture_active)
         dtype, kv_format = _read_dtype(dtype, kv_format)
         super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
         if kv_format not in RECIPES:
@@ -161,6 +177,9 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         self.v_data = zeros(layer_num, rows, head_num, r.data_bytes(self.v_head_dim))
         self.v_scale = zeros(layer_num, rows, head_num, r.scale_bytes(self.v_head_dim))
         self.global_scale = torch.ones(layer_num, 1, 2, dtype=torch.float32, device=device) if r.global_scale else None
+        self.k_buffer, self.v_buffer = list(self.k_data.unbind(0)), list(self.v_data.unbind(0))
+        self.k_scale_buffer = [t.view(rows, -1) for t in self.k_scale.unbind(0)]
+        self.v_scale_buffer = [t.view(rows, -1) for t in self.v_scale.unbind(0)]
         self._rows = block_kernels.BlockRows(block_kernels.Parts(
             r, head_num, self.k_data, self.k_scale, self.head_dim, self.v_data, self.v_scale, self.v_head_dim,
             self.global_scale,
@@ -178,6 +197,15 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
 
     def token_buffers(self) -> dict[str, torch.Tensor]:
         return {name: buf for name, buf in self.buffers().items() if name != "global_scale"}
+
+    def get_kv_size_bytes(self) -> tuple[int, int]:
+        """SGLang's ``(K bytes, V bytes)`` of an MHA-shaped pool, all layers, padding included: K's codes and block
+        scales (and, for nvfp4, K's half of the global scales), then V's.  Their sum is every buffer's bytes."""
+        k = self.k_data.nbytes + self.k_scale.nbytes
+        v = self.v_data.nbytes + self.v_scale.nbytes
+        if self.global_scale is not None:
+            k, v = k + self.global_scale.nbytes // 2, v + self.global_scale.nbytes // 2
+        return k, v
 
     def set_kv_global_scale(self, layer, k_scale: float, v_scale: float) -> None:
         """nvfp4's calibration: the decode scales of a layer's K and V (``amax / (6 x 448)`` of what the layer
@@ -304,6 +332,8 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
     Buffers: ``kv_data`` ``[L, R, 1, row codes]``, ``kv_scale`` ``[L, R, 1, row blocks]`` and, for nvfp4,
     ``global_scale[layer, 0, 0 | 1]`` for nope / rope.  :meth:`get_mla_kv_buffer` dequantizes only the rows
     asked for; :meth:`get_key_buffer` a whole layer (the seed's accessor).  ``dtype`` is what reads return.
+    SGLang's per-layer names are views of the same bytes: ``kv_buffer[i]`` (codes ``[R, 1, code bytes]``) and
+    ``kv_scale_buffer[i]`` (scales ``[R, scale bytes]``).  :meth:`get_kv_size_bytes` is one int, as for MLA.
     """
 
     def __init__(
@@ -333,6 +363,8 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         self.kv_data = torch.zeros((layer_num, rows, 1, r.data_bytes(width)), dtype=torch.uint8, device=device)
         self.kv_scale = torch.zeros((layer_num, rows, 1, r.scale_bytes(width)), dtype=torch.uint8, device=device)
         self.global_scale = torch.ones(layer_num, 1, 2, dtype=torch.float32, device=device) if r.global_scale else None
+        self.kv_buffer = list(self.kv_data.unbind(0))  # SGLang's per-layer names: codes [R, 1, code bytes]
+        self.kv_scale_buffer = [t.view(rows, -1) for t in self.kv_scale.unbind(0)]  # scales [R, scale bytes]
         nd, ns = r.data_bytes(kv_lora_rank), r.scale_bytes(kv_lora_rank)
         self._split = (nd, ns)
         self._rows = block_kernels.BlockRows(block_kernels.Parts(

@@ -72,9 +72,13 @@ def kvcore_create_req_to_token_pool(backend, request, size, max_context_len, siz
     from kvcore_mamba.pool import HybridReqToTokenPool
 
     options: MambaOptions = request.options
+    extra = options.mamba_extra_buffer
     return HybridReqToTokenPool(
         size=size, mamba_size=sizes["requests"], max_context_len=max_context_len, device=request.device,
-        cache_params=rank_state_params(request), enable_mamba_extra_buffer=options.mamba_extra_buffer != "off",
+        cache_params=rank_state_params(request), enable_mamba_extra_buffer=extra != "off",
+        enable_mamba_extra_buffer_lazy=extra == "overlap_lazy", start_layer=request.start_layer,
+        # the track slots the planner reserved (layout.EXTRA_SLOTS): 2 with the overlap schedule, 1 without
+        enable_overlap_schedule=None if extra == "off" else extra != "no_overlap",
         mamba_spec_state_size=sizes.get("running_requests", 0),
         speculative_num_draft_tokens=options.speculative_num_draft_tokens, mamba_pool=pool.mamba_pool,
         kernels=request.kernels,

@@ -9,15 +9,56 @@ from typing import Any, Optional
 import attrs
 import torch
 
+from kvcore.errors import ConfigError
 from kvcore.kernel_mode import use_triton
-from kvcore.pools import GB, KVCache, ReqToTokenPool, check_memory_saver, host_buffer, layer_id_of
+from kvcore.pools import (GB, KVCache, ReqToTokenPool, check_memory_saver, check_pool_class, check_post_capture,
+                          host_buffer, layer_id_of, unsupported)  # fmt: skip
 from kvcore.row_move import RowMover, move_token_rows_native
 from kvcore.token_rows import TokenRows
+from kvcore_mha.noop import NoOpMHATokenToKVPool
+from kvcore_mha.page_major import PageMajorMHATokenToKVPool
 from kvcore_mha.pool import MHATokenToKVPool
 
 #: the keys that give a hybrid model more state slots, for the errors that say so.
 MORE_SLOTS = ("raise kv_cache.options.max_mamba_cache_size (or kv_cache.options.mamba_full_memory_ratio), or lower "
               "memory.max_running_requests")  # fmt: skip
+
+
+def check_state_features(owner: str, *, speculative_eagle_topk: Optional[int] = None,
+                         enable_linear_replayssm: bool = False, linear_replayssm_cache_len: int = 16,
+                         envelope_keyword: str = "envelope_layout", envelope_layout: bool = False) -> None:  # fmt: skip
+    """SGLang's state-pool keywords for features kvcore does not have: their default (off) values pass, any other
+    is a one-line :class:`~kvcore.errors.ConfigError` naming the keyword."""
+    if enable_linear_replayssm:
+        raise unsupported(owner, "enable_linear_replayssm", enable_linear_replayssm,
+                          "ReplaySSM (a ring of recent recurrent updates kept beside each temporal state)",
+                          "kvcore keeps the temporal state alone: pass enable_linear_replayssm=False")  # fmt: skip
+    if envelope_layout:
+        raise unsupported(owner, envelope_keyword, envelope_layout,
+                          "the page-major envelope of the linear-attention states (every layer of a slot in one block)",
+                          f"kvcore stacks each state tensor per layer: pass {envelope_keyword}=False (the KV pools "
+                          f"may still be page-major)")  # fmt: skip
+    if not isinstance(linear_replayssm_cache_len, int) or linear_replayssm_cache_len <= 0:
+        raise ConfigError(f"{owner}(linear_replayssm_cache_len={linear_replayssm_cache_len!r}): must be a positive int "
+                          f"(SGLang's default is 16)")  # fmt: skip
+    if speculative_eagle_topk is not None and (not isinstance(speculative_eagle_topk, int) or speculative_eagle_topk < 1):
+        raise ConfigError(f"{owner}(speculative_eagle_topk={speculative_eagle_topk!r}): must be None or a positive int")
+
+
+def state_layer_ids(owner: str, cache_params: Any, mamba_layer_ids: Optional[Sequence[int]]) -> list[int]:
+    """The global ids of the linear layers whose states a pool keeps: ``mamba_layer_ids`` (SGLang's configurator
+    passes this rank's share of ``cache_params.layers``), checked to be distinct layers of ``cache_params``; all of
+    ``cache_params.layers`` when None."""
+    known = [int(i) for i in cache_params.layers]
+    if mamba_layer_ids is None:
+        return known
+    ids = [int(i) for i in mamba_layer_ids]
+    unknown = [i for i in ids if i not in set(known)]
+    if unknown or len(set(ids)) != len(ids):
+        what = f"layers {unknown} are not" if unknown else "layers repeat; they must be distinct"
+        raise ConfigError(f"{owner}(mamba_layer_ids={ids}): {what} linear-attention layers of cache_params.layers "
+                          f"{known}; pass this rank's linear layers, a subset of cache_params.layers")  # fmt: skip
+    return ids
 
 
 @attrs.frozen(kw_only=True)
@@ -58,6 +99,15 @@ class MambaPool:
 
     :param spec_state_size: running requests whose per-draft-token states are kept when
         ``speculative_num_draft_tokens`` is given (rows ``1 .. spec_state_size``; row 0 padding).
+    :param mamba_layer_ids: the global ids of the linear layers kept (``mamba_layer_ids[i]`` is state layer
+        ``i``), a subset of ``cache_params.layers``; default all of them.
+    :param speculative_eagle_topk: accepted (None or positive): SGLang shares the overlapping convolution windows of
+        a linear draft chain (topk 1); kvcore keeps one window per draft token, right for a chain and an EAGLE tree
+        alike.
+    :param enable_linear_replayssm: only False (ReplaySSM's rings are not kept); True is a ConfigError.
+    :param linear_replayssm_cache_len: the ReplaySSM ring length: checked positive, otherwise unused (the ring is
+        not allocated with ReplaySSM off, as in SGLang).
+    :param envelope_layout: only False (states stacked per layer); True is a ConfigError.
     """
 
     def __init__(
@@ -69,8 +119,16 @@ class MambaPool:
         device: str,
         enable_memory_saver: bool = False,
         speculative_num_draft_tokens: Optional[int] = None,
+        mamba_layer_ids: Optional[Sequence[int]] = None,
+        speculative_eagle_topk: Optional[int] = None,
+        enable_linear_replayssm: bool = False,
+        linear_replayssm_cache_len: int = 16,
+        envelope_layout: bool = False,
         kernels: str = "auto",
     ):
+        check_state_features("MambaPool", speculative_eagle_topk=speculative_eagle_topk,
+                             enable_linear_replayssm=enable_linear_replayssm,
+                             linear_replayssm_cache_len=linear_replayssm_cache_len, envelope_layout=envelope_layout)  # fmt: skip
         check_memory_saver(enable_memory_saver)
         if speculative_num_draft_tokens is not None and (speculative_num_draft_tokens <= 0 or spec_state_size <= 0):
             raise ValueError(
@@ -79,7 +137,8 @@ class MambaPool:
             )
         if size <= 0:
             raise ValueError(f"MambaPool needs a positive number of slots, got size={size}")
-        layers = len(cache_params.layers)
+        self.mamba_layer_ids = state_layer_ids("MambaPool", cache_params, mamba_layer_ids)
+        layers = len(self.mamba_layer_ids)
         if layers == 0:
             raise ValueError("cache_params lists no linear-attention layers")
         self.size, self.device, self.num_mamba_layers = size, device, layers
@@ -220,8 +279,28 @@ class HybridReqToTokenPool(ReqToTokenPool):
     ``req_index_to_mamba_index_mapping[r]`` is request slot ``r``'s state slot (row 0, the padding request,
     maps to state slot 0).
 
+    SGLang's constructor keywords (its KV-cache configurator passes all of them):
+
+    :param mamba_layer_ids: the global ids of this rank's linear layers, a subset of ``cache_params.layers``
+        (checked: anything else is a :class:`~kvcore.errors.ConfigError`); ``mamba2_layer_cache(mamba_layer_ids[i])``
+        is state layer ``i``.  Default all of ``cache_params.layers``.
+    :param start_layer: the rank's first layer: a layer-wise load (:meth:`register_layer_transfer_counter`) is
+        waited for at ``layer_id - start_layer``; no linear layer may lie below it.
+    :param enable_overlap_schedule: the ping-pong track buffers per request with ``enable_mamba_extra_buffer``:
+        2 with the overlap schedule, 1 without (SGLang's rule, which kvcore's planner reserves by).  None (kvcore's
+        default, for callers that do not say): 2, or 1 under speculative decoding (the older rule).
+    :param enable_mamba_extra_buffer_lazy: with the extra buffer and the overlap schedule, hand each new request one
+        track slot and leave the other -1 until the engine sets it (:meth:`set_mamba_ping_pong_slot`); frees skip
+        the -1.  Without ``enable_mamba_extra_buffer``, or with ``enable_overlap_schedule=False``, it is a
+        ConfigError (SGLang's configurator refuses the latter too).
+    :param speculative_eagle_topk: accepted (None or positive): the draft states keep one convolution window per
+        draft token, right for a draft chain and an EAGLE tree alike (see :class:`MambaPool`).
+    :param enable_linear_replayssm: only False; ReplaySSM is a ConfigError.
+    :param linear_replayssm_cache_len: checked positive, otherwise unused (no ReplaySSM ring is allocated).
+    :param mamba_envelope_layout: only False; the page-major envelope of the states is a ConfigError.
     :param mamba_pool: kvcore's extension: an existing :class:`MambaPool` to use (the one the KV pool was
-        built with) instead of building one of ``mamba_size`` slots.
+        built with) instead of building one of ``mamba_size`` slots; it must keep as many layers as
+        ``mamba_layer_ids`` names.
     """
 
     def __init__(
@@ -234,24 +313,62 @@ class HybridReqToTokenPool(ReqToTokenPool):
         device: str,
         enable_memory_saver: bool = False,
         cache_params: Any,
+        mamba_layer_ids: Optional[Sequence[int]] = None,
         enable_mamba_extra_buffer: bool = False,
+        enable_mamba_extra_buffer_lazy: bool = False,
         speculative_num_draft_tokens: Optional[int] = None,
+        speculative_eagle_topk: Optional[int] = None,
+        enable_overlap_schedule: Optional[bool] = None,
+        start_layer: Optional[int] = None,
+        enable_linear_replayssm: bool = False,
+        linear_replayssm_cache_len: int = 16,
+        mamba_envelope_layout: bool = False,
         mamba_pool: MambaPool | None = None,
         kernels: str = "auto",
     ):
+        owner = "HybridReqToTokenPool"
+        check_state_features(owner, speculative_eagle_topk=speculative_eagle_topk,
+                             enable_linear_replayssm=enable_linear_replayssm,
+                             linear_replayssm_cache_len=linear_replayssm_cache_len,
+                             envelope_keyword="mamba_envelope_layout", envelope_layout=mamba_envelope_layout)  # fmt: skip
+        if enable_mamba_extra_buffer_lazy and not enable_mamba_extra_buffer:
+            raise ConfigError(f"{owner}(enable_mamba_extra_buffer_lazy=True): the lazy mode is one of the extra buffer; "
+                              f"pass enable_mamba_extra_buffer=True with it, or enable_mamba_extra_buffer_lazy=False")  # fmt: skip
+        if enable_mamba_extra_buffer_lazy and enable_overlap_schedule is False:
+            raise ConfigError(f"{owner}(enable_mamba_extra_buffer_lazy=True): the lazy extra buffer needs the overlap "
+                              f"schedule; pass enable_overlap_schedule=True, or enable_mamba_extra_buffer_lazy=False")  # fmt: skip
+        layer_ids = state_layer_ids(owner, cache_params, mamba_layer_ids)
+        self.start_layer = start_layer or 0
+        below = [i for i in layer_ids if i < self.start_layer]
+        if below:
+            raise ConfigError(f"{owner}(start_layer={start_layer}): linear layers {below} of mamba_layer_ids lie below "
+                              f"the rank's first layer; pass the rank's first global layer id")  # fmt: skip
+        if mamba_pool is not None and mamba_pool.num_mamba_layers != len(layer_ids):
+            raise ConfigError(f"{owner}(mamba_layer_ids={layer_ids}): the given mamba_pool keeps "
+                              f"{mamba_pool.num_mamba_layers} linear layers, not {len(layer_ids)}")  # fmt: skip
         super().__init__(size=size, max_context_len=max_context_len, device=device, enable_memory_saver=enable_memory_saver)
-        self.mamba_ping_pong_track_buffer_size = 2 if speculative_num_draft_tokens is None else 1
+        if enable_overlap_schedule is None:
+            self.mamba_ping_pong_track_buffer_size = 2 if speculative_num_draft_tokens is None else 1
+        else:
+            self.mamba_ping_pong_track_buffer_size = 2 if enable_overlap_schedule else 1
         self.enable_mamba_extra_buffer = enable_mamba_extra_buffer
+        self.enable_mamba_extra_buffer_lazy = enable_mamba_extra_buffer_lazy
+        self.layer_transfer_counter = None
         self.mamba_pool = mamba_pool or MambaPool(
             size=mamba_size, spec_state_size=mamba_spec_state_size, cache_params=cache_params, device=device,
-            speculative_num_draft_tokens=speculative_num_draft_tokens, kernels=kernels,
+            speculative_num_draft_tokens=speculative_num_draft_tokens, mamba_layer_ids=layer_ids,
+            speculative_eagle_topk=speculative_eagle_topk, kernels=kernels,
         )  # fmt: skip
-        self.mamba_map = {layer_id: i for i, layer_id in enumerate(cache_params.layers)}
+        self.mamba_map = {layer_id: i for i, layer_id in enumerate(layer_ids)}
         self.req_index_to_mamba_index_mapping = torch.zeros(size + 1, dtype=torch.int32, device=device)
         if enable_mamba_extra_buffer:
             self.req_index_to_mamba_ping_pong_track_buffer_mapping = torch.zeros(
                 (size + 1, self.mamba_ping_pong_track_buffer_size), dtype=torch.int32, device=device
             )
+
+    def register_layer_transfer_counter(self, layer_transfer_counter) -> None:
+        """Make :meth:`mamba2_layer_cache` wait until a layer's host->device load is done (layer-wise loading)."""
+        self.layer_transfer_counter = layer_transfer_counter
 
     def alloc(self, need_size: int, reqs: Sequence[Any] | None = None) -> list[int] | None:
         """Request slots for ``reqs`` (one each) and their state slots (a request's kept ``mamba_pool_idx`` is
@@ -282,12 +399,16 @@ class HybridReqToTokenPool(ReqToTokenPool):
             if self.enable_mamba_extra_buffer:
                 buffers = getattr(req, "mamba_ping_pong_track_buffer", None)
                 if buffers is None:
-                    new = pool.alloc(self.mamba_ping_pong_track_buffer_size)
+                    size = self.mamba_ping_pong_track_buffer_size
+                    new = pool.alloc(1 if self.enable_mamba_extra_buffer_lazy else size)
                     if new is None:
                         return self._refuse(select, taken, "ping-pong track buffer")
                     taken.append(new)
                     buffers = new
-                    updates += [(req, "mamba_ping_pong_track_buffer", new), (req, "mamba_next_track_idx", 0)]
+                    if new.numel() < size:  # lazy: the other track slots are -1 until the engine sets them
+                        buffers = torch.full((size,), -1, dtype=new.dtype, device=new.device)
+                        buffers[: new.numel()] = new
+                    updates += [(req, "mamba_ping_pong_track_buffer", buffers), (req, "mamba_next_track_idx", 0)]
                 track.append([int(b) for b in buffers.tolist()])
         for req, name, value in updates:
             setattr(req, name, value)
@@ -312,14 +433,35 @@ class HybridReqToTokenPool(ReqToTokenPool):
         return self.req_index_to_mamba_index_mapping[req_indices]
 
     def mamba2_layer_cache(self, layer_id: int) -> MambaState:
-        """The states of global layer ``layer_id`` (a linear-attention layer)."""
+        """The states of global layer ``layer_id`` (a linear-attention layer), once a layer-wise load of that layer
+        is done (:meth:`register_layer_transfer_counter`)."""
         index = self.mamba_map.get(layer_id)
         if index is None:
             raise IndexError(f"layer {layer_id} keeps no linear-attention state; those layers are {sorted(self.mamba_map)}")
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id - self.start_layer)
         return self.mamba_pool.mamba2_layer_cache(index)
+
+    def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """The state slots' buffer infos (:meth:`MambaPool.get_contiguous_buf_infos`), for transfer engines."""
+        return self.mamba_pool.get_contiguous_buf_infos()
 
     def get_mamba_ping_pong_other_idx(self, mamba_next_track_idx: int) -> int:
         return 1 - mamba_next_track_idx if self.mamba_ping_pong_track_buffer_size == 2 else mamba_next_track_idx
+
+    def get_mamba_ping_pong_keep_idx(self, req: Any) -> int:
+        """Which track slot of ``req`` holds its latest tracked state: ``mamba_next_track_idx`` in the lazy mode
+        (no swap after a track), the other one otherwise."""
+        if self.enable_mamba_extra_buffer_lazy:
+            return req.mamba_next_track_idx
+        return self.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
+
+    def set_mamba_ping_pong_slot(self, req: Any, idx: int, value) -> None:
+        """Set track slot ``idx`` of ``req`` (its ``mamba_ping_pong_track_buffer``, and the table row of its
+        ``req_pool_idx``) to state slot ``value``: how the lazy mode's second slot gets filled."""
+        req.mamba_ping_pong_track_buffer[idx] = value
+        self.req_index_to_mamba_ping_pong_track_buffer_mapping[req.req_pool_idx] = req.mamba_ping_pong_track_buffer.to(
+            device=self.device, dtype=torch.int32)  # fmt: skip
 
     def free(self, free_index, free_mamba_cache: bool = True, mamba_ping_pong_track_buffer_to_keep: int | None = None):
         """Give back request slots; with ``free_mamba_cache`` their state slots too (a chunked prefill keeps
@@ -337,7 +479,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
                     raise ValueError(f"mamba_ping_pong_track_buffer_to_keep must be 0 or 1, got {mamba_ping_pong_track_buffer_to_keep}")
                 keep = [i for i in range(self.mamba_ping_pong_track_buffer_size) if i != mamba_ping_pong_track_buffer_to_keep]
                 track = track[:, keep]
-            self.mamba_pool.free(track.reshape(-1).to(torch.int64))
+            track = track.reshape(-1)
+            self.mamba_pool.free(track[track >= 0].to(torch.int64))  # a lazy request's unset slots are -1
 
     def clear(self) -> None:
         super().clear()
@@ -350,12 +493,30 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
 class HybridLinearKVPool(KVCache):
     """K/V of a hybrid model's full-attention layers only (an MHA pool inside, or an MLA pool with ``use_mla``,
-    its latent rows of ``kv_lora_rank + qk_rope_head_dim``), beside the linear layers' states in ``mamba_pool``.  Layers are this rank's global ids; a linear layer has no K/V, and asking for one
-    is an error that lists the attention layers.
+    its latent rows of ``kv_lora_rank + qk_rope_head_dim``), beside the linear layers' states in ``mamba_pool``.
+    Layers are this rank's global ids; a linear layer has no K/V, and asking for one is an error that lists the
+    attention layers.
 
-    ``buffers()`` names the K/V and the state tensors (the layout declares both); moves, CPU offload and buffer
-    infos cover the per-token K/V, and CPU offload also copies the states of ``mamba_indices`` when given
-    (SGLang's retraction keywords).
+    ``buffers()`` names the K/V and the state tensors (the layout declares both); the states are
+    :meth:`request_state_buffers`, reported by :meth:`get_state_buf_infos` and not by :meth:`get_kv_size_bytes`
+    (the inner pool's answer, as in SGLang).  Moves, CPU offload and buffer infos cover the per-token K/V (the
+    inner pool's rows), and CPU offload also copies the states of ``mamba_indices`` when given (SGLang's
+    retraction keywords).
+
+    SGLang's constructor keywords:
+
+    :param mamba_pool: the states' :class:`MambaPool`, or None for a pool of the attention layers' K/V alone (no
+        state buffers; CPU copies of states are refused).
+    :param full_kv_pool_class: the class the attention layers' pool is built with.  Without ``use_mla``:
+        kvcore's :class:`~kvcore_mha.MHATokenToKVPool` (the default) or
+        :class:`~kvcore_mha.PageMajorMHATokenToKVPool` (SGLang's page-major switch), or a subclass.  With
+        ``use_mla`` the latent rows go to kvcore's :class:`~kvcore_mla.pool.MLATokenToKVPool` (or a given
+        subclass of it); the MHA class SGLang's configurator passes either way (its ``mha_pool_class``) is
+        accepted there and names no choice.  Any other class is a :class:`~kvcore.errors.ConfigError`.
+    :param enable_kv_cache_copy: accepted either way: :meth:`move_kv_cache` always exists.
+    :param post_capture_active: only False (kvcore allocates the pool when built); True is a ConfigError.
+    :param start_layer: the rank's first global layer (default the first full-attention layer).
+    :param enable_kvcache_transpose: only False (the older SGLang keyword; a transposed cache is a ConfigError).
     """
 
     def __init__(
@@ -367,7 +528,7 @@ class HybridLinearKVPool(KVCache):
         head_dim: int,
         full_attention_layer_ids: Sequence[int],
         device: str,
-        mamba_pool: MambaPool,
+        mamba_pool: Optional[MambaPool],
         enable_memory_saver: bool = False,
         v_head_dim: int | None = None,
         start_layer: int | None = None,
@@ -376,8 +537,15 @@ class HybridLinearKVPool(KVCache):
         use_mla: bool = False,
         kv_lora_rank: int | None = None,
         qk_rope_head_dim: int | None = None,
-        **kwargs: Any,
+        enable_kv_cache_copy: bool = False,
+        full_kv_pool_class: type | None = None,
+        post_capture_active: bool = False,
+        enable_kvcache_transpose: bool = False,
     ):
+        check_post_capture("HybridLinearKVPool", post_capture_active)
+        if enable_kvcache_transpose:  # the memory_pool seed's keyword; SGLang refuses True too
+            raise unsupported("HybridLinearKVPool", "enable_kvcache_transpose", enable_kvcache_transpose,
+                              "a transposed KV cache", "pass enable_kvcache_transpose=False")  # fmt: skip
         full = [int(i) for i in full_attention_layer_ids]
         if not full:
             raise ValueError("HybridLinearKVPool needs at least one full-attention layer")
@@ -394,12 +562,20 @@ class HybridLinearKVPool(KVCache):
         if use_mla:
             from kvcore_mla.pool import MLATokenToKVPool
 
+            cls = full_kv_pool_class
+            if cls is None or cls is MHATokenToKVPool:  # the configurator's mha_pool_class: no choice for latent rows
+                cls = MLATokenToKVPool
+            check_pool_class("HybridLinearKVPool", "full_kv_pool_class", cls, (MLATokenToKVPool,))
             if kv_lora_rank is None or qk_rope_head_dim is None:
                 raise ValueError("use_mla=True needs kv_lora_rank and qk_rope_head_dim")
-            self.full_kv_pool = MLATokenToKVPool(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, **common)
+            self.full_kv_pool = cls(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, **common)
         else:
-            self.full_kv_pool = MHATokenToKVPool(head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim, **common)
+            cls = full_kv_pool_class or MHATokenToKVPool
+            check_pool_class("HybridLinearKVPool", "full_kv_pool_class", cls,
+                             (MHATokenToKVPool, PageMajorMHATokenToKVPool), refused=(NoOpMHATokenToKVPool,))  # fmt: skip
+            self.full_kv_pool = cls(head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim, **common)
         self.mamba_pool = mamba_pool
+        self._full_names = set(self.full_kv_pool.buffers()) | set(self.full_kv_pool.token_rows())
         self._finalize_allocation()
 
     def _route(self, layer: Any, layer_id_override: int | None = None) -> int:
@@ -414,26 +590,48 @@ class HybridLinearKVPool(KVCache):
         return index
 
     def layer_in_buffer(self, name: str, layer: int) -> int | None:
-        if name in self.full_kv_pool.buffers():
+        if name in self._full_names:
             return self.full_attention_layer_id_mapping.get(layer)
         return None
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        return {**self.full_kv_pool.buffers(), **self.mamba_pool.buffers()}
+        return {**self.full_kv_pool.buffers(), **self.request_state_buffers()}
+
+    def request_state_buffers(self) -> dict[str, torch.Tensor]:
+        """The linear layers' states (every :class:`MambaPool` buffer); none without a ``mamba_pool``."""
+        return {} if self.mamba_pool is None else self.mamba_pool.buffers()
 
     def token_buffers(self) -> dict[str, torch.Tensor]:
-        return self.full_kv_pool.buffers()
+        return self.full_kv_pool.token_buffers()
+
+    def token_rows(self) -> dict[str, TokenRows]:
+        return self.full_kv_pool.token_rows()
 
     def size_groups(self) -> dict[str, int]:
-        sizes = {"tokens": self.size, "requests": self.mamba_pool.size}
-        if self.mamba_pool.spec_state_size:
-            sizes["running_requests"] = self.mamba_pool.spec_state_size
+        sizes = {"tokens": self.size}
+        if self.mamba_pool is not None:
+            sizes["requests"] = self.mamba_pool.size
+            if self.mamba_pool.spec_state_size:
+                sizes["running_requests"] = self.mamba_pool.spec_state_size
         return sizes
 
-    def get_kv_size_bytes(self) -> int:
-        """Bytes of every buffer: the attention layers' K/V and the per-request states (one number, as for the
-        MLA pool: K and V are not the only buffers)."""
-        return sum(buf.nbytes for buf in self.buffers().values())
+    def get_kv_size_bytes(self):
+        """The full-attention pool's answer, as in SGLang: ``(K bytes, V bytes)`` for MHA K/V, one int for MLA
+        latent rows.  The states are not K/V: :meth:`get_state_buf_infos` reports them."""
+        return self.full_kv_pool.get_kv_size_bytes()
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """The full-attention pool's K/V buffer infos (SGLang's split: the states are :meth:`get_state_buf_infos`)."""
+        return self.full_kv_pool.get_contiguous_buf_infos()
+
+    def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """Per state tensor and linear layer: (data pointer, bytes, bytes of one slot); empty without a
+        ``mamba_pool``."""
+        return ([], [], []) if self.mamba_pool is None else self.mamba_pool.get_contiguous_buf_infos()
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """The full-attention pool's move (every attention layer's K/V rows; states are per request)."""
+        self.full_kv_pool.move_kv_cache(tgt_loc, src_loc)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.full_kv_pool.get_key_buffer(self._route(layer_id))
@@ -469,6 +667,8 @@ class HybridLinearKVPool(KVCache):
         kv = super().get_cpu_copy(indices)
         if mamba_indices is None:
             return kv
+        if self.mamba_pool is None:
+            raise ValueError("this HybridLinearKVPool keeps no states (built with mamba_pool=None); pass no mamba_indices")
         slots = torch.as_tensor(mamba_indices, device=self.device).long().reshape(-1)
         states = {}
         for name, stacked in self.mamba_pool.slot_buffers().items():

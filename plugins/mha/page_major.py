@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.pools import KVCache
+from kvcore.pools import KVCache, check_post_capture
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_mha.kernels import KVStore
@@ -25,7 +25,9 @@ from kvcore_mha.kernels import KVStore
 
 class PageMajorMHATokenToKVPool(KVCache):
     """Keys and values of MHA/GQA layers, page-major (see the module docstring); :class:`MHATokenToKVPool`'s
-    constructor keywords.
+    constructor keywords, with the same meaning (``enable_alt_stream`` and ``enable_kv_cache_copy`` accepted
+    either way: one launch stores K and V, and :meth:`move_kv_cache` always exists; ``post_capture_active=True`` is
+    a :class:`~kvcore.errors.ConfigError`).
 
     ``get_key_buffer(layer)`` / ``get_value_buffer(layer)`` return that layer's ``[pages + 1, page_size, head_num,
     head_dim]`` strided view (the paged shape attention kernels read; its page stride spans all layers).
@@ -36,7 +38,9 @@ class PageMajorMHATokenToKVPool(KVCache):
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
                  device: str, enable_memory_saver: bool = False, v_head_dim: int | None = None,
                  swa_head_num: int | None = None, swa_head_dim: int | None = None, swa_v_head_dim: int | None = None,
-                 start_layer: int | None = None, end_layer: int | None = None, kernels: str = "auto", **_unused):  # fmt: skip
+                 start_layer: int | None = None, end_layer: int | None = None, enable_alt_stream: bool = True,
+                 enable_kv_cache_copy: bool = False, post_capture_active: bool = False, kernels: str = "auto"):  # fmt: skip
+        check_post_capture(type(self).__name__, post_capture_active)
         super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
         # the swa_* dimensions let a sliding-window sub-pool differ from the full-attention one, as in MHA's pool
         head_num = swa_head_num if swa_head_num is not None else head_num
@@ -63,8 +67,15 @@ class PageMajorMHATokenToKVPool(KVCache):
 
     # -- layout -----------------------------------------------------------------------------------------------
 
+    alt_stream = None
+
     def buffers(self) -> dict[str, torch.Tensor]:
         return {"kv": self.kv_cache}
+
+    def get_kv_size_bytes(self) -> tuple[int, int]:
+        """SGLang's ``(K bytes, V bytes)``: a page holds as many key rows as value rows, so half the buffer each."""
+        half = self.kv_cache.nbytes // 2
+        return half, half
 
     def token_rows(self) -> dict[str, TokenRows]:
         return {"k": TokenRows(self._k_rows, self.page_size, self.rows_per_page),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.pools import KVCache
+from kvcore.pools import KVCache, check_post_capture
 from kvcore.sample import random_nonzero
 from kvcore_mha.kernels import KVStore
 
@@ -15,8 +15,21 @@ class MHATokenToKVPool(KVCache):
     ``k_buffer[i]`` / ``v_buffer[i]`` are the ``[size + page_size, head_num, head_dim]`` rows of local layer
     ``i``, views of the stacked ``k_cache`` / ``v_cache``.  Row 0 (the first page) is padding.
 
+    SGLang's constructor keywords, as its engines pass them:
+
+    :param enable_alt_stream: SGLang overlaps the K copy and the V copy of a store on a second stream during
+        CUDA-graph capture.  kvcore's store writes K and V in one launch, so there is nothing to overlap: either
+        value is accepted, and no side stream is created (``alt_stream`` is None).
+    :param enable_kv_cache_copy: SGLang prepares its KV-copy kernel only when this is True (its
+        ``move_kv_cache`` fails otherwise).  kvcore's :meth:`move_kv_cache` always exists (the row-move kernels are
+        set up at the first move), so either value is accepted.
+    :param post_capture_active: only False: kvcore allocates the pool when it is built; True (backing the
+        buffers after CUDA-graph capture) is a :class:`~kvcore.errors.ConfigError`.
     :param kernels: ``auto`` (Triton on CUDA), ``triton`` or ``native`` (torch reference).
     """
+
+    #: SGLang's side stream for overlapped K/V copies; kvcore stores both in one launch and keeps none.
+    alt_stream = None
 
     def __init__(
         self,
@@ -36,8 +49,10 @@ class MHATokenToKVPool(KVCache):
         end_layer: int | None = None,
         enable_alt_stream: bool = True,
         enable_kv_cache_copy: bool = False,
+        post_capture_active: bool = False,
         kernels: str = "auto",
     ):
+        check_post_capture(type(self).__name__, post_capture_active)
         super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
         # The swa_* dimensions let a sliding-window sub-pool differ from the full-attention one.
         self.head_num = swa_head_num if swa_head_num is not None else head_num

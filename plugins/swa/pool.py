@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from kvcore.pools import KVCache, layer_id_of
+from kvcore.pools import KVCache, check_pool_class, check_post_capture, layer_id_of, unsupported
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
+from kvcore_mha.page_major import PageMajorMHATokenToKVPool
 from kvcore_mha.pool import MHATokenToKVPool
 
 SWA_PREFIX = "swa_"
@@ -34,11 +35,22 @@ class SWAKVPool(KVCache):
     A model whose layers all slide has no full sub-pool (``full_kv_pool is None``); one without window layers
     has no window sub-pool.
 
-    :param size: full-attention tokens (the allocator's location space).
+    :param size: full-attention tokens (the allocator's location space).  0 with no full-attention layers (what
+        SGLang's configurator passes when every layer slides) makes the location space the ``size_swa`` window
+        slots.
     :param size_swa: sliding-window tokens.
     :param swa_attention_layer_ids: global ids of this rank's sliding-window layers.
     :param full_attention_layer_ids: global ids of this rank's full-attention layers; together the two lists
         must be exactly this rank's layers ``start_layer .. end_layer``.
+    :param token_to_kv_pool_class: the class both sub-pools are built with: kvcore's
+        :class:`~kvcore_mha.MHATokenToKVPool` (the default) or :class:`~kvcore_mha.PageMajorMHATokenToKVPool`
+        (SGLang's page-major switch), or a subclass of either; any other class (another engine's pool, a pool of
+        another family, the no-op pool) is a :class:`~kvcore.errors.ConfigError`.
+    :param enable_kv_cache_copy: accepted either way: :meth:`move_kv_cache` always exists (SGLang prepares its
+        copy kernel only when True).
+    :param post_capture_active: only False (kvcore allocates both sub-pools when built); True is a
+        :class:`~kvcore.errors.ConfigError`.
+    :param enable_kvcache_transpose: only False (SGLang's own pool refuses True too).
     """
 
     def __init__(
@@ -62,11 +74,16 @@ class SWAKVPool(KVCache):
         end_layer: int | None = None,
         enable_kvcache_transpose: bool = False,
         enable_kv_cache_copy: bool = False,
+        post_capture_active: bool = False,
         kernels: str = "auto",
         **kwargs: Any,
     ):
+        check_post_capture("SWAKVPool", post_capture_active)
         if enable_kvcache_transpose:
-            raise ValueError("SWAKVPool does not keep transposed KV caches (enable_kvcache_transpose=True)")
+            raise unsupported("SWAKVPool", "enable_kvcache_transpose", enable_kvcache_transpose,
+                              "a transposed KV cache", "pass enable_kvcache_transpose=False")  # fmt: skip
+        cls = token_to_kv_pool_class or MHATokenToKVPool
+        check_pool_class("SWAKVPool", "token_to_kv_pool_class", cls, (MHATokenToKVPool, PageMajorMHATokenToKVPool))
         full_ids, swa_ids = [int(i) for i in full_attention_layer_ids], [int(i) for i in swa_attention_layer_ids]
         ids = sorted(full_ids + swa_ids)
         if not ids or len(set(ids)) != len(ids):
@@ -77,6 +94,8 @@ class SWAKVPool(KVCache):
                 f"full {full_ids} and sliding-window {swa_ids} layer ids must together be layers {start}.. of this "
                 f"rank, each once"
             )
+        if size == 0 and not full_ids:  # SGLang's call for a model whose layers all slide: no full tokens
+            size = size_swa  # locations are then the window slots themselves (no mapping registered)
         super().__init__(size, page_size, dtype, len(ids), device, enable_memory_saver, start,
                          start + len(ids) - 1 if end_layer is None else end_layer, kernels)  # fmt: skip
         if swa_ids and (size_swa <= 0 or size_swa % page_size):
@@ -86,7 +105,6 @@ class SWAKVPool(KVCache):
         self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
         self.full_attention_layer_ids, self.swa_attention_layer_ids = full_ids, swa_ids
         self.full_layer_nums, self.swa_layer_nums = len(full_ids), len(swa_ids)
-        cls = token_to_kv_pool_class or MHATokenToKVPool
         common = dict(page_size=page_size, dtype=dtype, head_num=head_num, head_dim=head_dim, device=device,
                       enable_memory_saver=enable_memory_saver, v_head_dim=v_head_dim, kernels=kernels, **kwargs)  # fmt: skip
         self.full_kv_pool = cls(size=size, layer_num=len(full_ids), **common) if full_ids else None
@@ -162,12 +180,10 @@ class SWAKVPool(KVCache):
                                                     window.first_row, self.full_to_swa_index_mapping)  # fmt: skip
         return rows
 
-    def get_kv_size_bytes(self):
-        """SGLang's ``(K bytes, V bytes)`` over both sub-pools (a sum of all bytes for sub-pools without K/V)."""
+    def get_kv_size_bytes(self) -> tuple[int, int]:
+        """SGLang's ``(K bytes, V bytes)``, each summed over both sub-pools (MHA-shaped, each answering a pair)."""
         parts = [p.get_kv_size_bytes() for p in (self.full_kv_pool, self.swa_kv_pool) if p is not None]
-        if all(isinstance(p, tuple) for p in parts):
-            return tuple(sum(p[i] for p in parts) for i in range(len(parts[0])))
-        return sum(sum(p) if isinstance(p, tuple) else p for p in parts)
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """The full sub-pool's buffer infos, then the window sub-pool's (each as its pool reports them: per layer
