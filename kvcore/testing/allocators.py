@@ -18,8 +18,17 @@ shared between requests), that the padding page is never handed out, that each r
 offsets within its pages, that ``available_size()`` is exactly the capacity less the live (and pending) pages,
 that an allocation that does not fit returns None and changes nothing, and that nothing leaks.
 
-The run takes a few hundred sequences (``max(200, the active profile's max_examples)``); ``pytest
---hypothesis-profile=long`` (registered here: 10,000 examples) runs a long one.
+An allocator with a sliding-window side (it has ``free_swa``, as SGLang's ``SWATokenToKVPoolAllocator``) is
+found by that capability, whatever its class: the machine then also gives back the window slots of a prefix of
+a request's tokens (``free_swa``, whole pages) and checks the window side after every step through the full ->
+window map (``translate_loc_from_full_to_swa``, or ``full_to_swa_index_mapping``): no window slot mapped by two
+live tokens, no window page shared between requests, tokens that left the window map to the padding slot, the
+others keep their offsets, and ``swa_available_size()`` is exactly the window capacity less the window pages
+live tokens map into (and those pending in a free group).
+
+The run takes a few hundred sequences (``AllocatorConformance.examples``, 200, or more when the active profile
+asks for more than Hypothesis's default); ``pytest --hypothesis-profile=long`` (registered here: 10,000
+examples) runs a long one.
 """
 
 from __future__ import annotations
@@ -39,9 +48,18 @@ settings.register_profile("long", max_examples=10_000, stateful_step_count=50, d
                           suppress_health_check=list(HealthCheck))  # fmt: skip
 
 
+#: What an allocator with a sliding-window side must also offer, for the window checks to see that side.
+WINDOW_SIDE_API = ("free_swa", "swa_available_size", "full_available_size")
+
+
 class AllocatorMachine(RuleBasedStateMachine):
     """Random lifetimes of an allocator from ``factory()`` (set on a subclass), checked against a model: each
-    live request is the list of its locations; requests never share a page."""
+    live request is the list of its locations; requests never share a page.
+
+    An allocator with ``free_swa`` has a sliding-window side: every location it hands out (a *full* location)
+    comes with a window slot, read through ``translate_loc_from_full_to_swa`` (or ``full_to_swa_index_mapping``).
+    The model then also keeps, per request, how many of its first tokens left the window (``slid``): those map
+    to the padding slot, every other live token to a window slot of its own."""
 
     factory: Callable[[], Any] = None  # type: ignore[assignment]
 
@@ -50,21 +68,61 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a = type(self).factory()
         self.ps = int(self.a.page_size)
         self.device = getattr(self.a, "device", "cpu")
-        self.capacity = self.a.available_size()
+        self.windowed = callable(getattr(self.a, "free_swa", None))
+        if self.windowed:
+            self._require_window_side_api()
+            self.capacity = self.a.full_available_size()
+            self.window_capacity = self.a.swa_available_size()
+            assert self.window_capacity > 0 and self.window_capacity % self.ps == 0, (
+                f"a fresh allocator offers {self.window_capacity} window slots; give its window side whole pages"
+            )  # fmt: skip
+        else:
+            self.capacity = self.a.available_size()
         assert self.capacity > 0 and self.capacity % self.ps == 0, f"a fresh allocator offers {self.capacity} tokens"
         self.reqs: dict[int, list[int]] = {}
+        self.slid: dict[int, int] = {}  # request -> its first tokens whose window slots were given back
         self.pending: set[int] = set()  # pages freed inside an open free group
+        self.pending_window: set[int] = set()  # window pages freed inside an open free group
         self.in_group = False
         self.next_id = 0
         self.checkpoint = None
+
+    def _require_window_side_api(self) -> None:
+        missing = [name for name in WINDOW_SIDE_API if not callable(getattr(self.a, name, None))]
+        if not (callable(getattr(self.a, "translate_loc_from_full_to_swa", None))
+                or isinstance(getattr(self.a, "full_to_swa_index_mapping", None), torch.Tensor)):  # fmt: skip
+            missing.append("translate_loc_from_full_to_swa (or a full_to_swa_index_mapping tensor)")
+        assert not missing, (
+            f"{type(self.a).__name__} has free_swa, so it has a sliding-window side, but lacks {', '.join(missing)}; "
+            "add them (as SGLang's SWATokenToKVPoolAllocator has) so the window side can be checked"
+        )  # fmt: skip
 
     # -- model --------------------------------------------------------------------------------------------
 
     def _used_pages(self) -> set[int]:
         return {loc // self.ps for locs in self.reqs.values() for loc in locs} | self.pending
 
+    def _window_pages_in_use(self) -> int:
+        """Window pages the model says are taken: one per full page of a token still in the window (both sides
+        move in step, page for page), plus those pending in a free group."""
+        in_window = {loc // self.ps for rid, locs in self.reqs.items() for loc in locs[self.slid.get(rid, 0):]}
+        return len(in_window) + len(self.pending_window)
+
     def _free_pages(self) -> int:
-        return self.capacity // self.ps - len(self._used_pages())
+        """Pages an allocation can still take: on every side at once."""
+        free = self.capacity // self.ps - len(self._used_pages())
+        if self.windowed:
+            free = min(free, self.window_capacity // self.ps - self._window_pages_in_use())
+        return free
+
+    def _window_slots(self, locs: list[int]) -> list[int]:
+        """The window slot each full location maps to (0, the padding slot, for none)."""
+        if not locs:
+            return []
+        index = self._t(locs)
+        translate = getattr(self.a, "translate_loc_from_full_to_swa", None)
+        slots = translate(index) if callable(translate) else self.a.full_to_swa_index_mapping[index]
+        return [int(w) for w in slots.tolist()]
 
     def _t(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -134,10 +192,29 @@ class AllocatorMachine(RuleBasedStateMachine):
     def free_request(self, data):
         i = data.draw(st.sampled_from(sorted(self.reqs)))
         locs = self.reqs.pop(i)
+        slid = self.slid.pop(i, 0)
+        if self.in_group and self.windowed:  # read before the free: the window pages its tokens hold till the end
+            self.pending_window |= {w // self.ps for w in self._window_slots(locs[slid:]) if w}
         order = data.draw(st.permutations(range(len(locs))))
         self.a.free(self._t([locs[j] for j in order]))
         if self.in_group:
             self.pending |= {loc // self.ps for loc in locs}
+
+    @precondition(lambda self: self.windowed and any(len(locs) > self.ps for locs in self.reqs.values()))
+    @rule(data=st.data())
+    def free_swa(self, data):
+        """Tokens that slid out of the window: ``free_swa`` of the first ``k`` tokens of a live request, in a
+        random order, possibly again over pages already given back.  The page of its last token stays (an
+        engine's window always holds it, and the next extend continues it on both sides).  The window side
+        gives back whole pages, so the model takes the first ``k`` tokens rounded up to a page as gone; the
+        slots come back at once, also inside a free group (as SGLang's ``free_swa``)."""
+        i = data.draw(st.sampled_from(sorted(rid for rid, locs in self.reqs.items() if len(locs) > self.ps)))
+        locs = self.reqs[i]
+        start_of_last_page = (len(locs) - 1) // self.ps * self.ps
+        k = data.draw(st.integers(1, start_of_last_page))
+        order = data.draw(st.permutations(range(k)))
+        self.a.free_swa(self._t([locs[j] for j in order]))
+        self.slid[i] = max(self.slid.get(i, 0), -(-k // self.ps) * self.ps)
 
     @precondition(lambda self: not self.in_group)
     @rule()
@@ -149,25 +226,25 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule()
     def group_end(self):
         self.a.free_group_end()
-        self.in_group, self.pending = False, set()
+        self.in_group, self.pending, self.pending_window = False, set(), set()
 
     @precondition(lambda self: not self.in_group)
     @rule()
     def backup(self):
-        self.checkpoint = (self.a.backup_state(), {k: list(v) for k, v in self.reqs.items()})
+        self.checkpoint = (self.a.backup_state(), {k: list(v) for k, v in self.reqs.items()}, dict(self.slid))
 
     @precondition(lambda self: self.checkpoint is not None and not self.in_group)
     @rule()
     def restore(self):
-        state, reqs = self.checkpoint
+        state, reqs, slid = self.checkpoint
         self.a.restore_state(state)
-        self.reqs = {k: list(v) for k, v in reqs.items()}
+        self.reqs, self.slid = {k: list(v) for k, v in reqs.items()}, dict(slid)
 
     @precondition(lambda self: not self.in_group)
     @rule()
     def clear(self):
         self.a.clear()
-        self.reqs, self.checkpoint = {}, None
+        self.reqs, self.slid, self.checkpoint = {}, {}, None
 
     # -- invariants ---------------------------------------------------------------------------------------
 
@@ -188,13 +265,74 @@ class AllocatorMachine(RuleBasedStateMachine):
                     assert page == locs[t - 1] // self.ps, f"request {rid} left its page mid-page at token {t}"
                 assert owner.setdefault(page, rid) == rid, f"page {page} handed to requests {owner[page]} and {rid}"
         expected = self.capacity - self.ps * len(self._used_pages())
-        got = self.a.available_size()
-        assert got == expected, f"available_size() is {got}, the live and pending pages leave {expected}"
+        if self.windowed:
+            got = self.a.full_available_size()
+            assert got == expected, f"full_available_size() is {got}, the live and pending pages leave {expected}"
+            expected = self.ps * self._free_pages()
+            got = self.a.available_size()
+            assert got == expected, f"available_size() is {got}, the smaller side has {expected} tokens free"
+        else:
+            got = self.a.available_size()
+            assert got == expected, f"available_size() is {got}, the live and pending pages leave {expected}"
+
+    @invariant()
+    def window_side_holds_what_the_model_holds(self):
+        """For an allocator with a sliding-window side, what the live tokens map to: no window slot twice, no
+        window page shared between requests, the padding page never; ``swa_available_size()`` exactly the
+        window capacity less the pages they map into (and the pending ones), so a page given back while a
+        token still maps into it shows here; then the model: a token that left the window maps to the padding
+        slot, one in it keeps its offset and its request's window page."""
+        if not getattr(self, "windowed", False):
+            return
+        ps = self.ps
+        live = [(rid, t, loc) for rid, locs in self.reqs.items() for t, loc in enumerate(locs)]
+        slots = self._window_slots([loc for _, _, loc in live])
+        holder: dict[int, tuple[int, int]] = {}  # window slot -> (request, token)
+        owner: dict[int, int] = {}  # window page -> request
+        for (rid, t, loc), w in zip(live, slots):
+            if w == 0:
+                continue
+            assert w >= ps, f"token {t} of request {rid} (location {loc}) maps into the padding window page: slot {w}"
+            first = holder.setdefault(w, (rid, t))
+            assert first == (rid, t), (
+                f"window slot {w} is mapped by token {first[1]} of request {first[0]} and token {t} of request {rid}"
+            )  # fmt: skip
+            assert owner.setdefault(w // ps, rid) == rid, (
+                f"window page {w // ps} is mapped by requests {owner[w // ps]} and {rid} (pages are per request)"
+            )  # fmt: skip
+        mapped = set(owner) | self.pending_window
+        expected = self.window_capacity - ps * len(mapped)
+        got = self.a.swa_available_size()
+        assert got == expected, (
+            f"swa_available_size() is {got}, but live tokens map into {len(owner)} window page(s) and "
+            f"{len(self.pending_window)} more pending in the free group, which leaves {expected}: a window page "
+            "was given back while tokens still map into it (free_swa must clear the map of every token of the pages "
+            "it gives back), or one leaked"
+        )  # fmt: skip
+        for n, ((rid, t, loc), w) in enumerate(zip(live, slots)):
+            slid = self.slid.get(rid, 0)
+            if t < slid:
+                assert w == 0, (
+                    f"token {t} of request {rid} left the window (free_swa gave back the pages of its first {slid} "
+                    f"tokens) but still maps to window slot {w}; free_swa must clear the map of every token of the "
+                    "pages it gives back"
+                )  # fmt: skip
+                continue
+            assert w != 0, f"token {t} of request {rid} is still in the window but maps to the padding slot"
+            assert w % ps == t % ps, f"token {t} of request {rid} sits at offset {w % ps} of its window page"
+            if t % ps and t - 1 >= slid:  # live lists a request's tokens in order: n - 1 is token t - 1
+                assert w // ps == slots[n - 1] // ps, f"request {rid} left its window page mid-page at token {t}"
 
 
 class AllocatorConformance:
     """Run :class:`AllocatorMachine` on the allocators ``allocator_factory`` makes (a fixture returning a
-    zero-argument callable that builds a fresh allocator)."""
+    zero-argument callable that builds a fresh allocator).
+
+    ``examples`` is how many random sequences a run draws; a Hypothesis profile asking for more examples than
+    Hypothesis's default (``--hypothesis-profile=long``) raises it.  Lower it on a subclass only for an
+    allocator that is slow to drive (Triton kernels in the CPU interpreter) and is run long elsewhere."""
+
+    examples: int = 200
 
     @pytest.fixture
     def allocator_factory(self):
@@ -203,8 +341,9 @@ class AllocatorConformance:
     def test_random_request_lifetimes(self, allocator_factory):
         machine = type("Machine", (AllocatorMachine,), {"factory": staticmethod(allocator_factory)})
         active = settings()
+        asked = active.max_examples if active.max_examples > settings.get_profile("default").max_examples else 0
         run_state_machine_as_test(machine, settings=settings(
-            max_examples=max(200, active.max_examples), stateful_step_count=max(25, active.stateful_step_count),
+            max_examples=max(self.examples, asked), stateful_step_count=max(25, active.stateful_step_count),
             deadline=None, suppress_health_check=list(HealthCheck),
         ))  # fmt: skip
 

@@ -17,7 +17,8 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     offset within its page on both sides).  ``full_to_swa_index_mapping[t]`` is the window slot of full
     location ``t``; entry 0 stays 0, so a padding or absent location maps to the padding slot.  Tokens that
     slid out of every window give their window slots back early with :meth:`free_swa` (their full slots stay
-    until :meth:`free`).  A model whose layers all slide uses the full side only as location space.
+    until :meth:`free`); the window side gives back whole pages, so every token of such a page then maps to the
+    padding slot.  A model whose layers all slide uses the full side only as location space.
 
     Every call has the signature of :class:`~kvcore.allocators.PagedTokenToKVPoolAllocator`'s; an allocation
     that does not fit on either side returns None and leaves both sides as they were.
@@ -47,6 +48,10 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self.full_attn_allocator = side(self.size)
         self.swa_attn_allocator = side(self.size_swa)
         self.full_to_swa_index_mapping = torch.zeros(self.size + self.page_size, dtype=torch.int64, device=self.device)
+        # The map as one row per full page (page 0, the padding one, included): a view, so clearing a row clears
+        # the registered map.  Pages past the last whole one are never handed out and have no row.
+        rows = self.size // self.page_size + 1
+        self._mapping_by_full_page = self.full_to_swa_index_mapping[: rows * self.page_size].view(rows, self.page_size)
         register = getattr(kvcache, "register_mapping", None)
         if register is not None:
             register(self.full_to_swa_index_mapping)
@@ -158,11 +163,31 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self.free_swa(free_index)
 
     def free_swa(self, free_index: torch.Tensor) -> None:
-        """Give back only the window slots of full locations ``free_index`` (tokens that slid out of every
-        window); their full slots stay allocated and now map to the padding slot."""
+        """Give back the window slots of full locations ``free_index`` (tokens that slid out of every window);
+        their full slots stay allocated until :meth:`free`.
+
+        The window side gives slots back by whole pages, so with ``page_size > 1`` *every* token of each full
+        page holding one of ``free_index`` loses its window slot and maps to the padding slot from then on, not
+        only the tokens named (as SGLang): a window page given back must not stay mapped by its other tokens,
+        which would write into it, or free it again, after it was handed to another request.  Free a prefix
+        of a request's tokens ending at a page boundary to keep the rest of the page in the window.
+
+        Idempotent: a location whose page was cleared (or never allocated, or the padding one) maps to the
+        padding slot, which the window side ignores.  Locations outside the map are ignored too.  Never waits
+        for the device (fixed-shape gathers and scatters, no masks).  Not held by a free group: the window
+        slots come back at once, as in SGLang (:meth:`free` inside a group holds both sides).
+        """
         if free_index.numel() == 0:
             return
+        pages = self._full_pages_of(free_index)
+        # A request fills each of its pages from offset 0, and the entries of a page are cleared together, so
+        # the first entry of a page is its window page's first slot while the page holds one, and 0 after.
+        self.swa_attn_allocator.free(self._mapping_by_full_page[pages, 0])
+        self._mapping_by_full_page[pages] = 0
+
+    def _full_pages_of(self, free_index: torch.Tensor) -> torch.Tensor:
+        """The full page of each location of ``free_index`` (flat int64; a location no page holds, negative
+        or past the last whole page, counts as the padding page 0)."""
         idx = free_index.reshape(-1).long()
-        # Unmapped locations map to the padding slot, which a free ignores: no mask, no wait for the device.
-        self.swa_attn_allocator.free(self.full_to_swa_index_mapping[idx])
-        self.full_to_swa_index_mapping[idx] = 0
+        inside = (idx >= 0) & (idx < self._mapping_by_full_page.numel())
+        return torch.where(inside, idx, torch.zeros_like(idx)) // self.page_size

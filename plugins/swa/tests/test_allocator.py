@@ -165,3 +165,117 @@ def test_window_side_smaller_than_a_batch_refuses_it_whole():
     assert a.full_available_size() == 32 and a.swa_available_size() == 8
     assert a.alloc_decode(_t([1] * 9), None, _t([0] * 9)) is None
     assert a.full_available_size() == 32
+
+
+# -- free_swa at page_size > 1: the window side gives back whole pages (issue 25) ---------------------------
+
+
+def _request_of(a: SWATokenToKVPoolAllocator, tokens: int) -> torch.Tensor:
+    """A new request of ``tokens`` tokens, prefilled by one alloc_extend."""
+    pre, seq = _t([0]), _t([tokens])
+    out = a.alloc_extend(pre, pre.cpu(), seq, seq.cpu(), _t([-1]), tokens)
+    assert out is not None, f"no room for a request of {tokens} tokens"
+    return out
+
+
+def _window_of(a: SWATokenToKVPoolAllocator, locs: torch.Tensor) -> list[int]:
+    return a.translate_loc_from_full_to_swa(locs).tolist()
+
+
+def _paged_pair(kernels: str) -> SWATokenToKVPoolAllocator:
+    """32 full tokens and 16 window slots in pages of 4 (pages 1..8 and 1..4): a first request of 8 tokens takes
+    pages 1 and 2 on both sides."""
+    return SWATokenToKVPoolAllocator(32, 16, 4, torch.bfloat16, DEVICE, kvcache=None, need_sort=False, kernels=kernels)
+
+
+@pytest.mark.parametrize("kernels", ["native", "triton"])
+def test_free_swa_of_one_token_clears_the_map_of_its_whole_window_page(kernels):
+    """The issue's reproduction: free_swa of A's first token gives back A's first window page, so all four of
+    its tokens must map to the padding slot; B then gets that page (freed pages come first) without sharing a
+    window slot with A."""
+    a = _paged_pair(kernels)
+    A = _request_of(a, 8)
+    assert A.tolist() == list(range(4, 12)) and _window_of(a, A) == list(range(4, 12))
+
+    a.free_swa(A[:1])
+    assert _window_of(a, A) == [0, 0, 0, 0, 8, 9, 10, 11]
+    assert a.swa_available_size() == 16 - 4 and a.full_available_size() == 32 - 8
+
+    B = _request_of(a, 12)
+    assert B.tolist() == list(range(12, 24))
+    assert _window_of(a, B) == [4, 5, 6, 7, *range(12, 20)]
+    assert not set(_window_of(a, A)) - {0} & set(_window_of(a, B)), "a window slot is mapped by both A and B"
+    assert a.swa_available_size() == 0
+
+
+@pytest.mark.parametrize("kernels", ["native", "triton"])
+def test_free_swa_twice_gives_nothing_back_twice(kernels):
+    """A second free_swa inside a window page already given back, also once another request holds that page,
+    changes nothing."""
+    a = _paged_pair(kernels)
+    A = _request_of(a, 8)
+    a.free_swa(A[:1])
+    a.free_swa(A[:1])
+    assert a.swa_available_size() == 16 - 4 and _window_of(a, A) == [0, 0, 0, 0, 8, 9, 10, 11]
+
+    B = _request_of(a, 4)  # takes window page 1, which A held
+    assert _window_of(a, B) == [4, 5, 6, 7]
+    a.free_swa(A[1:3])  # the other tokens of A's first page: their map was cleared with it
+    a.free_swa(A[:4])
+    assert a.swa_available_size() == 16 - 8, "a second free_swa of A's first page gave back B's window page"
+    assert _window_of(a, B) == [4, 5, 6, 7] and _window_of(a, A) == [0, 0, 0, 0, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("kernels", ["native", "triton"])
+def test_free_after_free_swa_gives_back_only_the_pages_still_held(kernels):
+    """free of a request whose first window page went back early (and went to B) gives back its full pages and
+    its remaining window page, not B's."""
+    a = _paged_pair(kernels)
+    A = _request_of(a, 8)
+    a.free_swa(A[1:2])
+    B = _request_of(a, 4)
+    assert _window_of(a, B) == [4, 5, 6, 7]
+
+    a.free(A)
+    assert a.full_available_size() == 32 - 4 and a.swa_available_size() == 16 - 4
+    assert _window_of(a, B) == [4, 5, 6, 7] and _window_of(a, A) == [0] * 8
+    a.free(B)
+    assert a.full_available_size() == 32 and a.swa_available_size() == 16
+
+
+@pytest.mark.parametrize("kernels", ["native", "triton"])
+def test_free_swa_inside_a_free_group(kernels):
+    """free_swa is not held by a free group (as SGLang's): A's first window page comes back at once and goes to
+    B; A's free is held until the group ends, and then gives back only A's own pages."""
+    a = _paged_pair(kernels)
+    A = _request_of(a, 8)
+    a.free_group_begin()
+    a.free_swa(A[:1])
+    assert a.swa_available_size() == 16 - 4
+    B = _request_of(a, 8)
+    assert _window_of(a, B)[:4] == [4, 5, 6, 7]
+    a.free(A)
+    assert a.full_available_size() == 32 - 16 and a.swa_available_size() == 16 - 12, "a free inside the group came back"
+    a.free_group_end()
+    assert a.full_available_size() == 32 - 8 and a.swa_available_size() == 16 - 8
+    assert _window_of(a, B)[:4] == [4, 5, 6, 7] and _window_of(a, A) == [0] * 8
+
+
+def test_free_swa_at_page_size_1_frees_only_the_tokens_named():
+    a = SWATokenToKVPoolAllocator(16, 8, 1, torch.bfloat16, DEVICE, kvcache=None, need_sort=False)
+    A = _request_of(a, 4)
+    window = _window_of(a, A)
+    a.free_swa(A[1:2])
+    assert _window_of(a, A) == [window[0], 0, *window[2:]] and a.swa_available_size() == 8 - 3
+    a.free_swa(A[1:2])
+    assert a.swa_available_size() == 8 - 3
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_free_swa_ignores_locations_no_page_holds(page_size):
+    """Negative locations and those past the last whole page (30 tokens hold 7 pages of 4) change nothing."""
+    a = SWATokenToKVPoolAllocator(30, 16, page_size, torch.bfloat16, DEVICE, kvcache=None, need_sort=False)
+    A = _request_of(a, 8)
+    before = _window_of(a, A), a.swa_available_size()
+    a.free_swa(_t([-1, -4, 30 + page_size - 1, 10**6]))
+    assert (_window_of(a, A), a.swa_available_size()) == before

@@ -1,11 +1,14 @@
-"""The SWA backend against kvcore's conformance kit, as a vendor would run it, twice: as the kit builds it
-(window layers address full locations directly) and with a full -> window slot map registered, as its
-allocator does (every write, move, offload and check then goes through the map)."""
+"""The SWA backend against kvcore's conformance kit, as a vendor would run it: its pool twice, as the kit builds
+it (window layers address full locations directly) and with a full -> window slot map registered, as its
+allocator does (every write, move, offload and check then goes through the map); and its allocator through the
+kit's allocator state machine, window side included, at page sizes 1, 4 and 16."""
 
 import pytest
 import torch
 
-from kvcore.testing import KVCacheConformance, Variant
+from kvcore.testing import AllocatorConformance, KVCacheConformance, Variant
+from kvcore.testing.tensors import compiled, test_device
+from kvcore_swa.allocator import SWATokenToKVPoolAllocator
 
 # tiny-swa shrunk to odd sizes: 5 layers (interval 3: layer 2 attends to every token; 0, 1, 3 and 4 slide).
 CONFIG = ["model=tiny-swa", "model.num_hidden_layers=5", "model.num_attention_heads=3", "model.num_key_value_heads=3",
@@ -59,3 +62,26 @@ class TestSWAPageMajorConformance(KVCacheConformance):
             return pool
 
         return make
+
+
+# (full tokens, window slots, page size, kernels): the window side smaller, so it is the one that fills up; the
+# Triton kernels run in the CPU interpreter, slow enough that only the token allocator's are driven here.
+SWA_ALLOCATORS = {
+    "page1-triton": (16, 9, 1, "triton"),
+    "page4-native": (48, 28, 4, "native"),
+    "page16-native": (112, 64, 16, "native"),
+}
+
+
+class TestSWAAllocatorConformance(AllocatorConformance):
+    """The kit's allocator machine, which also drives ``free_swa`` and checks the window side after every step.
+    40 sequences keep it to seconds on a CPU; ``--hypothesis-profile=long`` runs it long."""
+
+    examples = 40
+
+    @pytest.fixture(params=sorted(SWA_ALLOCATORS))
+    def allocator_factory(self, request):
+        full, window, page_size, kernels = SWA_ALLOCATORS[request.param]
+        kernels = kernels if not compiled() else "auto"
+        return lambda: SWATokenToKVPoolAllocator(full, window, page_size, torch.bfloat16, test_device(), None,
+                                                 need_sort=False, kernels=kernels)  # fmt: skip
