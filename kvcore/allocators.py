@@ -16,8 +16,12 @@ Shared rules:
   slot); ``free_pages`` / ``release_pages`` are read back from the device, for inspection, and
   :meth:`~BaseTokenToKVPoolAllocator.backup_state` is a copy-on-write snapshot.
 * An allocation that does not fit returns ``None`` and leaves the allocator as it was.
-* ``need_sort=True`` defers freed slots to ``release_pages``; they are merged into ``free_pages`` and sorted
-  only when an allocation would otherwise fall short, so allocations stay as contiguous as they can.
+* Freed pages are handed out again in SGLang's order: the paged allocator puts the pages of one ``free`` (or
+  one free group) at the head of ``free_pages`` in ascending page order, the token allocator appends the
+  slots of one ``free`` in the order given.
+* ``need_sort=True`` defers freed slots to ``release_pages`` (appended, each free's pages in the order
+  above); they are merged into ``free_pages`` and sorted only when an allocation would otherwise fall short,
+  so allocations stay as contiguous as they can.
 * Between :meth:`~BaseTokenToKVPoolAllocator.free_group_begin` and
   :meth:`~BaseTokenToKVPoolAllocator.free_group_end`, frees are held back (staged on the device at once, so the
   caller may reuse its tensor) and released together at the end; groups do not nest.
@@ -234,12 +238,13 @@ class _DeviceListAllocator(BaseTokenToKVPoolAllocator):
     """
 
     _to_front = False  # where freed pages go in the free list
+    _sort_each_free = False  # the pages of one free go in ascending order (else in order of first occurrence)
 
     def clear(self) -> None:
         if getattr(self, "_pages", None) is None:
             self._pages = FreePageList(self.size // self.page_size, self.page_size, self.device,
                                        use_triton=self._use_triton, to_front=self._to_front,
-                                       need_sort=self.need_sort)  # fmt: skip
+                                       need_sort=self.need_sort, sort_each_free=self._sort_each_free)  # fmt: skip
         else:
             self._pages.clear()
         self.is_not_in_free_group = True
@@ -314,17 +319,21 @@ class _DeviceListAllocator(BaseTokenToKVPoolAllocator):
         self.is_not_in_free_group = False
 
     def free_group_end(self) -> None:
-        """Give back everything freed since :meth:`free_group_begin` (one launch; none for an empty group)."""
+        """Give back everything freed since :meth:`free_group_begin` as one free: its pages go in the order
+        :meth:`free` gives the pages of one call (one launch; none for an empty group)."""
         if not self.is_not_in_free_group:
             self.is_not_in_free_group = True
             self._pages.commit_staged()
 
     def free(self, free_index: torch.Tensor) -> None:
-        """Give back the pages holding ``free_index`` (each allocated page once, in the order of first
-        occurrence; slots that are not allocated, the padding one included, are ignored).
+        """Give back the pages holding ``free_index``, each allocated page once (slots that are not allocated,
+        the padding one included, are ignored), in SGLang's order: the paged allocator puts them at the head of
+        the free list in ascending page order (its ``torch.unique``), the token allocator at the tail in the
+        order of their first occurrence; under ``need_sort`` they go to the end of ``release_pages`` in that
+        same order.
 
-        Empty input is a no-op; inside a free group the pages are staged until :meth:`free_group_end`.  Never
-        waits for the device.
+        Empty input is a no-op; inside a free group the pages are staged until :meth:`free_group_end`, which
+        gives them all back as one free.  Never waits for the device.
         """
         if free_index.numel():
             self._pages.release(free_index, staged=not self.is_not_in_free_group)
@@ -333,7 +342,8 @@ class _DeviceListAllocator(BaseTokenToKVPoolAllocator):
 class TokenToKVPoolAllocator(_DeviceListAllocator):
     """Allocator of single token slots ``1 .. size`` (``page_size == 1``).
 
-    Slots are taken from the head of the free list and freed slots go to its tail (SGLang's order).
+    Slots are taken from the head of the free list and freed slots go to its tail, in the order given (SGLang's
+    order; a slot given twice, or not allocated, is dropped).
 
     :param size: number of allocatable token slots; the KV buffer needs ``size + 1`` (slot 0 is padding).
     :param dtype: KV cache dtype (recorded for the engine).
@@ -396,8 +406,9 @@ class PagedTokenToKVPoolAllocator(_DeviceListAllocator):
     """Allocator of whole pages of ``page_size`` token slots; pages ``1 .. size // page_size``.
 
     Token index of offset ``o`` in page ``p`` is ``p * page_size + o``; the KV buffer needs
-    ``(size // page_size + 1) * page_size`` slots (page 0 is padding).  Freed pages go to the head of the
-    free list (reused first, as in SGLang).
+    ``(size // page_size + 1) * page_size`` slots (page 0 is padding).  The pages of one free (or of one free
+    group) go to the head of the free list in ascending page order, reused first, as in SGLang (its ``free``
+    puts ``torch.unique`` of the pages in front).
 
     :param size: allocatable tokens (rounded down to whole pages).
     :param page_size: tokens per page.
@@ -411,6 +422,7 @@ class PagedTokenToKVPoolAllocator(_DeviceListAllocator):
     """
 
     _to_front = True
+    _sort_each_free = True
 
     def __init__(
         self,

@@ -9,7 +9,17 @@ tokens of one page come in together) is data-dependent, and so is the number of 
 * Every page has a **state**, FREE or ALLOCATED, on the device.  A free keeps a page only if it is allocated
   and this is its first occurrence in the call (an ``atomic_min`` of the position marks the first), so
   duplicates, pages freed twice and the padding page are dropped on the device, in one pass, without sorting
-  and without any shape that depends on the data.  Kept pages go in the order of their first occurrence.
+  and without any shape that depends on the data.
+* **Order.**  Kept pages go in the order of their first occurrence (SGLang's token allocator), or, with
+  ``sort_each_free``, in ascending page order (SGLang's paged allocator, whose ``free`` takes ``torch.unique`` of
+  the pages).  The release kernel sorts in the same launch, choosing on the device the cheaper of two ways
+  from their step counts (weighted by ``_RANK_STEP_COST`` and ``_SCAN_STEP_COST``): each kept page's rank
+  counted among the kept pages (``kept**2`` comparisons, in tiles of ``_RANK_ROWS x _RANK_COLS``; a release
+  first gathers its kept pages after the staged list), or a pass over the page states from the lowest to the
+  highest kept page (``_SCAN_BLOCK`` states a step; each kept page is still marked there).  Nothing depends on
+  the data's shape and nothing is read on the host.  Staged pages keep the order of first occurrence and are
+  sorted all together by the commit that moves them: a free group is one free, as in SGLang (whose
+  ``free_group_end`` frees the concatenation of the group).
 * The lists are device buffers of fixed size: the **ring** (the free list: taken from its head; freed pages
   go in at the head, reused first, or at the tail), **held** (pages released under ``need_sort``: merged
   into the ring, sorted, when an allocation falls short) and **staged** (pages freed inside a free group,
@@ -64,6 +74,15 @@ _EPOCHS = 1 << 15
 #: launch's word is read correctly while fewer than 2**16 launches are in flight after it)
 _MAX_PENDING = 1024
 _BLOCK = 1024
+#: the tile of comparisons a sorted free counts ranks in (rows: pages ranked at once, columns: pages compared)
+_RANK_ROWS, _RANK_COLS = 256, 32
+#: the page states a sorted free's pass over the page states reads in one step
+_SCAN_BLOCK = 1024
+#: the device time of one step of each way, relative (what a sorted free compares to choose; on an H200, a rank
+#: step of 256 x 32 took about 0.57 us and a scan step of 1024 states about 1.0 us)
+_RANK_STEP_COST, _SCAN_STEP_COST = 1, 2
+_WARPS = 4  # warps of the release kernel's one program
+_ALLOCATED = tl.constexpr(ALLOCATED)
 
 
 class PageSource(NamedTuple):
@@ -100,16 +119,119 @@ def head_of(ctl: torch.Tensor, taken: int, capacity: int) -> torch.Tensor:
     return (taken - ctl[OFFSET]) % capacity
 
 
+@triton.jit
+def _ring_slot(base, rank, cap):
+    # The ring slot ``(base + rank) mod cap`` for ``base`` and ``rank`` in ``[0, cap)``, without a division (an
+    # int64 division per lane costs more than the rest of a step).
+    slot = base + rank
+    return tl.where(slot >= cap, slot - cap, slot)
+
+
+@triton.jit
+def _write_in_source_order(
+    src_ptr, ring_ptr, held_ptr, staged_ptr, state_ptr, total, base, cap,
+    PAGE_SIZE: tl.constexpr, FROM_STAGED: tl.constexpr, DEST: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # The kept pages in the order of their first occurrence in the source, from ``base`` on; a released page is
+    # marked FREE (a staged one already is).  Returns how many were written.
+    lanes = tl.arange(0, BLOCK)
+    written = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+    for start in range(0, total, BLOCK):
+        i = start + lanes
+        if FROM_STAGED:
+            keep = i < total
+            page = tl.load(staged_ptr + i, mask=keep, other=0)
+        else:
+            page = tl.load(src_ptr + i, mask=i < total, other=0).to(tl.int64) // PAGE_SIZE
+            ok = (i < total) & (page >= 0) & (page <= cap)
+            keep = ok & (tl.load(state_ptr + page, mask=ok, other=-1, volatile=True) == i)
+        k = keep.to(tl.int32)
+        rank = written + (tl.cumsum(k, axis=0) - k).to(tl.int64)
+        if DEST <= 1:
+            tl.store(ring_ptr + _ring_slot(base, rank, cap), page, mask=keep)
+        elif DEST == 2:
+            tl.store(held_ptr + base + rank, page, mask=keep)
+        else:
+            tl.store(staged_ptr + base + rank, page, mask=keep)
+        if not FROM_STAGED:
+            tl.store(state_ptr + page, tl.full([BLOCK], -1, tl.int32), mask=keep)
+        written += tl.sum(k.to(tl.int64), axis=0)
+    return written
+
+
+@triton.jit
+def _scatter_by_rank(
+    from_ptr, count, ring_ptr, held_ptr, base, cap,
+    DEST: tl.constexpr, RANK_ROWS: tl.constexpr, RANK_COLS: tl.constexpr,
+):  # fmt: skip
+    # The ``count`` distinct pages at ``from_ptr`` in ascending order from ``base`` on: each goes ``r`` places
+    # after it, ``r`` the number of them below it, counted in tiles of RANK_ROWS x RANK_COLS comparisons.
+    rows = tl.arange(0, RANK_ROWS)
+    cols = tl.arange(0, RANK_COLS)
+    for first_row in range(0, count, RANK_ROWS):
+        i = first_row + rows
+        mine = tl.load(from_ptr + i, mask=i < count, other=0)
+        mine32 = mine.to(tl.int32)  # page ids fit: the capacity is below 2**31
+        below = tl.zeros([RANK_ROWS], dtype=tl.int32)
+        for first_col in range(0, count, RANK_COLS):
+            j = first_col + cols
+            theirs = tl.load(from_ptr + j, mask=j < count, other=cap + 1).to(tl.int32)
+            below += tl.sum((theirs[None, :] < mine32[:, None]).to(tl.int32), axis=1)
+        rank = below.to(tl.int64)
+        if DEST <= 1:
+            tl.store(ring_ptr + _ring_slot(base, rank, cap), mine, mask=i < count)
+        else:
+            tl.store(held_ptr + base + rank, mine, mask=i < count)
+
+
+@triton.jit
+def _write_by_page_scan(
+    ring_ptr, held_ptr, staged_ptr, state_ptr, total, base, lowest, highest, cap,
+    FROM_STAGED: tl.constexpr, DEST: tl.constexpr, BLOCK: tl.constexpr, SCAN_BLOCK: tl.constexpr,
+):  # fmt: skip
+    # The kept pages in ascending order, found by a pass over the page states ``lowest .. highest``: a released
+    # page is marked with its position (pass 1 of the release kernel), a staged one is marked here first.  Each
+    # is marked FREE again.  Returns how many were written.
+    lanes = tl.arange(0, BLOCK)
+    if FROM_STAGED:
+        for start in range(0, total, BLOCK):
+            i = start + lanes
+            page = tl.load(staged_ptr + i, mask=i < total, other=0)
+            tl.store(state_ptr + page, tl.zeros([BLOCK], dtype=tl.int32), mask=i < total)
+        tl.debug_barrier()
+    states = tl.arange(0, SCAN_BLOCK)
+    written = tl.sum(tl.zeros([SCAN_BLOCK], dtype=tl.int64), axis=0)
+    for start in range(lowest, highest + 1, SCAN_BLOCK):
+        page = start + states
+        inside = page <= highest
+        mark = tl.load(state_ptr + page, mask=inside, other=-1, volatile=True)
+        keep = inside & (mark >= 0) & (mark != _ALLOCATED)
+        k = keep.to(tl.int32)
+        rank = written + (tl.cumsum(k, axis=0) - k).to(tl.int64)
+        if DEST <= 1:
+            tl.store(ring_ptr + _ring_slot(base, rank, cap), page, mask=keep)
+        else:
+            tl.store(held_ptr + base + rank, page, mask=keep)
+        tl.store(state_ptr + page, tl.full([SCAN_BLOCK], -1, tl.int32), mask=keep)
+        written += tl.sum(k.to(tl.int64), axis=0)
+    return written
+
+
 @triton.jit(do_not_specialize=["n", "taken", "bits"])
 def _release_kernel(
     src_ptr, n, ring_ptr, held_ptr, staged_ptr, ctl_ptr, state_ptr, words_ptr,
     taken, bits, cap,
-    PAGE_SIZE: tl.constexpr, FROM_STAGED: tl.constexpr, DEST: tl.constexpr, BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, FROM_STAGED: tl.constexpr, DEST: tl.constexpr, ASCENDING: tl.constexpr,
+    BIAS: tl.constexpr, BLOCK: tl.constexpr, RANK_ROWS: tl.constexpr, RANK_COLS: tl.constexpr,
+    SCAN_BLOCK: tl.constexpr, RANK_STEP_COST: tl.constexpr, SCAN_STEP_COST: tl.constexpr,
 ):  # fmt: skip
     # One program.  Pass 1 marks each allocated page with its first position in ``src`` (atomic_min: a FREE
-    # page, -1, stays as it is); pass 2 counts the pages kept (only when they go in front of the head, whose
-    # new position depends on it); pass 3 writes them in order and marks them FREE.
+    # page, -1, stays as it is); pass 2 counts the pages kept (when they go in front of the head, whose new
+    # position depends on it, or when they are sorted) and, when sorted, finds the lowest and highest of them;
+    # pass 3 writes them and marks them FREE, in order of first occurrence or (ASCENDING) in ascending order,
+    # whichever of two ways costs fewer steps: ranks counted among the kept pages (kept**2 comparisons, after
+    # the kept pages of a release are gathered after the staged list), or a pass over the page states from the
+    # lowest to the highest kept page (each is still marked there; a staged page is marked first).
     taken = taken - BIAS
     offset = tl.load(ctl_ptr + 0)
     added = tl.load(ctl_ptr + 1)
@@ -129,47 +251,55 @@ def _release_kernel(
         tl.debug_barrier()
 
     kept = zero
-    if DEST == 0:
+    lowest = zero + cap + 1
+    highest = zero
+    if FROM_STAGED:
+        kept = total
+        if ASCENDING:
+            for start in range(0, total, BLOCK):
+                i = start + lanes
+                page = tl.load(staged_ptr + i, mask=i < total, other=0)
+                lowest = tl.minimum(lowest, tl.min(tl.where(i < total, page, cap + 1), axis=0))
+                highest = tl.maximum(highest, tl.max(tl.where(i < total, page, 0), axis=0))
+    elif DEST == 0 or ASCENDING:
         for start in range(0, total, BLOCK):
             i = start + lanes
-            if FROM_STAGED:
-                keep = i < total
-            else:
-                page = tl.load(src_ptr + i, mask=i < total, other=0).to(tl.int64) // PAGE_SIZE
-                ok = (i < total) & (page >= 0) & (page <= cap)
-                keep = ok & (tl.load(state_ptr + page, mask=ok, other=-1, volatile=True) == i)
+            page = tl.load(src_ptr + i, mask=i < total, other=0).to(tl.int64) // PAGE_SIZE
+            ok = (i < total) & (page >= 0) & (page <= cap)
+            keep = ok & (tl.load(state_ptr + page, mask=ok, other=-1, volatile=True) == i)
             kept += tl.sum(keep.to(tl.int64), axis=0)
+            if ASCENDING:
+                lowest = tl.minimum(lowest, tl.min(tl.where(keep, page, cap + 1), axis=0))
+                highest = tl.maximum(highest, tl.max(tl.where(keep, page, 0), axis=0))
 
     head = ((taken - offset) % cap + cap) % cap
     if DEST == 0:
-        base = head - kept
+        base = (head - kept + cap) % cap  # kept <= cap
     elif DEST == 1:
-        base = head + cap + added - taken
+        base = (head + cap + added - taken) % cap  # past the ring's last page: head + its count
     elif DEST == 2:
         base = held
     else:
         base = staged
-    written = zero
-    for start in range(0, total, BLOCK):
-        i = start + lanes
-        if FROM_STAGED:
-            keep = i < total
-            page = tl.load(staged_ptr + i, mask=keep, other=0)
+    if ASCENDING:
+        rank_steps = ((kept + RANK_ROWS - 1) // RANK_ROWS) * ((kept + RANK_COLS - 1) // RANK_COLS)
+        scan_steps = (tl.maximum(highest - lowest + 1, 0) + SCAN_BLOCK - 1) // SCAN_BLOCK
+        if rank_steps * RANK_STEP_COST <= scan_steps * SCAN_STEP_COST:
+            if FROM_STAGED:
+                gathered = zero  # the staged list itself
+            else:  # gather the kept pages after the staged list (free room: kept + staged pages <= capacity)
+                gathered = staged
+                _write_in_source_order(src_ptr, ring_ptr, held_ptr, staged_ptr, state_ptr, total, staged, cap,
+                                       PAGE_SIZE, False, 3, BLOCK)  # fmt: skip
+                tl.debug_barrier()  # the gathered pages, visible to every thread
+            _scatter_by_rank(staged_ptr + gathered, kept, ring_ptr, held_ptr, base, cap, DEST, RANK_ROWS, RANK_COLS)
+            written = kept
         else:
-            page = tl.load(src_ptr + i, mask=i < total, other=0).to(tl.int64) // PAGE_SIZE
-            ok = (i < total) & (page >= 0) & (page <= cap)
-            keep = ok & (tl.load(state_ptr + page, mask=ok, other=-1, volatile=True) == i)
-        k = keep.to(tl.int32)
-        rank = written + (tl.cumsum(k, axis=0) - k).to(tl.int64)
-        if DEST <= 1:
-            tl.store(ring_ptr + ((base + rank) % cap + cap) % cap, page, mask=keep)
-        elif DEST == 2:
-            tl.store(held_ptr + base + rank, page, mask=keep)
-        else:
-            tl.store(staged_ptr + base + rank, page, mask=keep)
-        if not FROM_STAGED:
-            tl.store(state_ptr + page, tl.full([BLOCK], -1, tl.int32), mask=keep)
-        written += tl.sum(k.to(tl.int64), axis=0)
+            written = _write_by_page_scan(ring_ptr, held_ptr, staged_ptr, state_ptr, total, base, lowest, highest,
+                                          cap, FROM_STAGED, DEST, BLOCK, SCAN_BLOCK)  # fmt: skip
+    else:
+        written = _write_in_source_order(src_ptr, ring_ptr, held_ptr, staged_ptr, state_ptr, total, base, cap,
+                                         PAGE_SIZE, FROM_STAGED, DEST, BLOCK)  # fmt: skip
 
     if DEST == 0:
         tl.store(ctl_ptr + 0, offset + written)
@@ -194,12 +324,15 @@ class FreePageList:
     :param use_triton: Triton kernels (else the torch reference).
     :param to_front: freed pages go to the head of the ring (reused first) rather than its tail.
     :param need_sort: freed pages are held back and merged sorted when an allocation falls short.
+    :param sort_each_free: the pages of one free (a :meth:`release`, or the pages a :meth:`commit_staged` moves)
+        go in ascending page order (SGLang's paged allocator: ``torch.unique`` of the freed pages), rather than in
+        the order of their first occurrence (its token allocator).
     """
 
     def __init__(self, capacity: int, page_size: int, device: torch.device, *, use_triton: bool,
-                 to_front: bool, need_sort: bool):  # fmt: skip
+                 to_front: bool, need_sort: bool, sort_each_free: bool = False):  # fmt: skip
         self.capacity, self.page_size, self.device = int(capacity), int(page_size), torch.device(device)
-        self.use_triton, self.need_sort = use_triton, need_sort
+        self.use_triton, self.need_sort, self.sort_each_free = use_triton, need_sort, sort_each_free
         self._release_to = TO_HELD if need_sort else (TO_FRONT if to_front else TO_BACK)
         self._on_gpu = self.device.type == "cuda"
         if self._on_gpu and self.device.index is None:
@@ -362,14 +495,17 @@ class FreePageList:
         self.taken += n
 
     def release(self, index: torch.Tensor, *, staged: bool = False) -> None:
-        """Give back the pages holding token indices ``index`` (allocated ones, each once, in order of first
-        occurrence): to the ring, held back under ``need_sort``, or ``staged`` until :meth:`commit_staged`."""
+        """Give back the pages holding token indices ``index`` (allocated ones, each once; ascending with
+        ``sort_each_free``, else in order of first occurrence): to the ring, held back under ``need_sort``, or
+        ``staged`` until :meth:`commit_staged` (which sorts all the pages it moves together: staging keeps the
+        order of first occurrence)."""
         self._staged_any |= staged
         self._put(index, staged, False)
 
     def commit_staged(self) -> None:
-        """Move the staged pages where a release would have put them (nothing to launch when nothing was staged
-        since the last commit: an engine's free group is empty on most decode steps)."""
+        """Move the staged pages where a release would have put them, as one free (with ``sort_each_free``, all
+        of them in ascending order; nothing to launch when nothing was staged since the last commit: an engine's
+        free group is empty on most decode steps)."""
         if self._staged_any:
             self._staged_any = False
             self._put(None, False, True)
@@ -409,10 +545,13 @@ class FreePageList:
         n = 0 if index is None else index.numel()
         address = src.data_ptr()
         ring, held, staged, ctl, state, words = self.pointers()
+        ascending = self.sort_each_free and dest != TO_STAGED  # (a fixed choice per dest: not in the key)
         self._launch((src.dtype, address % 16 == 0, dest, from_staged), 1, 1, (
             address, n, ring, held, staged, ctl, state, words, self.taken + TAKEN_BIAS,
-            bits, self.capacity, self.page_size, from_staged, dest, TAKEN_BIAS, _BLOCK,
-        ), lambda: (src, self.ring, self.held, self.staged, self.ctl, self.state, self._words_tensor))  # fmt: skip
+            bits, self.capacity, self.page_size, from_staged, dest, ascending, TAKEN_BIAS, _BLOCK, _RANK_ROWS,
+            _RANK_COLS, _SCAN_BLOCK, _RANK_STEP_COST, _SCAN_STEP_COST,
+        ), lambda: (src, self.ring, self.held, self.staged, self.ctl, self.state, self._words_tensor),
+            num_warps=_WARPS)  # fmt: skip
 
     def _put_native(self, index: torch.Tensor | None, dest: int, from_staged: bool, bits: int) -> None:
         cap, ctl, dev = self.capacity, self.ctl, self.device
@@ -429,7 +568,12 @@ class FreePageList:
             self.state[cap + 1] = FREE
         k = keep.to(torch.int64)
         written = k.sum()
-        rank = torch.cumsum(k, 0) - k
+        if self.sort_each_free and dest != TO_STAGED:  # the kept pages first, ascending
+            page = torch.sort(torch.where(keep, page, torch.iinfo(torch.int64).max)).values
+            rank = torch.arange(page.numel(), device=dev)
+            keep = rank < written
+        else:
+            rank = torch.cumsum(k, 0) - k
         head = head_of(ctl, self.taken, cap)
         if dest == TO_FRONT:
             base, target, size = head - written, self.ring, cap

@@ -310,6 +310,85 @@ def test_token_free_appends_paged_free_prepends():
     assert p.free_pages.tolist() == [2, 3, 4, 5, 6]
 
 
+def _page_tokens(pages, ps, *, extra=()):
+    """The token indices of whole ``pages``, each page's tokens backwards (the order must not matter), then
+    ``extra`` token indices."""
+    tokens = [p * ps + o for p in pages for o in reversed(range(ps))] + list(extra)
+    return torch.tensor(tokens, dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_paged_free_hands_pages_out_in_sglangs_order(kernels, ps):
+    # SGLang's paged free puts torch.unique of the freed pages (ascending) at the head of the free list, so the
+    # pages of one free come back lowest first, before the older free pages; a page given twice, a page that
+    # is already free and the padding page are dropped (kvcore's rule).
+    a = make("paged", 10 * ps, ps=ps, kernels=kernels)
+    assert (a.alloc(8 * ps)[::ps] // ps).tolist() == list(range(1, 9))  # free: [9, 10]
+    a.free(_page_tokens([7, 3, 5], ps, extra=[3 * ps, 9 * ps, 0]))  # page 3 again, free page 9, padding
+    expected = [3, 5, 7] + [9, 10]
+    assert a.free_pages.tolist() == expected
+    a.free(_page_tokens([8, 1], ps))
+    expected = [1, 8] + expected
+    assert a.free_pages.tolist() == expected
+    # the next allocations take them from the head, in that order: whole pages, an extend, a decode step
+    assert (a.alloc(ps)[::ps] // ps).tolist() == expected[:1]
+    pre, seq, last = tensors([0, 0], [ps, 1], [-1, -1])
+    out = a.alloc_extend(pre, pre.cpu(), seq, seq.cpu(), last, ps + 1)
+    assert (out[[0, ps]] // ps).tolist() == expected[1:3]
+    seq, last = tensors([1, 1], [-1, -1])
+    assert (a.alloc_decode(seq, seq.cpu(), last) // ps).tolist() == expected[3:5]
+    assert a.free_pages.tolist() == expected[5:]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_paged_free_group_is_one_sorted_free(kernels, ps):
+    # SGLang's free_group_end frees the concatenation of the group's frees: one torch.unique over all of them.
+    a = make("paged", 10 * ps, ps=ps, kernels=kernels)
+    a.alloc(8 * ps)
+    a.free_group_begin()
+    a.free(_page_tokens([7, 3], ps))
+    a.free(_page_tokens([5, 1], ps, extra=[7 * ps]))
+    a.free_group_end()
+    assert a.free_pages.tolist() == [1, 3, 5, 7, 9, 10]
+    assert (a.alloc(4 * ps)[::ps] // ps).tolist() == [1, 3, 5, 7]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("ps", [1, 16])
+def test_paged_need_sort_keeps_each_free_sorted_until_the_merge(kernels, ps):
+    # Under need_sort SGLang appends each free's torch.unique to its deferred pages and sorts all of them with
+    # the free list when an allocation falls short.
+    a = make("paged", 10 * ps, ps=ps, need_sort=True, kernels=kernels)
+    a.alloc(8 * ps)
+    a.free(_page_tokens([7, 3, 5], ps))
+    a.free(_page_tokens([4, 2], ps))
+    assert a.release_pages.tolist() == [3, 5, 7, 2, 4] and a.free_pages.tolist() == [9, 10]
+    assert (a.alloc(4 * ps)[::ps] // ps).tolist() == [2, 3, 4, 5]  # short: merged and sorted first
+    assert a.free_pages.tolist() == [7, 9, 10] and a.release_pages.numel() == 0
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("need_sort", [False, True])
+def test_token_free_keeps_the_order_given(kernels, need_sort):
+    # SGLang's token allocator appends the freed slots as given, unsorted (to release_pages under need_sort),
+    # and a free group as the concatenation of its frees; kvcore drops a slot given twice and the padding slot.
+    a = make("token", 10, need_sort=need_sort, kernels=kernels)
+    a.alloc(8)
+    a.free(torch.tensor([7, 3, 5, 3, 0], device=DEVICE))
+    a.free_group_begin()
+    a.free(torch.tensor([8, 1], device=DEVICE))
+    a.free(torch.tensor([2], device=DEVICE))
+    a.free_group_end()
+    freed = [7, 3, 5, 8, 1, 2]
+    if need_sort:
+        assert a.free_pages.tolist() == [9, 10] and a.release_pages.tolist() == freed
+    else:
+        assert a.free_pages.tolist() == [9, 10] + freed
+        assert a.alloc(4).tolist() == [9, 10, 7, 3]
+
+
 def test_empty_free_is_noop():
     for a in (make("token", 4, need_sort=True), make("paged", 8, ps=2)):
         before = state_lists(a)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvcore import allocator_kernels as K
+from kvcore import free_list
 from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvcore.free_list import ALLOCATED, FREE, FreePageList
 
@@ -21,8 +22,8 @@ IMPLS = [True, False]  # use_triton
 class Model:
     """What a :class:`FreePageList` holds, as Python lists."""
 
-    def __init__(self, capacity: int, page_size: int, to_front: bool, need_sort: bool):
-        self.ps, self.to_front, self.need_sort = page_size, to_front, need_sort
+    def __init__(self, capacity: int, page_size: int, to_front: bool, need_sort: bool, sort_each_free: bool = False):
+        self.ps, self.to_front, self.need_sort, self.sort_each_free = page_size, to_front, need_sort, sort_each_free
         self.ring, self.held, self.staged = list(range(1, capacity + 1)), [], []
         self.allocated: set[int] = set()
 
@@ -46,8 +47,11 @@ class Model:
 
     def _put(self, pages: list[int], staged: bool) -> None:
         if staged:
-            self.staged += pages
-        elif self.need_sort:
+            self.staged += pages  # in order: the commit is the free that sorts
+            return
+        if self.sort_each_free:
+            pages = sorted(pages)
+        if self.need_sort:
             self.held += pages
         elif self.to_front:
             self.ring = pages + self.ring
@@ -70,15 +74,41 @@ def _tokens(rng: random.Random, pages: list[int], ps: int) -> list[int]:
     return tokens
 
 
+MODES = {  # to_front, need_sort, sort_each_free
+    "front": (True, False, False),  # the token allocator's order, at the head
+    "back": (False, False, False),  # the token allocator's
+    "need_sort": (True, True, False),
+    "front-sorted": (True, False, True),  # the paged allocator's
+    "back-sorted": (False, False, True),
+    "need_sort-sorted": (True, True, True),  # the paged allocator's under need_sort
+}
+
+
+@pytest.fixture(params=["blocks", "small-blocks"])
+def blocks(request, monkeypatch):
+    """The release kernel's blocks as shipped, or small (``small-blocks``, Triton only), so that random frees of a
+    few pages cross blocks and sorted frees take both ways: ranks counted in several tiles, and a pass over the
+    page states."""
+    if request.param == "small-blocks":
+        monkeypatch.setattr(free_list, "_BLOCK", 8)
+        monkeypatch.setattr(free_list, "_RANK_ROWS", 4)
+        monkeypatch.setattr(free_list, "_RANK_COLS", 2)
+        monkeypatch.setattr(free_list, "_SCAN_BLOCK", 8)
+    return request.param
+
+
 @pytest.mark.parametrize("use_triton", IMPLS, ids=["triton", "native"])
-@pytest.mark.parametrize("to_front,need_sort", [(True, False), (False, False), (True, True)],
-                         ids=["front", "back", "need_sort"])  # fmt: skip
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("seed", range(3))
-def test_random_operations_match_lists(use_triton, to_front, need_sort, seed):
+def test_random_operations_match_lists(use_triton, mode, seed, blocks):
+    if blocks == "small-blocks" and not use_triton:
+        pytest.skip("the torch reference has no blocks")
+    to_front, need_sort, sort_each_free = MODES[mode]
     rng = random.Random(seed)
     capacity, ps = rng.choice([(7, 1), (13, 3), (40, 2)])
-    fl = FreePageList(capacity, ps, DEVICE, use_triton=use_triton, to_front=to_front, need_sort=need_sort)
-    model = Model(capacity, ps, to_front, need_sort)
+    fl = FreePageList(capacity, ps, DEVICE, use_triton=use_triton, to_front=to_front, need_sort=need_sort,
+                      sort_each_free=sort_each_free)  # fmt: skip
+    model = Model(capacity, ps, to_front, need_sort, sort_each_free)
     pages_impl = K.alloc_pages_triton if use_triton else K.alloc_pages_native
     decode_impl = K.alloc_decode_triton if use_triton else K.alloc_decode_native
     in_group, snap = False, None
@@ -109,8 +139,11 @@ def test_random_operations_match_lists(use_triton, to_front, need_sort, seed):
             tokens = _tokens(rng, chosen, ps)
             if rng.random() < 0.2:  # a page freed again: ignored
                 tokens += _tokens(rng, chosen[:1], ps)
-            fl.release(torch.tensor(tokens, dtype=torch.int64, device=DEVICE), staged=in_group)
-            model.release(tokens, in_group)
+            # inside a group, now and then a release beside the staged pages (a sorted one gathers its pages
+            # after them)
+            staged = in_group and rng.random() < 0.8
+            fl.release(torch.tensor(tokens, dtype=torch.int64, device=DEVICE), staged=staged)
+            model.release(tokens, staged)
         elif op == "group":
             if in_group:
                 fl.commit_staged()
@@ -205,17 +238,46 @@ def test_an_empty_free_group_launches_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("use_triton", IMPLS, ids=["triton", "native"])
-def test_long_frees_cross_the_kernel_block(use_triton):
+@pytest.mark.parametrize("sort_each_free", [False, True], ids=["first-occurrence", "ascending"])
+def test_long_frees_cross_the_kernel_block(use_triton, sort_each_free):
     """More tokens than one block of the release kernel, pages repeating across blocks."""
     ps, capacity = 2, 1500
-    fl = FreePageList(capacity, ps, DEVICE, use_triton=use_triton, to_front=True, need_sort=False)
+    fl = FreePageList(capacity, ps, DEVICE, use_triton=use_triton, to_front=True, need_sort=False,
+                      sort_each_free=sort_each_free)  # fmt: skip
     fl.before_write()
     got = (K.alloc_pages_triton if use_triton else K.alloc_pages_native)(fl.source(), capacity, ps)
     fl.took(capacity)
     order = list(range(capacity, 0, -1))
     tokens = [p * ps + 1 for p in order] + [p * ps for p in order[::3]]  # every page, then a third again
     fl.release(torch.tensor(tokens, device=DEVICE))
-    assert got.numel() == capacity * ps and fl.ids().tolist() == order
+    assert got.numel() == capacity * ps and fl.ids().tolist() == (sorted(order) if sort_each_free else order)
+
+
+@pytest.mark.parametrize("use_triton", IMPLS, ids=["triton", "native"])
+@pytest.mark.parametrize("spread", ["wide", "narrow"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["free", "group"])
+def test_sorted_frees_of_many_pages(use_triton, spread, grouped):
+    """A sorted free of hundreds of pages, with the kernel's own blocks: pages spread over a wide range are
+    ranked over several tiles of comparisons, pages of a narrow range by a pass over its page states; from a
+    release, or from a commit of three staged releases (one free)."""
+    rng = random.Random(f"{spread}{grouped}")
+    capacity, ps = 20000, 3
+    fl = FreePageList(capacity, ps, DEVICE, use_triton=use_triton, to_front=True, need_sort=False, sort_each_free=True)
+    fl.before_write()
+    K.alloc_pages_native(fl.source(), capacity - 2, ps)  # pages 1 .. capacity - 2; the last two stay free
+    fl.took(capacity - 2)
+    pages = rng.sample(range(1, capacity - 1), 300) if spread == "wide" else rng.sample(range(5000, 6400), 1300)
+    tokens = [p * ps + rng.randrange(ps) for p in pages for _ in range(rng.randint(1, 2))]
+    tokens += rng.sample(tokens, 50) + [0, 1, (capacity - 1) * ps]  # again, the padding page, a free page
+    rng.shuffle(tokens)
+    parts = [tokens[: len(tokens) // 3], tokens[len(tokens) // 3 : len(tokens) // 2], tokens[len(tokens) // 2 :]]
+    for part in parts if grouped else [tokens]:
+        fl.release(torch.tensor(part, dtype=torch.int64, device=DEVICE), staged=grouped)
+    fl.commit_staged()
+    assert fl.ids().tolist() == sorted(pages) + [capacity - 1, capacity]
+    state = fl.state[1 : capacity + 1]
+    assert (state == FREE).sum() == len(pages) + 2 and bool((state[torch.tensor(pages) - 1] == FREE).all())
+    assert bool(((state == FREE) | (state == ALLOCATED)).all()), "a free left a mark behind"
 
 
 # ------------------------------------------------------------------------------------------------------------
