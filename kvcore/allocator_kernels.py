@@ -45,6 +45,7 @@ __all__ = [
     "alloc_decode_native",
     "alloc_decode_triton",
     "DecodeStep",
+    "extend_counts",
     "num_new_pages_extend",
     "num_new_pages_decode",
 ]
@@ -66,6 +67,28 @@ def _host_array(x):
     if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not x.requires_grad:
         return x.numpy()
     return x
+
+
+#: CPU batches up to this many requests are counted on their Python lists, larger ones through numpy views (each
+#: is the cheaper on its side: on the CPU, 0.7 against 5.8 us for 1 request, 36 against 6.3 us for 256)
+_LIST_COUNT_MAX = 32
+
+
+def extend_counts(prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, page_size: int) -> tuple[int, int]:
+    """``(tokens, new pages)`` of an extend, from the CPU copies of its lengths, in one pass:
+    ``sum(seq - prefix)`` and ``sum(ceil(seq/ps) - ceil(prefix/ps))`` (what the allocator checks the caller's
+    token count against, and takes).  Never touches a device."""
+    if prefix_lens_cpu.numel() <= _LIST_COUNT_MAX and not prefix_lens_cpu.requires_grad:
+        tokens = pages = 0
+        for pre, seq in zip(prefix_lens_cpu.tolist(), seq_lens_cpu.tolist()):
+            tokens += seq - pre
+            pages += (seq + page_size - 1) // page_size - (pre + page_size - 1) // page_size
+        return int(tokens), int(pages)
+    pre, seq = _host_array(prefix_lens_cpu), _host_array(seq_lens_cpu)
+    tokens = int((seq - pre).sum())
+    if page_size == 1:
+        return tokens, tokens
+    return tokens, int(((seq + (page_size - 1)) // page_size - (pre + (page_size - 1)) // page_size).sum())
 
 
 def num_new_pages_extend(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> int:

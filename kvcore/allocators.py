@@ -490,17 +490,15 @@ class PagedTokenToKVPoolAllocator(_DeviceListAllocator):
                     {"prefix_lens_cpu": prefix_lens_cpu, "seq_lens_cpu": seq_lens_cpu})  # fmt: skip
         extend_num_tokens = _token_count(extend_num_tokens)
         if prefix_lens_cpu is not None and seq_lens_cpu is not None:
-            pre_c, seq_c = prefix_lens_cpu, seq_lens_cpu
-            # Cheap on the CPU and catches a mismatch that would otherwise write past the output.
-            total = _k.num_new_pages_extend(pre_c, seq_c, 1)
+            # Cheap on the CPU, and the token count catches a mismatch that would otherwise write past the output.
+            total, num_new_pages = _k.extend_counts(prefix_lens_cpu, seq_lens_cpu, self.page_size)
             if total != extend_num_tokens:
                 raise ValueError(
                     f"extend_num_tokens={extend_num_tokens} but sum(seq_lens_cpu - prefix_lens_cpu)={total}; "
                     "pass the number of tokens being extended"
                 )
         else:
-            pre_c, seq_c = prefix_lens, seq_lens  # syncs with the device
-        num_new_pages = _k.num_new_pages_extend(pre_c, seq_c, self.page_size)
+            num_new_pages = _k.num_new_pages_extend(prefix_lens, seq_lens, self.page_size)  # syncs with the device
         if not self._ensure_free_pages(num_new_pages):
             return None
         out = self._extend_impl(prefix_lens, seq_lens, last_loc, self._source(), self.page_size, extend_num_tokens)

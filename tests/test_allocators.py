@@ -107,6 +107,19 @@ def tensors(*lists, dtype=torch.int64):
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("bs", [1, 5, K._LIST_COUNT_MAX, K._LIST_COUNT_MAX + 1, 200])
+def test_extend_counts_are_the_tokens_and_pages_of_an_extend(ps, bs):
+    """One pass over the CPU lengths gives the tokens and the new pages, counted on the lists for small batches
+    and through numpy for large ones, both as the model counts them (int32 and int64 lengths)."""
+    rng = random.Random(bs * 7 + ps)
+    pre, seq, last = random_batch(rng, ps, bs, max_len=3 * ps + 9)
+    _, pages = model_extend(pre, seq, last, list(range(10**6)), ps)
+    for dtype in (torch.int32, torch.int64):
+        pre_t, seq_t = (torch.tensor(x, dtype=dtype) for x in (pre, seq))
+        assert K.extend_counts(pre_t, seq_t, ps) == (sum(seq) - sum(pre), pages)
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
 @pytest.mark.parametrize("seed", range(4))
 def test_alloc_extend_kernel_matches_reference_and_model(ps, seed):
     rng = random.Random(seed * 100 + ps)
