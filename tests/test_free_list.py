@@ -84,25 +84,22 @@ MODES = {  # to_front, need_sort, sort_each_free
 }
 
 
-@pytest.fixture(params=["blocks", "small-blocks"])
-def blocks(request, monkeypatch):
-    """The release kernel's blocks as shipped, or small (``small-blocks``, Triton only), so that random frees of a
-    few pages cross blocks and sorted frees take both ways: ranks counted in several tiles, and a pass over the
-    page states."""
-    if request.param == "small-blocks":
+#: (use_triton, blocks) of the random runs: the release kernel's blocks as shipped, or small (Triton only: the
+#: torch reference has no blocks), so that random frees of a few pages cross blocks and sorted frees take both
+#: ways: ranks counted in several tiles, and a pass over the page states
+RANDOM_RUNS = {"triton": (True, False), "triton-small-blocks": (True, True), "native": (False, False)}
+
+
+@pytest.mark.parametrize("run", sorted(RANDOM_RUNS))
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("seed", range(3))
+def test_random_operations_match_lists(run, mode, seed, monkeypatch):
+    use_triton, small_blocks = RANDOM_RUNS[run]
+    if small_blocks:
         monkeypatch.setattr(free_list, "_BLOCK", 8)
         monkeypatch.setattr(free_list, "_RANK_ROWS", 4)
         monkeypatch.setattr(free_list, "_RANK_COLS", 2)
         monkeypatch.setattr(free_list, "_SCAN_BLOCK", 8)
-    return request.param
-
-
-@pytest.mark.parametrize("use_triton", IMPLS, ids=["triton", "native"])
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("seed", range(3))
-def test_random_operations_match_lists(use_triton, mode, seed, blocks):
-    if blocks == "small-blocks" and not use_triton:
-        pytest.skip("the torch reference has no blocks")
     to_front, need_sort, sort_each_free = MODES[mode]
     rng = random.Random(seed)
     capacity, ps = rng.choice([(7, 1), (13, 3), (40, 2)])
