@@ -480,7 +480,9 @@ class HybridReqToTokenPool(ReqToTokenPool):
                 keep = [i for i in range(self.mamba_ping_pong_track_buffer_size) if i != mamba_ping_pong_track_buffer_to_keep]
                 track = track[:, keep]
             track = track.reshape(-1)
-            self.mamba_pool.free(track[track >= 0].to(torch.int64))  # a lazy request's unset slots are -1
+            if self.enable_mamba_extra_buffer_lazy:  # a lazy request's unset slots are -1 (dropping them reads the
+                track = track[track >= 0]  # device: the lazy mode's frees wait for it, the others never do)
+            self.mamba_pool.free(track.to(torch.int64))
 
     def clear(self) -> None:
         super().clear()
