@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from kvcore import allocator_kernels as k
+from kvcore.kernels import allocator_kernels as k
 
 BS, FINISHING, STEPS, RUNS, ROUNDS = 256, 8, 500, 21, 3
 

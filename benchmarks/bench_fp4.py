@@ -5,7 +5,7 @@ out), a pool of 200k tokens, ``N`` random distinct locations.  Per format and si
 
 - correctness first: after the store, the Triton pool's codes and scales at those rows equal the torch pool's,
   and the gather of the same rows is bit-equal (``ok``); a row that is not ok is still timed, and flagged;
-- device time of one store and one gather in CUDA-graph replay (median, :func:`kvcore.bench.graph_us`), the
+- device time of one store and one gather in CUDA-graph replay (median, :func:`kvcore.tools.bench.graph_us`), the
   torch path (``kernels="native"``) beside, and the share of the measured copy ceiling on the bytes the call
   must move (bf16 K and V, codes and scales, the locations);
 - then the gathered read of 4096 rows set against the seed's whole-layer dequantize of the same layer
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from triton.testing import do_bench
 
     import kvcore_fp4.kernels as kernels
-    from kvcore.bench import copy_ceiling_gbps, graph_us
+    from kvcore.tools.bench import copy_ceiling_gbps, graph_us
 
     if args.tile is not None:
         tokens, warps, *rows = args.tile.split("x")

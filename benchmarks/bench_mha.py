@@ -22,7 +22,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kvcore import row_move
+from kvcore.kernels import row_move
 from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvcore_mha import kernels
 from kvcore_mha.pool import MHATokenToKVPool

@@ -1,5 +1,5 @@
 """Host cost of one Triton launch on this GPU by path (JIT dispatcher, compiled launcher, its C entry) beside a
-bare torch op, index_put and the tensor calls a hot path makes (the probe behind kvcore.launch).
+bare torch op, index_put and the tensor calls a hot path makes (the probe behind kvcore.kernels.launch).
 
     python3 benchmarks/probe_launch.py
 """

@@ -3,7 +3,7 @@
     python benchmarks/tune_mha.py
 
 The chosen defaults live in ``kvcore_mha.kernels`` (STORE_TILE_ELEMS, STORE_COPY_TILE_ELEMS, _STORE_NUM_WARPS)
-and ``kvcore.row_move`` (_COPY_TILE_WORDS, _COPY_NUM_WARPS); this script shows the neighbourhood they were
+and ``kvcore.kernels.row_move`` (_COPY_TILE_WORDS, _COPY_NUM_WARPS); this script shows the neighbourhood they were
 picked from.
 """
 
@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from bench_mha import DIM, HEADS, LAYERS, copy_ceiling, graph_time_us
-from kvcore import row_move
+from kvcore.kernels import row_move
 from kvcore_mha import kernels
 
 

@@ -1,5 +1,5 @@
 """Writes docs/configuration.md, the reference of every config key, from the attrs schema itself: the core's
-keys (``kvcore/config.py``), and the model sections and ``kv_cache.options`` the built-in plugins declare.
+keys (``kvcore/config/``), and the model sections and ``kv_cache.options`` the built-in plugins declare.
 
     python docs/generate_config_reference.py          # rewrite docs/configuration.md
     python docs/generate_config_reference.py --check  # exit 1 when the file is stale

@@ -12,13 +12,13 @@ table (what engines call) are here too, imported on first use so that ``import k
 
 import importlib
 
-from kvcore.api import Pools, build_pools, make_request, plan_memory, select
+from kvcore.api import Pools, build_pools, load_config, make_request, plan_memory, select
 from kvcore.backend import BackendSpec, PoolRequest
-from kvcore.config import EngineConfig, load_config
+from kvcore.config import EngineConfig
 from kvcore.errors import ConfigError, KVCoreError, PlanningError, PluginError, SelectionError
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import BufferLayout, PoolLayout
-from kvcore.planner import MemoryPlan
+from kvcore.planning.planner import MemoryPlan
 
 __version__ = "0.1.0"
 

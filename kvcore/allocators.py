@@ -8,7 +8,7 @@ Shared rules:
 * Slot 0 (page 0 when paged) is padding and is never handed out; the free list starts at 1.  A paged
   allocator over ``size`` tokens has ``size // page_size`` pages, ids ``1 .. num_pages``, and token indices up
   to ``(num_pages + 1) * page_size - 1``: the KV buffer needs ``size + page_size`` slots.
-* Both allocators keep their pages in a :class:`kvcore.free_list.FreePageList` on their device, with a
+* Both allocators keep their pages in a :class:`kvcore.kernels.free_list.FreePageList` on their device, with a
   FREE / ALLOCATED state per page: no call of the decode loop (``alloc_decode`` with ``seq_lens_cpu``,
   ``alloc_extend`` with the CPU copies, ``alloc``, ``free``, ``free_group_end``) waits for the device, and each
   is one kernel launch on a GPU.  Only ``available_size`` (exact by design) and an allocation that a nearly
@@ -36,10 +36,10 @@ from typing import Any, Optional
 
 import torch
 
-from kvcore import allocator_kernels as _k
+from kvcore.kernels import allocator_kernels as _k
 from kvcore.errors import ConfigError
-from kvcore.kernel_mode import use_triton
-from kvcore.free_list import FreePageList
+from kvcore.kernels.kernel_mode import use_triton
+from kvcore.kernels.free_list import FreePageList
 
 __all__ = [
     "ALLOC_DECODE_ORDER",
@@ -229,7 +229,7 @@ class BaseTokenToKVPoolAllocator:
 
 
 class _DeviceListAllocator(BaseTokenToKVPoolAllocator):
-    """What the token and paged allocators share: their pages in a :class:`~kvcore.free_list.FreePageList`.
+    """What the token and paged allocators share: their pages in a :class:`~kvcore.kernels.free_list.FreePageList`.
 
     ``free_pages`` / ``release_pages`` are read back from the device (for inspection; they wait for it).
     Frees inside a free group are staged on the device at once (the caller may reuse its tensor) and moved to

@@ -9,13 +9,26 @@ import torch
 
 from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.config import EngineConfig, ModelConfig
+from kvcore.config import loading
 from kvcore.errors import ConfigError, PluginError
 from kvcore.layout import PoolLayout
-from kvcore.planner import MemoryPlan, memory_budget, plan_from_layouts
+from kvcore.planning.planner import MemoryPlan, memory_budget, plan_from_layouts
 from kvcore.plugins import Registry, get_registry
-from kvcore.selection import Selection, select_backend
+from kvcore.plugins.selection import Selection, select_backend
 
 logger = logging.getLogger(__name__)
+
+
+def load_config(*overrides: str, path=None, registry: Registry | None = None) -> EngineConfig:
+    """Compose and validate an :class:`~kvcore.config.EngineConfig` from ``group=option`` choices
+    (``model=llama-3-8b``) and dotlist overrides (``kv_cache.page_size=16``) over the engine YAML at ``path``
+    (default: the ``engine.yaml`` shipped with kvcore); see :mod:`kvcore.config.loading`.
+
+    :param registry: the plugins whose model sections and block formats the config may use (default: the
+        installed plugins).
+    :raises ConfigError: naming the full key path of whatever is wrong.
+    """
+    return loading.load_config(*overrides, path=path, registry=registry or get_registry())
 
 
 def _core_request(cfg: EngineConfig, pp_rank: int | None = None) -> PoolRequest:
@@ -131,11 +144,11 @@ def build_pools(
     """Plan (unless ``plan`` is given) and allocate the pools for this rank.
 
     Inside an initialised ``torch.distributed`` process group (``group``, default the world) of more than one
-    rank, this is collective (:mod:`kvcore.distributed`): each rank takes its pipeline stage from its rank, plans
+    rank, this is collective (:mod:`kvcore.planning.distributed`): each rank takes its pipeline stage from its rank, plans
     from its own ``free_memory_bytes``, and every planned size is the minimum over the ranks.  A ``plan`` given
-    by the caller is used as it is (agree it first with :func:`kvcore.distributed.agree`).
+    by the caller is used as it is (agree it first with :func:`kvcore.planning.distributed.agree`).
     """
-    from kvcore import distributed
+    from kvcore.planning import distributed
 
     registry = registry or get_registry()
     if distributed.active(group):

@@ -2,7 +2,7 @@
 
 A plugin describes each pool backend it provides as a frozen :class:`BackendSpec` (yielded from the
 ``kvcore_register_backends`` hook).  The core turns a loaded config into a :class:`PoolRequest` and picks the
-backend whose declared capabilities match it; :func:`kvcore.selection.select_backend` explains the choice.
+backend whose declared capabilities match it; :func:`kvcore.plugins.selection.select_backend` explains the choice.
 """
 
 from __future__ import annotations

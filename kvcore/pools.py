@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from kvcore.dtypes import storage_dtype
+from kvcore.kernels.dtypes import storage_dtype
 from kvcore.errors import ConfigError
-from kvcore.kernel_mode import use_triton
-from kvcore.row_move import RowMover, move_token_rows_native
+from kvcore.kernels.kernel_mode import use_triton
+from kvcore.kernels.row_move import RowMover, move_token_rows_native
 from kvcore.token_rows import TokenRows
 
 GB = 1 << 30
@@ -196,7 +196,7 @@ class KVCache(abc.ABC):
     ``layer_id_override``) and layer-wise loading (:meth:`register_layer_transfer_counter`).
 
     :param kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``native`` (see
-        :mod:`kvcore.kernel_mode`).
+        :mod:`kvcore.kernels.kernel_mode`).
     :raises ValueError: for non-positive sizes, a size that is not whole pages, or a layer range that does not
         span ``layer_num`` layers.
     :raises ConfigError: for a kernels mode the device cannot run.
@@ -371,7 +371,7 @@ class KVCache(abc.ABC):
         """Move tokens ``src_loc`` to ``tgt_loc`` in every layer of every :meth:`token_rows` buffer, as if all
         sources were read first (overlapping sets are safe; targets must be distinct).
 
-        The overlap-safe row move of :mod:`kvcore.row_move`, two buffers per launch where they stack the same
+        The overlap-safe row move of :mod:`kvcore.kernels.row_move`, two buffers per launch where they stack the same
         number of layers (:meth:`move_groups`): one launch per pair up to 512 tokens, no host sync.
         ``_use_triton`` (the kernels mode) picks the Triton kernels or the torch reference."""
         if tgt_loc.numel() != src_loc.numel():

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvcore import allocator_kernels as K
-from kvcore.free_list import ALLOCATED, PageSource
+from kvcore.kernels import allocator_kernels as K
+from kvcore.kernels.free_list import ALLOCATED, PageSource
 from kvcore.errors import ConfigError
 from kvcore.allocators import (
     BaseTokenToKVPoolAllocator,

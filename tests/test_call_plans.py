@@ -1,4 +1,4 @@
-"""Call plans (kvcore.launch.Plan): a hot path checks and plans a call signature once, then launches from the
+"""Call plans (kvcore.kernels.launch.Plan): a hot path checks and plans a call signature once, then launches from the
 plan.  The plan's launch, the memo's bound, and the hot paths that plan: every call of a signature writes and
 reads what the torch path does, whatever its data, locations and layer; a call the checks refuse is refused
 after good calls of other signatures too.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore import launch
+from kvcore.kernels import launch
 from kvcore.testing.tensors import bits_equal, test_device
 from kvcore_dsa.pool import DSATokenToKVPool
 from kvcore_mla.pool import MLATokenToKVPool
@@ -19,7 +19,7 @@ DEVICE = test_device()
 
 
 class _FakeLauncher:
-    """What :class:`kvcore.launch.Plan` uses of a Launcher, recording its calls."""
+    """What :class:`kvcore.kernels.launch.Plan` uses of a Launcher, recording its calls."""
 
     direct = True
     _device_index = 0

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from kvcore.check import CheckPlan, CheckVariant, plan_check
-from kvcore.config import load_config
+from kvcore.tools.check import CheckPlan, CheckVariant, plan_check
+from kvcore import load_config
 from kvcore.errors import ConfigError
 from kvcore.plugins import load_registry
 
@@ -104,7 +104,7 @@ def test_the_plan_crosses_into_the_child_process_intact(registry):
 def test_a_whole_run_reports_every_check_by_name_and_exits_zero():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVCORE_PLUGINS")}
     device = ["--device", "cuda"] if os.environ.get("KVCORE_TEST_COMPILED") == "1" else ["--kernels", "triton"]
-    run = subprocess.run([sys.executable, "-m", "kvcore.cli", "check", "mla", "--dtype", "bfloat16", "--page-size", "4",
+    run = subprocess.run([sys.executable, "-m", "kvcore.tools.cli", "check", "mla", "--dtype", "bfloat16", "--page-size", "4",
                           *device], env=env, capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr
     lines = run.stdout.splitlines()

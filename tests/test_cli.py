@@ -1,5 +1,5 @@
 """The ``kvcore`` command line: ``plan``, ``plugins`` (with ``--explain``), ``up``, error exit codes, and
-``python -m kvcore.cli`` in a subprocess.
+``python -m kvcore.tools.cli`` in a subprocess.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 import kvcore.plugins
-from kvcore.cli import main
+from kvcore.tools.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GIB = 2**30
@@ -26,7 +26,7 @@ def _clean_plugin_env(monkeypatch):
     """The CLI uses the process-wide registry: load it fresh from the installed plugins, no KVCORE_* switches."""
     for var in ("KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGINS", "KVCORE_STRICT_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", None)
 
 
 def raw(group: str, name: str) -> dict:
@@ -188,7 +188,7 @@ def test_up_native_kernels_paged(capsys):
 def test_module_entry_point_subprocess(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
     result = subprocess.run(
-        [sys.executable, "-m", "kvcore.cli", "plan", "model=llama-3-8b", "hardware=h100"],
+        [sys.executable, "-m", "kvcore.tools.cli", "plan", "model=llama-3-8b", "hardware=h100"],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -205,7 +205,7 @@ def test_bench_needs_a_gpu_and_says_so(capsys, monkeypatch):
 
 
 def test_bench_tables_line_up():
-    from kvcore.bench import TABLES, Row, format_tables
+    from kvcore.tools.timing import TABLES, Row, format_tables
 
     rows = [
         Row("host", "mha set_kv_buffer bf16", 8, 9.5, 18.4, 6.0),

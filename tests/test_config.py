@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvcore import ConfigError
-from kvcore.config import EngineConfig, load_config
+from kvcore import load_config
+from kvcore.config import EngineConfig
 
 TINY_MODEL = """\
 name: tiny

@@ -10,7 +10,7 @@ import pytest
 
 import kvcore.plugins
 from kvcore import load_config, plan_memory
-from kvcore.cli import main
+from kvcore.tools.cli import main
 from kvcore.errors import KVCoreError
 
 
@@ -18,7 +18,7 @@ from kvcore.errors import KVCoreError
 def _fresh_registry(monkeypatch):
     for var in ("KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGINS", "KVCORE_STRICT_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", None)
 
 
 def error_of(*args: str) -> str:

@@ -15,7 +15,7 @@ import torch
 
 import kvcore
 from kvcore import BackendSpec, BufferLayout, ConfigError, load_config
-from kvcore.cli import main
+from kvcore.tools.cli import main
 from kvcore.config import all_keys
 from kvcore.plugins import load_registry
 from kvcore_mla.layout import MLADims
@@ -38,7 +38,7 @@ def test_every_key_is_documented(registry):
 
 
 def test_config_command_lists_keys_with_defaults(capsys, monkeypatch):
-    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", None)
     assert main(["config"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("kv_cache.options.index_dtype"))
@@ -106,7 +106,7 @@ def test_layouts_describe_themselves(buffer, line):
 
 
 def test_plan_report_describes_the_layout_not_heads(capsys, monkeypatch):
-    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", None)
     assert main(["plan", "model=deepseek-v3.2", "hardware=h200"]) == 0
     out = capsys.readouterr().out
     assert "KV head" not in out and "dsa attention, 61 layers" in out
@@ -128,7 +128,7 @@ def test_launcher_sees_an_empty_hook_chain_as_no_hook(monkeypatch):
     launches through the dispatcher, or every call pays the dispatcher's host time."""
     import triton
 
-    from kvcore import launch
+    from kvcore.kernels import launch
 
     runtime = triton.knobs.runtime
     if hasattr(runtime.launch_enter_hook, "calls"):
@@ -153,7 +153,7 @@ def test_launcher_gives_the_dispatcher_tensors_for_addresses():
     import triton
     import triton.language as tl
 
-    from kvcore.launch import Launcher
+    from kvcore.kernels.launch import Launcher
 
     @triton.jit
     def add_one(dst_ptr, n, src_ptr, BLOCK: tl.constexpr):
@@ -185,7 +185,7 @@ def test_importing_kvcore_leaves_triton_unimported():
     """``import kvcore`` (its API, config, planner, checked mode) must not import Triton: ``@triton.jit`` picks
     interpreted or compiled kernels when a kernel module is imported, so the kit must set TRITON_INTERPRET
     first."""
-    code = "import sys, kvcore, kvcore.api, kvcore.checked, kvcore.planner; print('triton' in sys.modules)"
+    code = "import sys, kvcore, kvcore.api, kvcore.checked, kvcore.planning.planner; print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvcore import load_config, plan_memory
-from kvcore.distributed import placement
+from kvcore.planning.distributed import placement
 from kvcore.errors import ConfigError
 
 MODEL = ["model=qwen2.5-0.5b", "hardware=cpu", "hardware.kernels=native"]

@@ -1,4 +1,4 @@
-"""Bit-exact tests of the fp8 / bf16 encoders and decoders in ``kvcore.fp8`` against torch's conversions.
+"""Bit-exact tests of the fp8 / bf16 encoders and decoders in ``kvcore.kernels.fp8`` against torch's conversions.
 
 Interpreted on the CPU by default (the integer encoders); compiled on CUDA with KVCORE_TEST_COMPILED=1.
 """
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore import dtypes, fp8
+from kvcore.kernels import dtypes, fp8
 
 from kvcore.testing.tensors import compiled, skip_module_without_device, test_device
 

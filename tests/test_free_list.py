@@ -1,4 +1,4 @@
-"""kvcore.free_list: the allocators' device free lists, against plain Python lists on random operations (both
+"""kvcore.kernels.free_list: the allocators' device free lists, against plain Python lists on random operations (both
 implementations), and the decode loop of both allocators under CUDA's sync debug mode on a GPU."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from kvcore import allocator_kernels as K
-from kvcore import free_list
+from kvcore.kernels import allocator_kernels as K
+from kvcore.kernels import free_list
 from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from kvcore.free_list import ALLOCATED, FREE, FreePageList
+from kvcore.kernels.free_list import ALLOCATED, FREE, FreePageList
 
 COMPILED = os.environ.get("KVCORE_TEST_COMPILED") == "1"
 DEVICE = torch.device("cuda" if COMPILED else "cpu")

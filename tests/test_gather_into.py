@@ -90,7 +90,7 @@ def test_a_read_into_strided_views_of_a_wider_buffer(kernels):
 @pytest.mark.parametrize("read", sorted(READS))
 def test_bad_outputs_are_refused_with_the_method_and_what_it_needs(read, kernels):
     """Also after a good call into outputs of the same shapes: a hot path plans each call signature once
-    (kvcore.launch), and a bad output is another signature, checked in full."""
+    (kvcore.kernels.launch), and a bad output is another signature, checked in full."""
     factory, call = READS[read]
     pool = _written(factory, kernels)
     loc = torch.tensor(LOC, device=DEVICE)

@@ -1,4 +1,4 @@
-"""``model=hf:PATH``: a Hugging Face checkpoint's own ``config.json`` as the model spec (kvcore/hf.py).
+"""``model=hf:PATH``: a Hugging Face checkpoint's own ``config.json`` as the model spec (kvcore/config/hf.py).
 
 The files under tests/data/hf are real released configs (tests/data/hf/SOURCES.md says where each came from).
 For every model with a shipped YAML, the spec built from its config.json must give the YAML's attention
@@ -19,9 +19,10 @@ import yaml
 
 from kvcore import ConfigError
 from kvcore.api import plan_memory
-from kvcore.cli import main
-from kvcore.config import load_config, packaged_configs
-from kvcore.hf import hf_model_config
+from kvcore.tools.cli import main
+from kvcore import load_config
+from kvcore.config import packaged_configs
+from kvcore.config.hf import hf_model_config
 
 DATA = Path(__file__).parent / "data" / "hf"
 

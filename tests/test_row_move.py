@@ -1,4 +1,4 @@
-"""Bit-exact tests of the family-independent row move (``kvcore.row_move``) against torch's gather-then-scatter.
+"""Bit-exact tests of the family-independent row move (``kvcore.kernels.row_move``) against torch's gather-then-scatter.
 
 Interpreted on the CPU by default; compiled on CUDA with KVCORE_TEST_COMPILED=1.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore import row_move
+from kvcore.kernels import row_move
 from kvcore.token_rows import TokenRows
 
 from kvcore.testing.tensors import bits_equal as _bits_equal

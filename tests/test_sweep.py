@@ -7,9 +7,9 @@ import pytest
 
 import kvcore.plugins
 from kvcore import load_config, plan_memory
-from kvcore.cli import main
+from kvcore.tools.cli import main
 from kvcore.errors import ConfigError
-from kvcore.sweep import parse_sweep, run_sweep, table
+from kvcore.tools.sweep import parse_sweep, run_sweep, table
 
 BASE = ["model=llama-3-8b", "hardware=h200"]
 
@@ -18,7 +18,7 @@ BASE = ["model=llama-3-8b", "hardware=h200"]
 def _fresh_registry(monkeypatch):
     for var in ("KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGINS", "KVCORE_STRICT_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", None)
 
 
 def test_parse_sweep():

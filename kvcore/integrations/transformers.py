@@ -43,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     ) from exc
 
 from kvcore.config import parse_dtype
-from kvcore.dtypes import is_fp8_dtype
+from kvcore.kernels.dtypes import is_fp8_dtype
 from kvcore.errors import ConfigError, KVCoreError
 
 __all__ = ["SUPPORTED_DTYPES", "KVCacheFullError", "PagedKVCache", "PagedKVLayer", "config_overrides", "model_dimensions"]

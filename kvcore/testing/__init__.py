@@ -32,7 +32,7 @@ import os
 
 if os.environ.get("KVCORE_TEST_COMPILED") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
-else:  # compiled kernels: check every direct launch against Triton's own dispatch (kvcore.launch)
+else:  # compiled kernels: check every direct launch against Triton's own dispatch (kvcore.kernels.launch)
     os.environ.setdefault("KVCORE_LAUNCH_CHECK", "1")
 
 import attrs  # noqa: E402

@@ -1,7 +1,7 @@
-"""The tests ``kvcore check`` runs, generated from the :class:`kvcore.check.CheckPlan` in ``$KVCORE_CHECK_PLAN``,
+"""The tests ``kvcore check`` runs, generated from the :class:`kvcore.tools.check.CheckPlan` in ``$KVCORE_CHECK_PLAN``,
 and the runner that reports them one line per check.
 
-Run as ``python -m kvcore.testing.backend_check THIS_FILE PYTEST_ARGS...`` (what :func:`kvcore.check.run_check`
+Run as ``python -m kvcore.testing.backend_check THIS_FILE PYTEST_ARGS...`` (what :func:`kvcore.tools.check.run_check`
 does, in a fresh process with ``TRITON_INTERPRET`` or ``KVCORE_TEST_COMPILED`` already set).  Per target of the
 plan it defines ``TestPool_<attention>`` (the pool checks, per variant) and ``TestAllocator_<attention>`` (the
 allocator checks, per page size).  Without a plan in the environment the module defines no tests, so a test
@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from kvcore.check import PLAN_ENV, CheckPlan
+from kvcore.tools.check import PLAN_ENV, CheckPlan
 from kvcore.testing import (
     CAPABILITIES,
     LOSSY,

@@ -53,5 +53,5 @@ def poison(shape, dtype: torch.dtype, generator: torch.Generator, device: str | 
 
 def randn_nonzero(shape, dtype: torch.dtype, generator: torch.Generator, scale: float = 1.0,
                   device: str | None = None) -> torch.Tensor:
-    """:func:`kvcore.sample.random_nonzero` on the test device by default."""
+    """:func:`kvcore.pools.random_nonzero` on the test device by default."""
     return random_nonzero(shape, dtype, generator, scale, device or test_device())

@@ -7,7 +7,7 @@ import attrs
 
 from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.config import key
-from kvcore.dtypes import storage_dtype
+from kvcore.kernels.dtypes import storage_dtype
 from kvcore.errors import ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import BufferLayout, PoolLayout

@@ -1,7 +1,7 @@
 """Hot-path kernels of the DSA pool: the fp8 latent row (quantize+store, dequantizing gather) and the indexer pages.
 
 Row formats are described in :mod:`kvcore_dsa.layout`.  Every kernel has a torch reference of the same
-signature beside it (``*_native``); the pool picks one (see ``kvcore.kernel_mode``).  All offsets are int64.
+signature beside it (``*_native``); the pool picks one (see ``kvcore.kernels.kernel_mode``).  All offsets are int64.
 
 Quantization, exactly as the torch references compute it (and so the Triton kernels, bit for bit)::
 
@@ -12,7 +12,7 @@ Quantization, exactly as the torch references compute it (and so the Triton kern
 
 The kernels divide exactly as IEEE division does (Triton's ``/`` is an approximate division on GPUs; see
 ``_divide_rn``) and the references divide by device tensors (torch's CUDA division by a host scalar
-multiplies by its reciprocal instead).  fp8 and bf16 encodings go through :mod:`kvcore.fp8`'s integer
+multiplies by its reciprocal instead).  fp8 and bf16 encodings go through :mod:`kvcore.kernels.fp8`'s integer
 encoders under the interpreter (whose float->fp8 and float->bf16 casts round wrongly) and through the
 hardware conversion when compiled.  NaN and infinite inputs are outside the contract (a GPU's max ignores
 NaN, torch's amax propagates it), and so are float32 subnormal inputs on a GPU that flushes them (the scale
@@ -38,18 +38,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.fp8 import (
+from kvcore.kernels.fp8 import (
     e4m3fn_bits_to_f32_hw,
     f32_to_bf16_bits,
     f32_to_e4m3fn_bits,
     torch_e4m3fn_saturates,
 )
-from kvcore import dtypes
-from kvcore.dtypes import E4M3FN_MAX
-from kvcore.launch import UNPLANNED, Launcher, Plan, remember
-from kvcore.kernel_mode import triton_interpreting
+from kvcore.kernels import dtypes
+from kvcore.kernels.dtypes import E4M3FN_MAX
+from kvcore.kernels.launch import UNPLANNED, Launcher, Plan, remember
+from kvcore.kernels.kernel_mode import triton_interpreting
 from kvcore.pools import empty_of
-from kvcore.row_move import next_pow2
+from kvcore.kernels.row_move import next_pow2
 from kvcore_dsa.layout import (
     INDEX_PAGE_SIZE,
     INDEX_SCALE_BYTES,
@@ -508,7 +508,7 @@ class ScaledRows:
         return n
 
     def store(self, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:
-        """See :func:`store_dsa_fp8_triton`.  Checked and planned once per call signature (:mod:`kvcore.launch`)."""
+        """See :func:`store_dsa_fp8_triton`.  Checked and planned once per call signature (:mod:`kvcore.kernels.launch`)."""
         nope, rope = cache_k_nope, cache_k_rope
         if not self.use_triton:
             self._check_layer(layer_index)
@@ -694,7 +694,7 @@ class IndexerPages:
 
     def set(self, layer_index: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale=None) -> None:
         """See :func:`set_index_k_triton`.  The common call (keys ``[N, D]`` with packed columns, scales None or
-        packed ``[N]`` float32) is checked and planned once per call signature (:mod:`kvcore.launch`) and
+        packed ``[N]`` float32) is checked and planned once per call signature (:mod:`kvcore.kernels.launch`) and
         launched without views; any other goes through :meth:`_set_general`."""
         if not self.use_triton:
             self._set_general(layer_index, loc, index_k, index_k_scale)

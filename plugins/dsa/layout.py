@@ -37,7 +37,7 @@ import attrs
 import torch
 
 from kvcore.config import key, positive
-from kvcore.dtypes import storage_dtype
+from kvcore.kernels.dtypes import storage_dtype
 from kvcore.errors import ConfigError
 from kvcore.layout import BufferLayout, PoolLayout
 

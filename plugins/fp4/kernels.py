@@ -8,9 +8,9 @@ Hopper has no e2m1 conversion, so codes are made with float operations in chosen
 included), sign bits are moved, not computed, e2m1 values are decoded from bits with their sign bit (code 8
 is -0.0: Triton 3.6 compiles a float ``-x`` as ``0 - x``, which makes +0.0 of +0.0; triton-lang/triton#10270),
 e4m3 bytes are encoded from values clamped to [-448, 448] on both sides (so the bytes do not depend on
-``SATURATE``), compiled by the GPU's own conversion and interpreted by :func:`kvcore.fp8.f32_to_e4m3fn_bits`
+``SATURATE``), compiled by the GPU's own conversion and interpreted by :func:`kvcore.kernels.fp8.f32_to_e4m3fn_bits`
 (the interpreter's own float -> fp8 cast rounds wrongly), and are decoded by the GPU's conversion (compiled)
-or :func:`kvcore.fp8.e4m3fn_bits_to_f32`.
+or :func:`kvcore.kernels.fp8.e4m3fn_bits_to_f32`.
 
 Every float32 product and quotient is one IEEE operation, as in the torch references: compiled for CUDA
 (``PTX``) they are inline ``mul.rn.f32`` / ``div.rn.f32``, which neither flush subnormals to zero (some
@@ -35,11 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.fp8 import e4m3fn_bits_to_f32, e4m3fn_bits_to_f32_hw, f32_to_bf16_bits, f32_to_e4m3fn_bits
-from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import UNPLANNED, Launcher, Plan, remember
+from kvcore.kernels.fp8 import e4m3fn_bits_to_f32, e4m3fn_bits_to_f32_hw, f32_to_bf16_bits, f32_to_e4m3fn_bits
+from kvcore.kernels.kernel_mode import triton_interpreting
+from kvcore.kernels.launch import UNPLANNED, Launcher, Plan, remember
 from kvcore.pools import empty_of
-from kvcore.row_move import next_pow2
+from kvcore.kernels.row_move import next_pow2
 from kvcore_fp4.formats import E2M1_MAX, E4M3_EMAX, E4M3_MAX, UE8M0_BIAS, Recipe
 
 __all__ = ["BlockRows", "Parts"]
@@ -440,7 +440,7 @@ class Parts:
     global_scale: torch.Tensor | None = None
 
 
-#: the kernel's pointer parameters, passed as addresses (:mod:`kvcore.launch`)
+#: the kernel's pointer parameters, passed as addresses (:mod:`kvcore.kernels.launch`)
 _POINTERS = ("k_data", "k_scale", "v_data", "v_scale", "g_ptr", "loc_ptr", "k_ptr", "v_ptr")
 #: the plan memo's answer for a signature its caller's ``check`` declined (the caller's general path takes it)
 _DECLINED = object()
@@ -476,8 +476,8 @@ class BlockRows:
 
     What the parts fix (widths, strides, constexprs, the buffers' addresses) is computed once; what a call's
     signature fixes (its tensors' shapes, strides, dtypes, devices and address alignments, and the caller's
-    ``check``) is checked and planned on the signature's first call (:class:`kvcore.launch.Plan`); a later call
-    reads its signature, finds its plan and launches: one launch a call (:mod:`kvcore.launch`).
+    ``check``) is checked and planned on the signature's first call (:class:`kvcore.kernels.launch.Plan`); a later call
+    reads its signature, finds its plan and launches: one launch a call (:mod:`kvcore.kernels.launch`).
 
     ``check``, which every operation takes: a pool's own test of a call, ``check(block_rows, loc, a, b)`` with
     ``block_rows`` this object and ``a`` / ``b`` the operation's two tensors (:meth:`store_rows`: its one), run
@@ -491,7 +491,7 @@ class BlockRows:
     """
 
     def __init__(self, parts: Parts):
-        from kvcore.fp8 import torch_e4m3fn_saturates
+        from kvcore.kernels.fp8 import torch_e4m3fn_saturates
 
         self.parts, r = parts, parts.recipe
         kd, ks, vd, vs = parts.k_data, parts.k_scale, parts.v_data, parts.v_scale
@@ -521,7 +521,7 @@ class BlockRows:
 
     def _plan(self, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather: bool, v_offset: int = 0,
               views: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> Plan | None:  # fmt: skip
-        """The plan of a call's signature (:mod:`kvcore.launch`), after the full checks of the call; None when
+        """The plan of a call's signature (:mod:`kvcore.kernels.launch`), after the full checks of the call; None when
         the call has no rows.  ``v_offset``: bytes from the address a call passes for ``v`` to ``v``'s first
         value; ``views``: the tensors behind a launch from those the call passes (default :meth:`_behind`); both
         for :meth:`store_rows`, whose call passes one tensor for both parts."""

@@ -4,7 +4,7 @@ never in place of the MHA pool (priority -10)."""
 from __future__ import annotations
 
 from kvcore.backend import BackendSpec, PoolRequest
-from kvcore.dtypes import storage_dtype
+from kvcore.kernels.dtypes import storage_dtype
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import BufferLayout, PoolLayout
 

@@ -10,10 +10,10 @@ import attrs
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.kernel_mode import use_triton
+from kvcore.kernels.kernel_mode import use_triton
 from kvcore.pools import (GB, KVCache, ReqToTokenPool, check_memory_saver, check_pool_class, check_post_capture,
                           host_buffer, layer_id_of, unsupported)  # fmt: skip
-from kvcore.row_move import RowMover, move_token_rows_native
+from kvcore.kernels.row_move import RowMover, move_token_rows_native
 from kvcore.token_rows import TokenRows
 from kvcore_mha.noop import NoOpMHATokenToKVPool
 from kvcore_mha.page_major import PageMajorMHATokenToKVPool
@@ -95,7 +95,7 @@ class MambaPool:
     ``.dtype.temporal``; :class:`~kvcore_mamba.layout.LinearStateParams` is kvcore's).
 
     States are zeroed when a slot is allocated.  :meth:`copy_from` (and :meth:`fork_from`) copy slots across all
-    layers and all state tensors in one launch of the row move (:mod:`kvcore.row_move`), or its torch reference.
+    layers and all state tensors in one launch of the row move (:mod:`kvcore.kernels.row_move`), or its torch reference.
 
     :param spec_state_size: running requests whose per-draft-token states are kept when
         ``speculative_num_draft_tokens`` is given (rows ``1 .. spec_state_size``; row 0 padding).

@@ -7,8 +7,8 @@ holding float8_e4m3fn / float8_e5m2 bytes.  Offsets are computed in int64 (pools
 
 Every kernel has a torch reference of the same signature beside it (``*_native``).  Nothing here picks an
 implementation: a pool keeps one :class:`KVStore` bound to its caches, on the kernel or the reference by its
-kernels mode (see ``kvcore.kernel_mode``); the store checks and plans each call signature once and launches the
-compiled kernel directly (:mod:`kvcore.launch`).  ``store_kv_triton`` / ``store_kv_native`` build one per call.
+kernels mode (see ``kvcore.kernels.kernel_mode``); the store checks and plans each call signature once and launches the
+compiled kernel directly (:mod:`kvcore.kernels.launch`).  ``store_kv_triton`` / ``store_kv_native`` build one per call.
 
 ``store_kv_triton``
     One launch writes K and V: grid ``(token blocks, column blocks of K + column blocks of V)``; a program
@@ -18,7 +18,7 @@ compiled kernel directly (:mod:`kvcore.launch`).  ``store_kv_triton`` / ``store_
     Sources may be strided in the token and head dims (qkv splits); when the head dim is packed
     (``stride(1) == D * stride(2)`` and ``stride(2) == 1``) the load is a plain contiguous row.
 
-Moves between slots are the family-independent row move of :mod:`kvcore.row_move` (``KVCache.move_kv_cache``).
+Moves between slots are the family-independent row move of :mod:`kvcore.kernels.row_move` (``KVCache.move_kv_cache``).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore import dtypes
-from kvcore.dtypes import is_fp8_dtype, storage_dtype
-from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, torch_e4m3fn_saturates
-from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
-from kvcore.row_move import next_pow2 as _next_pow2
+from kvcore.kernels import dtypes
+from kvcore.kernels.dtypes import is_fp8_dtype, storage_dtype
+from kvcore.kernels.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, torch_e4m3fn_saturates
+from kvcore.kernels.kernel_mode import triton_interpreting
+from kvcore.kernels.launch import UNPLANNED, Launcher, Plan, cdiv, remember
+from kvcore.kernels.row_move import next_pow2 as _next_pow2
 
 __all__ = [
     "KVStore",
@@ -50,7 +50,7 @@ STORE_COPY_TILE_ELEMS = 2048  # same-dtype stores (bf16 32k tokens: 0.92, agains
 _STORE_NUM_WARPS = 4
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
-# The conversion codes of kvcore.dtypes, as the kernel compares them.
+# The conversion codes of kvcore.kernels.dtypes, as the kernel compares them.
 _SAME = tl.constexpr(dtypes.SAME)
 _F32 = tl.constexpr(dtypes.F32)
 _F16 = tl.constexpr(dtypes.F16)
@@ -212,7 +212,7 @@ def _store_kv_kernel(
         )  # fmt: skip
 
 
-#: the store kernel's pointer parameters, passed as addresses (see :mod:`kvcore.launch`)
+#: the store kernel's pointer parameters, passed as addresses (see :mod:`kvcore.kernels.launch`)
 _STORE_POINTERS = ("k_cache_ptr", "v_cache_ptr", "k_src_ptr", "v_src_ptr", "loc_ptr", "map_ptr", "k_scale_ptr",
                    "v_scale_ptr")
 
@@ -254,7 +254,7 @@ class KVStore:
 
     What is fixed at pool creation (shapes, strides, constexprs, the launcher) is computed once; what is fixed by
     a call's signature (its tensors' shapes, strides, dtypes, devices and alignments, the kind of each scale) is
-    checked and planned on the signature's first call (:class:`kvcore.launch.Plan`); a call reads its signature,
+    checked and planned on the signature's first call (:class:`kvcore.kernels.launch.Plan`); a call reads its signature,
     finds its plan and launches once.  Both paths share the checks.
 
     :param k_cache: ``[L, R, H, Dk]`` cache, rows contiguous (``stride(2) == Dk``, ``stride(3) == 1``),
@@ -355,7 +355,7 @@ class KVStore:
 
     def _plan(self, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale, v_scale,
               index_map: torch.Tensor | None) -> Plan | None:  # fmt: skip
-        """The plan of a call's signature (:mod:`kvcore.launch`), after the full checks of the call; None when
+        """The plan of a call's signature (:mod:`kvcore.kernels.launch`), after the full checks of the call; None when
         the call has no rows.
 
         ``plan.fixed`` is ``(K cache address, V cache address, loc stride, rest, per call)``.  ``per call`` None
@@ -364,7 +364,7 @@ class KVStore:
         tensors behind the addresses are the call's own.  Otherwise it is ``(K scale mode, V scale mode, whether
         the kernel reads the inputs as their bytes)``, ``rest`` is ``(the arguments after the token count up to
         the scales' pointers, those after the scales' values)``, and each scale's pointer and value are read per
-        call (:func:`_scale_call`).  The token count is the call's own (:mod:`kvcore.launch`).
+        call (:func:`_scale_call`).  The token count is the call's own (:mod:`kvcore.kernels.launch`).
         """
         self._check_index_map(index_map)
         self._check_not_remapped(index_map)
@@ -514,7 +514,7 @@ def store_kv_triton(
     :param v_scale: likewise for V.
     :param cache_dtype: the cache's logical dtype.  Same as the input: plain copy; float casts round to
         nearest even; fp8 bytes are bit-exact with ``(x.float() / scale).to(cache_dtype)`` of the torch
-        running the process (see ``kvcore.fp8`` for e4m3fn overflow).
+        running the process (see ``kvcore.kernels.fp8`` for e4m3fn overflow).
     :param index_map: when given, the rows written are ``index_map[loc]`` (1-D int32/int64 on the cache's
         device, read in the kernel: no separate gather of the indices).
     """

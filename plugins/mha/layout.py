@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.layout import BufferLayout, PoolLayout
-from kvcore.dtypes import storage_dtype
+from kvcore.kernels.dtypes import storage_dtype
 
 
 def mha_layout(

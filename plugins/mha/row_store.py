@@ -16,12 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore import dtypes
-from kvcore.dtypes import storage_dtype
-from kvcore.fp8 import torch_e4m3fn_saturates
-from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
-from kvcore.row_move import next_pow2
+from kvcore.kernels import dtypes
+from kvcore.kernels.dtypes import storage_dtype
+from kvcore.kernels.fp8 import torch_e4m3fn_saturates
+from kvcore.kernels.kernel_mode import triton_interpreting
+from kvcore.kernels.launch import UNPLANNED, Launcher, Plan, cdiv, remember
+from kvcore.kernels.row_move import next_pow2
 from kvcore_mha.kernels import STORE_MAX_BLOCK_C, STORE_TILE_ELEMS, _convert_native, _store_tile
 
 __all__ = ["RowStore"]
@@ -57,7 +57,7 @@ def _store_rows_kernel(
                     c_sh, c_sd, loc_ptr, 1.0, C_D, C_HD, C_RS, C_PACKED, C_OUT, SATURATE, 0, BLOCK_N, C_BC, HW_CVT, False)  # fmt: skip
 
 
-#: the store kernel's pointer parameters, passed as addresses (see :mod:`kvcore.launch`)
+#: the store kernel's pointer parameters, passed as addresses (see :mod:`kvcore.kernels.launch`)
 _POINTERS = ("a_ptr", "b_ptr", "c_ptr", "a_src", "b_src", "c_src", "loc_ptr")
 
 
@@ -66,7 +66,7 @@ class RowStore:
     with the same ``L`` and ``R``), one launch per call, or through the torch reference (``use_triton=False``).
 
     What a call's signature fixes (its tensors' shapes, strides, dtypes, devices and alignments) is checked and
-    planned on the signature's first call (:class:`kvcore.launch.Plan`); a call reads its signature, finds its plan
+    planned on the signature's first call (:class:`kvcore.kernels.launch.Plan`); a call reads its signature, finds its plan
     and launches once, its addresses and layer read per call.  Buffer slots past ``len(caches)`` are padded with
     the first buffer and input (the kernel never reaches them).
 
@@ -155,7 +155,7 @@ class RowStore:
             plan(n, args, (*self._padded_caches, *inputs, *inputs[:1] * self._pad, loc))
 
     def _plan(self, loc: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Plan | None:
-        """The plan of a call's signature (:mod:`kvcore.launch`), after the full checks of the call; None when
+        """The plan of a call's signature (:mod:`kvcore.kernels.launch`), after the full checks of the call; None when
         the call has no rows.  ``plan.fixed`` is ``(every argument after loc's address but the token count, whether
         the kernel reads some input as its bytes)``."""
         self._check(loc, inputs)

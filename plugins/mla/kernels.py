@@ -10,7 +10,7 @@ is the cache dtype, except fp8 caches, stored as ``torch.uint8`` holding float8_
 
 Every kernel has a torch reference of the same signature beside it (``*_native``).  A pool keeps one
 :class:`LatentRows` bound to its cache (both paths, everything fixed at creation computed once, compiled
-kernels launched directly: :mod:`kvcore.launch`); the functions below build one per call.
+kernels launched directly: :mod:`kvcore.kernels.launch`); the functions below build one per call.
 
 ``store_nope_rope_triton``
     ``set_mla_kv_buffer``: writes ``cache_k_nope`` [N, 1, Rn] into columns ``[0, Rn)`` and ``cache_k_rope``
@@ -34,15 +34,15 @@ specialised).
 No host sync and no allocation: the stores are CUDA-graph safe.
 
 Conversions are bit-exact with torch's ``.to()`` of the process's torch, on the interpreter and on GPUs:
-float casts round to nearest even (bf16 through :func:`kvcore.fp8.f32_to_bf16_bits` under the interpreter,
-whose own cast truncates), fp8 encodes through :mod:`kvcore.fp8` (integer encoder under the interpreter,
+float casts round to nearest even (bf16 through :func:`kvcore.kernels.fp8.f32_to_bf16_bits` under the interpreter,
+whose own cast truncates), fp8 encodes through :mod:`kvcore.kernels.fp8` (integer encoder under the interpreter,
 ``cvt`` plus torch's overflow rules on GPUs), fp8 decodes are exact, and bf16 widens to float32 by a bit
 shift (the interpreter's cast mangles bf16 subnormals).  One exception: a NaN converted between float
 formats (bf16/fp16/fp32, or an fp8 NaN decoded to a 16-bit float) stays a NaN, but its sign and payload bits
 may differ from torch's (torch's own CPU and CUDA paths differ there); only NaN-ness is meaningful.
 Same-dtype copies, fp8 encodes and fp8 -> float32 decodes are exact for every bit pattern.
 
-Moves between slots are the family-independent row move of :mod:`kvcore.row_move` (``KVCache.move_kv_cache``).
+Moves between slots are the family-independent row move of :mod:`kvcore.kernels.row_move` (``KVCache.move_kv_cache``).
 """
 
 from __future__ import annotations
@@ -53,14 +53,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore import dtypes
-from kvcore.dtypes import FP8_DTYPES, is_fp8_dtype, storage_dtype
-from kvcore.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
-from kvcore.kernel_mode import triton_interpreting
-from kvcore.launch import UNPLANNED, Launcher, Plan, cdiv, remember
+from kvcore.kernels import dtypes
+from kvcore.kernels.dtypes import FP8_DTYPES, is_fp8_dtype, storage_dtype
+from kvcore.kernels.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
+from kvcore.kernels.kernel_mode import triton_interpreting
+from kvcore.kernels.launch import UNPLANNED, Launcher, Plan, cdiv, remember
 from kvcore.pools import empty_of
-from kvcore.row_move import next_pow2 as _next_pow2
-from kvcore.row_move import prev_pow2 as _prev_pow2
+from kvcore.kernels.row_move import next_pow2 as _next_pow2
+from kvcore.kernels.row_move import prev_pow2 as _prev_pow2
 
 __all__ = [
     "LatentRows",
@@ -91,7 +91,7 @@ MAX_WARPS = 2
 ROW_KERNEL_MAX_TOKENS = 256
 ROW_KERNEL_WARPS = 2
 
-# The dtype codes of kvcore.dtypes, as the kernel compares them: ``IN`` says what a loaded tensor holds,
+# The dtype codes of kvcore.kernels.dtypes, as the kernel compares them: ``IN`` says what a loaded tensor holds,
 # ``OUT`` what a conversion writes (SAME: the bits unchanged).
 _SAME = tl.constexpr(dtypes.SAME)
 _F32 = tl.constexpr(dtypes.F32)
@@ -267,7 +267,7 @@ class LatentRows:
 
     What is fixed at pool creation (row width, strides, constexprs, the launchers) is computed once; what is fixed
     by a call's signature (its tensors' shapes, strides, dtypes, devices and alignments) is checked and planned
-    on the signature's first call (:class:`kvcore.launch.Plan`); a call reads its signature, finds its plan and
+    on the signature's first call (:class:`kvcore.kernels.launch.Plan`); a call reads its signature, finds its plan and
     launches once.
 
     :param kv_cache: ``[L, R, 1, D]`` (or ``[L, R, D]``) cache with contiguous rows, dtype
@@ -339,7 +339,7 @@ class LatentRows:
 
     def _plan(self, loc: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, names: tuple[str, str],
               gather: bool, split: bool = False) -> Plan | None:  # fmt: skip
-        """The plan of a call's signature (:mod:`kvcore.launch`), after the full checks of the call; None when
+        """The plan of a call's signature (:mod:`kvcore.kernels.launch`), after the full checks of the call; None when
         the call has no rows.  ``b`` None with ``split``: ``a`` is whole rows, copied as two parts split at
         the largest power of two below their width (576 = 512 + 64: tiles of 512 and 64 columns instead of one
         1024-wide tile with 448 idle lanes), part B the same tensor from that column on."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvcore import BackendSpec, BufferLayout, PoolLayout, hookimpl
-from kvcore.dtypes import storage_dtype
+from kvcore.kernels.dtypes import storage_dtype
 from kvcore.pools import KVCache
 from kvcore.sample import random_nonzero
 

@@ -16,7 +16,7 @@ def kvcore(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     for var in ("KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGINS", "TRITON_INTERPRET"):
         env.pop(var, None)  # kvcore check sets up the interpreter (or compiled kernels) itself
-    return subprocess.run([sys.executable, "-m", "kvcore.cli", *args], env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "kvcore.tools.cli", *args], env=env, capture_output=True, text=True)
 
 
 def device_args() -> list[str]:

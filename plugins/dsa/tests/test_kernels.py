@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.kernel_mode import triton_interpreting
+from kvcore.kernels.kernel_mode import triton_interpreting
 from kvcore.testing.tensors import bits_equal, compiled, poison, randn_nonzero, skip_module_without_device, test_device
 from kvcore_dsa.layout import scaled_row_bytes
 from kvcore_dsa import kernels

@@ -21,7 +21,7 @@ import yaml
 import kvcore
 import kvcore.plugins
 from kvcore import load_config
-from kvcore.cli import main
+from kvcore.tools.cli import main
 from kvcore.errors import ConfigError
 from kvcore.plugins import load_registry
 
@@ -133,7 +133,7 @@ def test_yaml_kv_cache_section_takes_effect():
 def fresh_cli_registry(monkeypatch):
     for var in ("KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGINS", "KVCORE_STRICT_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", None)
 
 
 def test_cli_page_size_error(fresh_cli_registry, capsys):

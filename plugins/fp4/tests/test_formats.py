@@ -140,7 +140,7 @@ BOUNDS = {"fp4_e2m1": (0.113, 0.121), "nvfp4": (0.096, 0.065), "mxfp8": (0.030, 
 def saturating_e4m3fn(x: torch.Tensor) -> torch.Tensor:
     """A plain fp8 cache's store and read: one cast, no scale, overflow saturated at +-448.  What torch's own
     cast does with overflow changed between releases (torch <= 2.11 makes NaN of anything that rounds past
-    448, newer torch saturates; :mod:`kvcore.fp8`), so clamp first: the saturating store on every torch, and
+    448, newer torch saturates; :mod:`kvcore.kernels.fp8`), so clamp first: the saturating store on every torch, and
     on the saturating ones the same bytes as the bare cast (and as kvcore's fp8 store there)."""
     return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
 
@@ -150,7 +150,7 @@ def test_the_saturating_fp8_store_matches_a_saturating_torch():
     y = saturating_e4m3fn(x)
     assert not y.isnan().any()
     assert y.abs().max().item() == 448.0 and y[2:9].abs().eq(448.0).all()
-    from kvcore.fp8 import torch_e4m3fn_saturates
+    from kvcore.kernels.fp8 import torch_e4m3fn_saturates
 
     if torch_e4m3fn_saturates():  # this torch saturates by itself: the clamp changes no byte
         assert torch.equal(y.view(torch.int32), x.to(torch.float8_e4m3fn).float().view(torch.int32))

@@ -321,9 +321,9 @@ def test_nvfp4_store_with_any_global_scale(scales, saturate, monkeypatch):
     negative, tiny, huge; a zero one makes 0/0 of zero blocks, NaN, outside the contract), the kernel writes the
     reference's bytes, on a torch whose e4m3 cast saturates and on one that makes NaN of overflow (torch <=
     2.11): block scales are clamped to [-448, 448] on both sides before encoding."""
-    import kvcore.fp8
+    import kvcore.kernels.fp8
 
-    monkeypatch.setattr(kvcore.fp8, "torch_e4m3fn_saturates", lambda: saturate)
+    monkeypatch.setattr(kvcore.kernels.fp8, "torch_e4m3fn_saturates", lambda: saturate)
     fast, ref = pools("nvfp4", 64, 16)
     for p in (fast, ref):
         p.global_scale[1, 0] = torch.tensor(scales, dtype=torch.float32, device=DEVICE)

@@ -1,4 +1,4 @@
-"""Call plans of the block-scaled pools (:mod:`kvcore.launch`): each call signature is checked and planned once,
+"""Call plans of the block-scaled pools (:mod:`kvcore.kernels.launch`): each call signature is checked and planned once,
 and later calls of it, with new data, other layers, rows and addresses, store the torch reference's bytes and
 read its values; a call that a check refuses is refused with the same error whatever was planned before it; a
 strided view after a contiguous call of the same shape is another signature, planned on its own.  Interpreted
@@ -48,7 +48,7 @@ def same_reads(got, want) -> bool:
 
 
 class RecordingLauncher:
-    """Stands in for a pool's :class:`kvcore.launch.Launcher`: records each launch's key, arguments and the
+    """Stands in for a pool's :class:`kvcore.kernels.launch.Launcher`: records each launch's key, arguments and the
     tensors behind its pointer arguments, then launches through the real one.  ``direct`` False: plans never
     launch around it."""
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvcore.plugins
-from kvcore.cli import main
+from kvcore.tools.cli import main
 from kvcore.errors import ConfigError
 from kvcore_fp4.formats import RECIPES, dequantize, quantize
 from kvcore_fp4.pool import MHATokenToKVPoolFP4
@@ -72,7 +72,7 @@ def test_errors_name_what_to_change():
 def fresh_registry(monkeypatch):
     for var in ("KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGINS", "KVCORE_STRICT_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", None)
 
 
 def test_plan_sets_the_dtypes_side_by_side(capsys, fresh_registry):

@@ -8,7 +8,7 @@ import pytest
 
 import kvcore.plugins
 from kvcore import build_pools, load_config, plan_memory
-from kvcore.cli import main
+from kvcore.tools.cli import main
 from kvcore.errors import PlanningError
 
 GIB = 2**30
@@ -18,7 +18,7 @@ GIB = 2**30
 def _fresh_registry(monkeypatch):
     for var in ("KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGINS", "KVCORE_STRICT_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", None)
 
 
 def qwen3_next_bytes(tp: int) -> tuple[int, int]:

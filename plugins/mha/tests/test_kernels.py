@@ -11,8 +11,8 @@ import pytest
 import torch
 import triton
 
-from kvcore import row_move
-from kvcore import dtypes
+from kvcore.kernels import row_move
+from kvcore.kernels import dtypes
 from kvcore_mha import kernels
 
 from kvcore.testing.tensors import bits_equal as _bits_equal

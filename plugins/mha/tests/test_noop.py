@@ -8,7 +8,7 @@ import torch
 
 import kvcore.plugins
 from kvcore import build_pools, load_config, plan_memory
-from kvcore.cli import main
+from kvcore.tools.cli import main
 from kvcore.errors import PlanningError
 from kvcore.testing import BaseLayoutTests, Variant
 
@@ -28,7 +28,7 @@ class TestNoOpConformance(BaseLayoutTests):
 def _fresh_registry(monkeypatch):
     for var in ("KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGINS", "KVCORE_STRICT_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", None)
 
 
 def test_capacity_comes_from_the_caps_not_memory():

@@ -1,4 +1,4 @@
-"""Call plans of the MHA family's stores (:class:`kvcore.launch.Plan`): :class:`KVStore` (the MHA and page-major
+"""Call plans of the MHA family's stores (:class:`kvcore.kernels.launch.Plan`): :class:`KVStore` (the MHA and page-major
 pools' store) and :class:`RowStore` check and plan a call signature once, then launch from the plan.
 
 Every later call of a signature writes what the torch reference writes, whatever its data, locations, layer,
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.dtypes import storage_dtype
+from kvcore.kernels.dtypes import storage_dtype
 from kvcore.testing.tensors import bits_equal, poison, randn_nonzero, skip_module_without_device, test_device
 from kvcore_mha.kernels import KVStore
 from kvcore_mha.page_major import PageMajorMHATokenToKVPool

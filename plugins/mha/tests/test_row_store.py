@@ -8,7 +8,7 @@ import pytest
 import torch
 from kvcore_mha.row_store import RowStore
 
-from kvcore.dtypes import storage_dtype
+from kvcore.kernels.dtypes import storage_dtype
 from kvcore.testing.tensors import bits_equal, poison, randn_nonzero, test_device
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore import dtypes, row_move
+from kvcore.kernels import dtypes, row_move
 from kvcore.testing.tensors import bits_equal, compiled, poison, randn_nonzero, skip_module_without_device, test_device
 from kvcore_mla import kernels
 

@@ -1,7 +1,7 @@
 """The MLA plugin through kvcore's public entry points: registration, selection, planning and ``kvcore up``.
 
 Expected numbers are derived here from the raw YAML files (PyYAML, not kvcore's loader) and the budget
-formula of SGLang's KV-cache configurator, written out independently of kvcore.planner:
+formula of SGLang's KV-cache configurator, written out independently of kvcore.planning.planner:
 
     pre     = int(memory_gib x 2^30)
     weights = ceil(num_parameters x weight_bytes / (tp x pp))
@@ -25,7 +25,7 @@ import kvcore
 from kvcore.testing.tensors import test_device
 import kvcore.plugins
 from kvcore import load_config
-from kvcore.cli import main
+from kvcore.tools.cli import main
 from kvcore.errors import ConfigError
 from kvcore.plugins import load_registry
 from kvcore_mla.pool import MLATokenToKVPool
@@ -48,7 +48,7 @@ def _clean_plugin_env(monkeypatch):
     """Use the installed plugins, whatever KVCORE_* switches the caller's environment holds."""
     for var in ("KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGINS", "KVCORE_STRICT_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", None)
 
 
 @pytest.fixture(scope="module")

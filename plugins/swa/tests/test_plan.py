@@ -9,7 +9,7 @@ import pytest
 
 import kvcore.plugins
 from kvcore import load_config, plan_memory
-from kvcore.cli import main
+from kvcore.tools.cli import main
 from kvcore.errors import PlanningError
 from kvcore_swa.layout import attention_layer_ids
 
@@ -20,7 +20,7 @@ GIB = 2**30
 def _fresh_registry(monkeypatch):
     for var in ("KVCORE_PLUGINS", "KVCORE_DISABLE_PLUGINS", "KVCORE_STRICT_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(kvcore.plugins, "_REGISTRY", None)
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", None)
 
 
 def seed_split(budget: int, page: int, cell_full: int, cell_swa: int, n_full: int, n_swa: int, ratio: float):

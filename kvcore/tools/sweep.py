@@ -15,7 +15,7 @@ from pathlib import Path
 import attrs
 
 from kvcore.errors import ConfigError, KVCoreError
-from kvcore.planner import GiB
+from kvcore.planning.planner import GiB
 
 __all__ = ["SweepPoint", "parse_sweep", "plot", "run_sweep", "table"]
 
@@ -57,7 +57,7 @@ def run_sweep(overrides: Sequence[str], sweeps: Sequence[tuple[str, Sequence[str
     :raises ConfigError: when a swept key is given twice, or the base config itself is invalid.
     """
     from kvcore.api import plan_memory
-    from kvcore.config import load_config
+    from kvcore.api import load_config
 
     keys = [key for key, _ in sweeps]
     if len(set(keys)) != len(keys):

@@ -41,7 +41,7 @@ tokens of one page come in together) is data-dependent, and so is the number of 
 Snapshots are copy-on-write: :meth:`FreePageList.snapshot` shares the buffers, and the next launch that would
 write them copies them first, so a backup that is restored before anything changes costs no copy.
 
-Both implementations (a Triton kernel per operation, launched directly through :class:`kvcore.launch.Launcher`,
+Both implementations (a Triton kernel per operation, launched directly through :class:`kvcore.kernels.launch.Launcher`,
 and a torch reference) keep the same buffers and give the same results.  The torch one on a GPU reads the
 counts of a staged commit and a merge (it is the reference, not the hot path); on the CPU nothing waits.
 """
@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.launch import Launcher
+from kvcore.kernels.launch import Launcher
 
 __all__ = ["ALLOCATED", "FREE", "TAKEN_BIAS", "FreePageList", "PageSource", "head_of", "word_bits"]
 
@@ -87,7 +87,7 @@ _ALLOCATED = tl.constexpr(ALLOCATED)
 
 class PageSource(NamedTuple):
     """What the allocation kernels read new pages from: the ring, its control words, the page states and the
-    host's ``taken`` (:mod:`kvcore.allocator_kernels`); a decode step also publishes its ``ADDED`` into
+    host's ``taken`` (:mod:`kvcore.kernels.allocator_kernels`); a decode step also publishes its ``ADDED`` into
     ``words[0]`` with ``word_bits`` (:func:`word_bits`)."""
 
     ring: torch.Tensor

@@ -16,7 +16,7 @@ import attrs
 
 from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.errors import PluginError, SelectionError
-from kvcore.plugins import Registry
+from kvcore.plugins.manager import Registry
 
 
 @attrs.frozen

@@ -20,9 +20,10 @@ import attrs
 import torch
 
 from kvcore import api
-from kvcore.config import EngineConfig, available_options, load_config
+from kvcore.api import load_config
+from kvcore.config import EngineConfig, available_options
 from kvcore.errors import ConfigError, KVCoreError, SelectionError
-from kvcore.planner import GiB, MemoryPlan
+from kvcore.planning.planner import GiB, MemoryPlan
 from kvcore.plugins import get_registry
 
 
@@ -132,7 +133,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_sweep(args: argparse.Namespace) -> int:
     """``kvcore plan ... --sweep KEY=V1,V2 [--sweep ...] [--plot FILE.png]``: one table over the product."""
-    from kvcore.sweep import parse_sweep, plot, run_sweep, table
+    from kvcore.tools.sweep import parse_sweep, plot, run_sweep, table
 
     path, overrides = _split_args(args.overrides)
     sweeps = [parse_sweep(text) for text in args.sweep]
@@ -152,7 +153,7 @@ def _plan_sweep(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     """Plan, allocate and self-check.  Under ``torchrun`` every rank does so for its own stage and heads, the
     sizes agreed over the ranks; rank 0 prints the report, every rank its own result."""
-    from kvcore import distributed
+    from kvcore.planning import distributed
 
     cfg = _load(args.overrides)
     if not distributed.init_from_env(cfg.hardware.device):
@@ -167,8 +168,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _up(cfg: EngineConfig, rank: str, report) -> int:
     """``kvcore up`` for one rank: ``rank`` prefixes the lines every rank prints, ``report`` prints the rest."""
-    from kvcore import distributed
-    from kvcore.selfcheck import run_self_check
+    from kvcore.planning import distributed
+    from kvcore.tools.selfcheck import run_self_check
 
     report(["[1/4] config"] + ["  " + line for line in _describe_config(cfg)])
     registry = get_registry()
@@ -245,7 +246,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("kvcore bench: needs a CUDA GPU, and this machine has none: it times the pools' kernels on the device "
               "(`kvcore plan` sizes pools and the test suite checks every kernel on a CPU without one)", file=sys.stderr)
         return 2
-    from kvcore.bench import run
+    from kvcore.tools.bench import run
 
     sizes = dict(host_sizes=(8,), graph_sizes=(1, 64), reps=500, engine_steps=100) if args.quick else {}
     rows = run(**sizes)
@@ -262,7 +263,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     import importlib
 
-    from kvcore.check import plan_check, run_check
+    from kvcore.tools.check import plan_check, run_check
     from kvcore.plugins import load_registry
 
     registry = get_registry()
@@ -348,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    planner_log = logging.getLogger("kvcore.planner")
+    planner_log = logging.getLogger("kvcore.planning.planner")
     level = planner_log.level
     if not args.verbose:  # the reports print every plan's warnings themselves (`warning ...` lines), once
         planner_log.setLevel(logging.ERROR)

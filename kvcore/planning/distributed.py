@@ -24,7 +24,7 @@ import torch
 
 from kvcore.config import EngineConfig
 from kvcore.errors import ConfigError
-from kvcore.planner import MemoryPlan, req_to_token_bytes
+from kvcore.planning.planner import MemoryPlan, req_to_token_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ without overlap one launch per buffer copies the rows in a single parallel pass,
 through a scratch buffer (gather, then scatter, a group of layers at a time, at most
 ``MOVE_SCRATCH_BYTES``).  The path not taken exits at once: no host sync decides anything, and both paths
 are CUDA-graph safe (the large path takes its flag and scratch from torch's caching allocator).  Every
-launch, on both paths, is direct (:mod:`kvcore.launch`), with its pointers as addresses: the caller's
+launch, on both paths, is direct (:mod:`kvcore.kernels.launch`), with its pointers as addresses: the caller's
 locations are checked to be on the buffers' device first.
 ``benchmarks/RESULTS.md`` has the measurements behind the thresholds.
 """
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.launch import Launcher, cdiv, launcher_for
+from kvcore.kernels.launch import Launcher, cdiv, launcher_for
 from kvcore.token_rows import TokenRows
 
 # Tiling (bytes).
@@ -288,7 +288,7 @@ def _copy_rows_kernel(
 
 
 def _launch(kernel, grid: tuple, args: tuple, key: tuple, num_warps: int = 4) -> None:
-    """``kernel[grid](*args)`` launched directly (:mod:`kvcore.launch`).  ``args`` are every parameter in
+    """``kernel[grid](*args)`` launched directly (:mod:`kvcore.kernels.launch`).  ``args`` are every parameter in
     signature order, tensors where the kernel takes pointers; they go as addresses, and the key adds their
     dtypes and 16-byte alignments to ``key``, which must name every other argument Triton specializes on."""
     tensors, addresses, meta = [], [], list(key)
@@ -376,7 +376,7 @@ def _flag_overlaps(rows: int, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> t
 class RowMover:
     """:func:`move_token_rows_triton` bound to one or two buffers: everything fixed by the buffers (word
     views, row widths, paging constexprs, the launcher) is computed once, so a move of up to
-    ``MOVE_MAX_TOKENS`` slots costs one check of its index tensors and one direct launch (:mod:`kvcore.launch`).
+    ``MOVE_MAX_TOKENS`` slots costs one check of its index tensors and one direct launch (:mod:`kvcore.kernels.launch`).
 
     :param first: a ``[L, R, ...]`` buffer of packed rows (layers any stride apart) and where each token's row
         lies in it.

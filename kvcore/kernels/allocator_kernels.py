@@ -1,19 +1,19 @@
 """Index arithmetic for paged KV allocation: Triton kernels and their torch references.
 
 Three operations (``alloc_pages``, ``alloc_extend``, ``alloc_decode``), each with a Triton version
-(``*_triton``, one kernel launch, no host sync, launched directly: :mod:`kvcore.launch`) and a vectorised torch
+(``*_triton``, one kernel launch, no host sync, launched directly: :mod:`kvcore.kernels.launch`) and a vectorised torch
 version (``*_native``, any device, used on the CPU and as the reference the kernels are tested against).  Both
 versions of an operation take the same arguments, return the same tensor and mark the same pages allocated.
 
 Conventions (shared with :mod:`kvcore.allocators`):
 
 * token index of offset ``o`` in page ``p`` is ``p * page_size + o``;
-* new pages come from a :class:`kvcore.free_list.PageSource` (the allocator's free list, a ring on the device):
+* new pages come from a :class:`kvcore.kernels.free_list.PageSource` (the allocator's free list, a ring on the device):
   the ``r``-th new page of a call is the page ``r`` places after the ring's head, in request order.  The
   functions mark those pages ALLOCATED in the source's page states; ``alloc_pages`` and ``alloc_extend`` move
   nothing else (the caller, who knows how many pages they take, records it:
-  :meth:`kvcore.free_list.FreePageList.took`), ``alloc_decode`` counts its pages itself and moves the ring's
-  head by them on the device (:meth:`kvcore.free_list.FreePageList.decode_source`);
+  :meth:`kvcore.kernels.free_list.FreePageList.took`), ``alloc_decode`` counts its pages itself and moves the ring's
+  head by them on the device (:meth:`kvcore.kernels.free_list.FreePageList.decode_source`);
 * ``last_loc[i]`` is the token index of request ``i``'s last prefix token; it is only read when the prefix
   ends inside a page (``prefix_lens[i] % page_size != 0``), otherwise any value (``-1`` by habit) will do.
 
@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.free_list import ALLOCATED, TAKEN_BIAS, PageSource
-from kvcore.launch import cdiv, launcher_for
+from kvcore.kernels.free_list import ALLOCATED, TAKEN_BIAS, PageSource
+from kvcore.kernels.launch import cdiv, launcher_for
 
 __all__ = [
     "alloc_pages_native",
@@ -364,7 +364,7 @@ def _alloc_decode_kernel(
 ):
     # One program, over the requests in blocks: a request whose new token opens a page takes the next page
     # from the head (its rank among such requests); the count of pages taken moves OFFSET and ADDED back (the
-    # host does not count them) and is published with ``bits`` (kvcore.free_list).
+    # host does not count them) and is published with ``bits`` (kvcore.kernels.free_list).
     offset = tl.load(ctl_ptr + 0)
     added = tl.load(ctl_ptr + 1)
     lanes = tl.arange(0, BS_BLOCK)
@@ -402,7 +402,7 @@ def alloc_decode_triton(
 ) -> torch.Tensor:
     """One new token location per request, in one Triton launch (see the module docstring).  The pages taken
     are counted on the device: the source's ``OFFSET`` and ``ADDED`` move back by that count, published into
-    ``pages.words[0]`` with ``pages.word_bits`` (:meth:`kvcore.free_list.FreePageList.decode_source`).
+    ``pages.words[0]`` with ``pages.word_bits`` (:meth:`kvcore.kernels.free_list.FreePageList.decode_source`).
 
     :param seq_lens: ``[bs]`` integer sequence lengths including the token being decoded (each >= 1).
     :param last_loc: ``[bs]`` integer token index of each request's previous last token.
@@ -449,14 +449,14 @@ def alloc_decode_native(
 
 class DecodeStep:
     """``alloc_decode`` of one free list, as an allocator runs it every decode step: numbers the launch
-    (:meth:`kvcore.free_list.FreePageList.decode_bits`) and runs :func:`alloc_decode_triton` (``use_triton``)
+    (:meth:`kvcore.kernels.free_list.FreePageList.decode_bits`) and runs :func:`alloc_decode_triton` (``use_triton``)
     or :func:`alloc_decode_native` on the list's pages.
 
     The Triton path works out once what stays fixed between steps (the launcher, the launch key's fixed part)
     and reads the list's buffer addresses from the list, so a step costs two input checks, one allocation and
     one direct launch: the decode loop runs it once per step, and its host time is the step's.
 
-    :param pages: the allocator's :class:`~kvcore.free_list.FreePageList` (kept: its buffers may be copied
+    :param pages: the allocator's :class:`~kvcore.kernels.free_list.FreePageList` (kept: its buffers may be copied
         after a snapshot, its object stays).
     :param page_size: tokens per page.
     """
@@ -471,7 +471,7 @@ class DecodeStep:
 
     def __call__(self, seq_lens: torch.Tensor, last_loc: torch.Tensor, most: int) -> torch.Tensor:
         """The step's locations (int64 ``[bs]``); ``most`` bounds the pages it takes and must be at most the
-        list's :attr:`~kvcore.free_list.FreePageList.known` (the caller checks)."""
+        list's :attr:`~kvcore.kernels.free_list.FreePageList.known` (the caller checks)."""
         pages = self.pages
         pages.before_write()
         if not self.use_triton:

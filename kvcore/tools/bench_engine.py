@@ -130,7 +130,7 @@ def engine_rows(steps: int = 300, repeats: int = 3) -> list:
     """The two workloads' rows, each after a warm-up run of other steps: ``repeats`` rounds of one run of kvcore's
     loop, one of the torch path's (the same steps: one seed, the same requests, sizes and launches) and a bare op
     timed beside them; the row is the round whose kvcore run is closest to its floor."""
-    from kvcore.bench import Row, host_us
+    from kvcore.tools.timing import Row, host_us
 
     cfg = kvcore.load_config(*CONFIG)
     pools = kvcore.build_pools(cfg)

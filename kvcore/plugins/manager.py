@@ -27,14 +27,15 @@ from typing import Any
 import attrs
 import pluggy
 
-from kvcore import builtin, hookspecs
+from kvcore import hookspecs
+import kvcore.plugins.builtin as builtin
 from kvcore.backend import BackendSpec
 from kvcore.errors import PluginError
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kvcore"
-CORE_PLUGIN_NAME = "kvcore.builtin"
+CORE_PLUGIN_NAME = "kvcore.plugins.builtin"
 
 
 @attrs.frozen
@@ -80,7 +81,7 @@ class Registry:
     @property
     def model_sections(self) -> tuple[tuple[str, type], ...]:
         """Every ``model.<name>`` section the registered backends declare, as sorted ``(name, schema)`` pairs
-        (what :func:`kvcore.config.load_config` adds to the schema)."""
+        (what :func:`kvcore.load_config` adds to the schema)."""
         return tuple(sorted({n: t for b in self._backends.values() for n, t in b.model_sections.items()}.items()))
 
     @property

@@ -150,7 +150,8 @@ def probe_model(attention: str, registry, vendor_overrides: Sequence[str]) -> tu
 
     :raises ConfigError: when no shipped model has that attention kind, saying how to name one.
     """
-    from kvcore.config import available_options, load_config
+    from kvcore.api import load_config
+    from kvcore.config import available_options
 
     candidates = []
     for name in available_options("model"):
@@ -219,7 +220,7 @@ def plan_check(
     targets = []
     for attention in spec.attention if not user_model else [None]:
         if user_model:
-            from kvcore.config import load_config
+            from kvcore.api import load_config
 
             config = [*shared, *overrides]
             attention = load_config(*config, registry=registry).model.attention
@@ -246,7 +247,7 @@ def run_check(plan: CheckPlan, *, pytest_args: Sequence[str] = (), out=None) -> 
     with tempfile.TemporaryDirectory(prefix="kvcore-check-") as tmp:
         ini = Path(tmp) / "pytest.ini"
         ini.write_text("[pytest]\n", encoding="utf-8")  # the caller's own pytest settings stay out of it
-        suite = Path(__file__).parent / "testing" / "backend_check.py"
+        suite = Path(__file__).parents[1] / "testing" / "backend_check.py"
         command = [sys.executable, "-m", "kvcore.testing.backend_check", str(suite), "-c", str(ini),
                    "--rootdir", tmp, "-p", "no:cacheprovider", *pytest_args]  # fmt: skip
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,7 +1,7 @@
 """``kvcore bench``: the built-in pools' hot paths timed on the GPU at hand, each beside the torch path it replaces.
 
-Two tables, both from one process so the ratios are comparable (host timings differ between machines by tens
-of percent, ratios much less):
+Four tables, all from one process so the ratios are comparable (host timings differ between machines by tens
+of percent, ratios much less; how each is measured: :mod:`kvcore.tools.timing`):
 
 * **host cost** of one eager call (what an engine running without CUDA graphs pays per layer): the mean host
   time of calls issued back to back with no sync inside the loop (:func:`host_us`), for kvcore's pool method, for the
@@ -11,7 +11,7 @@ of percent, ratios much less):
 * **host cost at changing sizes**: the same, with the token count drawn at random on every call (1..8192; a
   move's slots 1..512, the range it takes in one launch), as an engine's prefill sizes and decode batches change
   from step to step (:func:`host_us_of_calls`);
-* **an eager engine step** (:mod:`kvcore.bench_engine`): continuous batching on Llama-3-8B's pools at page 16,
+* **an eager engine step** (:mod:`kvcore.tools.bench_engine`): continuous batching on Llama-3-8B's pools at page 16,
   prefills, decodes of every layer and frees, against a floor of as many bare torch ops as the step launches;
 * **device time** inside CUDA-graph replay (what a decode step costs on the GPU), for kvcore and the torch
   path, with the bytes moved over the measured device-copy ceiling.
@@ -25,11 +25,11 @@ rank (36 gated DeltaNet layers, 36.8 MiB a slot), copied between slots (at 8 and
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 
-import attrs
 import torch
+
+from kvcore.tools.timing import Row, copy_ceiling_gbps, format_tables, graph_us, host_us, host_us_of_calls
 
 HEADS, HEAD_DIM = 8, 128  # Llama-3-8B
 RANK, ROPE = 512, 64  # DeepSeek-V3 / V3.2
@@ -42,117 +42,6 @@ POOL_TOKENS = 1 << 16  # of every pool timed; locations are drawn among them
 #: the changing-size rows: token counts drawn from 1..VARIED_MAX_TOKENS (a move's slots from 1..MOVE_MAX_TOKENS),
 #: VARIED_CALLS different counts a row, each call a new one
 VARIED_MAX_TOKENS, VARIED_CALLS = 8192, 64
-
-
-#: (table, title, (column head, width) ...) of the two tables, in print order; the widths are Row.as_text's.
-TABLES = (
-    ("host", "host time of one eager call (us): kvcore / torch path / bare torch op (x.add_(0)) / bare op that "
-     "allocates (x.index_select(0, i), for methods returning new tensors), and the ratios",
-     (("kvcore", 9), ("torch", 9), ("bare op", 9), ("/torch", 8), ("/bare", 8), ("alloc op", 9), ("/alloc", 8))),
-    ("varied", "host time of one eager call when N changes on every call (drawn at random in the range shown; "
-     "us): columns as above",
-     (("kvcore", 9), ("torch", 9), ("bare op", 9), ("/torch", 8), ("/bare", 8), ("alloc op", 9), ("/alloc", 8))),
-    ("engine", "an eager engine step, host time of kvcore's calls (us): kvcore / the same step storing through "
-     "the torch path / floor (as many bare torch ops as the step launches, N a step)",
-     (("kvcore", 9), ("torch", 9), ("floor", 9), ("/torch", 8), ("/floor", 8))),
-    ("graph", "device time per call in CUDA-graph replay (us): kvcore / torch path; share of the copy ceiling",
-     (("kvcore", 9), ("torch", 9), ("/torch", 8), ("of ceil", 9))),
-)  # fmt: skip
-
-
-@attrs.frozen
-class Row:
-    """One measured line of a table (times in microseconds)."""
-
-    table: str
-    op: str
-    n: int
-    kvcore_us: float
-    torch_us: float
-    bare_us: float | None = None
-    of_ceiling: float | None = None
-    alloc_us: float | None = None
-
-    def as_text(self) -> str:
-        ratio = self.kvcore_us / self.torch_us
-        if self.table in ("host", "varied", "engine"):
-            n = f"1-{self.n}" if self.table == "varied" else str(self.n)
-            alloc = "" if self.alloc_us is None else f" {self.alloc_us:>9.2f} {self.kvcore_us / self.alloc_us:>8.2f}"
-            return (f"{self.op:<34} {n:>6} {self.kvcore_us:>9.2f} {self.torch_us:>9.2f} {self.bare_us:>9.2f} "
-                    f"{ratio:>8.2f} {self.kvcore_us / self.bare_us:>8.2f}{alloc}")  # fmt: skip
-        ceil = "" if self.of_ceiling is None else f"{self.of_ceiling:>9.2f}"
-        return f"{self.op:<34} {self.n:>6} {self.kvcore_us:>9.2f} {self.torch_us:>9.2f} {ratio:>8.2f} {ceil}"
-
-
-def host_us(*fns: Callable[[], object], reps: int = 2000, rounds: int = 5) -> list[float]:
-    """Host time of one call of each of ``fns``: in each of ``rounds`` rounds, every function in turn runs
-    ``reps // rounds`` calls with no sync inside the loop; a function's time is its fastest round's mean.
-    Interleaving the functions and keeping the fastest round keeps a burst of noise on a shared host from
-    landing on one function only, which would skew the ratios."""
-    for fn in fns:
-        for _ in range(50):
-            fn()
-    torch.cuda.synchronize()
-    best = [float("inf")] * len(fns)
-    calls = max(1, reps // rounds)
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[i] = min(best[i], (time.perf_counter() - start) / calls * 1e6)
-            torch.cuda.synchronize()
-    return best
-
-
-def host_us_of_calls(*call_lists: list[Callable[[], object]], passes: int = 8, rounds: int = 5) -> list[float]:
-    """Host time of one call, for each list of calls (each made with its own arguments: a changing size): in each
-    of ``rounds`` rounds, every list in turn runs ``passes`` times through, with the device waited for after each
-    pass, outside the time (calls of thousands of tokens may take the device longer than the host: unwaited, the
-    launch queue would fill and the host loop would time the device).  A list's time is its fastest round's
-    mean."""
-    for calls in call_lists:
-        for fn in calls:
-            fn()
-    torch.cuda.synchronize()
-    best = [float("inf")] * len(call_lists)
-    for _ in range(rounds):
-        for i, calls in enumerate(call_lists):
-            spent = 0.0
-            for _ in range(passes):
-                start = time.perf_counter()
-                for fn in calls:
-                    fn()
-                spent += time.perf_counter() - start
-                torch.cuda.synchronize()
-            best[i] = min(best[i], spent / (passes * len(calls)) * 1e6)
-    return best
-
-
-def graph_us(fn: Callable[[], object], calls: int = 20) -> float:
-    """Device time of one call inside CUDA-graph replay (median of replays of ``calls`` captured calls)."""
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        fn()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / calls
-
-
-def copy_ceiling_gbps() -> float:
-    """The measured device-to-device copy rate (bytes read + written per second, GB/s)."""
-    from triton.testing import do_bench
-
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    seconds = do_bench(lambda: y.copy_(x), warmup=20, rep=100, return_mode="median") * 1e-3
-    return 2 * (1 << 30) / seconds / 1e9
 
 
 def _pools(kernels: str) -> dict[str, object]:
@@ -293,15 +182,6 @@ def _bytes_moved(op: str, n: int) -> int | None:
     return None if per_token is None else per_token * n
 
 
-def format_tables(rows: list[Row]) -> list[str]:
-    """The two tables as text lines (a blank line and a title before each)."""
-    lines = []
-    for table, title, columns in TABLES:
-        lines += ["", title, f"{'op':<34} {'N':>6} " + " ".join(f"{head:>{width}}" for head, width in columns)]
-        lines += [r.as_text() for r in rows if r.table == table]
-    return lines
-
-
 def _check(op: str, n: int, ours: Callable, theirs: Callable, written, fast_pool, ref_pool) -> None:
     """One call of each, then the check that kvcore's output (or the rows it wrote, or every state) is the torch
     path's."""
@@ -323,7 +203,7 @@ def _varied_rows(fast: dict, ref: dict, bare: Callable, alloc_bare: Callable) ->
     against the torch path, then timed (:func:`host_us_of_calls`)."""
     import random
 
-    from kvcore.row_move import MOVE_MAX_TOKENS
+    from kvcore.kernels.row_move import MOVE_MAX_TOKENS
 
     rng = random.Random(11)
     sizes = [rng.randint(1, VARIED_MAX_TOKENS) for _ in range(VARIED_CALLS)]
@@ -385,7 +265,7 @@ def run(host_sizes=(1, 8, 64, 4096), graph_sizes=(1, 8, 64, 256, 32768), reps: i
         rows += _varied_rows(fast, ref, lambda: x.add_(0), lambda: x.index_select(0, one))
     del fast, ref
     if engine_steps:
-        from kvcore.bench_engine import engine_rows
+        from kvcore.tools.bench_engine import engine_rows
 
         rows += engine_rows(engine_steps)
     import triton

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import triton
 
-from kvcore.kernel_mode import triton_interpreting
+from kvcore.kernels.kernel_mode import triton_interpreting
 
 __all__ = ["UNPLANNED", "Launcher", "Plan", "alignment", "cdiv", "direct_launch_enabled", "launcher_for", "remember"]
 

@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore import dtypes
+from kvcore.kernels import dtypes
 
-# The fp8 kind constexpr the encoders and decoders dispatch on is the dtype's code of :mod:`kvcore.dtypes`.
+# The fp8 kind constexpr the encoders and decoders dispatch on is the dtype's code of :mod:`kvcore.kernels.dtypes`.
 _E4M3FN = tl.constexpr(dtypes.E4M3FN)
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +116,7 @@ def f32_to_e5m2_bits(x):
 
 @triton.jit
 def f32_to_fp8_bits(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
-    """Dispatch on the fp8 kind constexpr: ``kvcore.dtypes.E4M3FN`` or ``kvcore.dtypes.E5M2``."""
+    """Dispatch on the fp8 kind constexpr: ``kvcore.kernels.dtypes.E4M3FN`` or ``kvcore.kernels.dtypes.E5M2``."""
     if KIND == _E4M3FN:
         r = f32_to_e4m3fn_bits(x, SATURATE)
     else:
@@ -206,7 +206,7 @@ def e5m2_bits_to_f32(b):
 
 @triton.jit
 def fp8_bits_to_f32(b, KIND: tl.constexpr):
-    """Dispatch on the fp8 kind constexpr: ``kvcore.dtypes.E4M3FN`` or ``kvcore.dtypes.E5M2``."""
+    """Dispatch on the fp8 kind constexpr: ``kvcore.kernels.dtypes.E4M3FN`` or ``kvcore.kernels.dtypes.E5M2``."""
     if KIND == _E4M3FN:
         r = e4m3fn_bits_to_f32(b)
     else:

@@ -1,0 +1,189 @@
+"""Loading an engine config: config groups, a defaults file, dotlist overrides, merged over the schema
+(:mod:`kvcore.config.schema`) with omegaconf.
+
+``load_config("model=llama-3-70b", "hardware=h200", "parallel.tp_size=8", registry=...)`` composes, later winning:
+
+1. the schema defaults;
+2. the group files the defaults list of ``engine.yaml`` names (``model/<name>.yaml``,
+   ``hardware/<name>.yaml``), or the ones chosen by ``model=NAME`` / ``hardware=NAME`` overrides;
+3. the rest of ``engine.yaml`` (its own keys);
+4. dotlist overrides (``kv_cache.page_size=16``).
+
+Loading ends in ``OmegaConf.to_object`` so the attrs validators run; unknown keys and wrong types fail with
+the full key path, and so do the checks of :func:`~kvcore.config.schema.validate`.  A group option may also be a
+path to a YAML file.  A group file starting with ``# @package _global_`` is merged at the root, so it can set
+other sections too (a model too large for one GPU names the ``parallel`` layout it needs; command-line
+overrides still win).  Group files are searched next to the engine file first, then in the configs shipped with
+kvcore.  The plugins' model sections and block formats come from the registry the caller passes
+(:func:`kvcore.load_config` passes the installed plugins'): this package imports no plugin machinery.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kvcore.config.schema import DTYPE_ALIASES, EngineConfig, describe_error, engine_schema, validate
+from kvcore.errors import ConfigError
+
+
+GROUPS = ("model", "hardware")
+
+
+def packaged_configs() -> Path:
+    """The configs directory shipped with kvcore."""
+    return Path(str(resources.files("kvcore.configs")))
+
+
+def _group_dirs(group: str, engine_file: Path) -> list[Path]:
+    dirs = [engine_file.parent / group, packaged_configs() / group]
+    unique: list[Path] = []
+    for d in dirs:
+        if d not in unique:
+            unique.append(d)
+    return unique
+
+
+def available_options(group: str, engine_file: Path | None = None) -> list[str]:
+    """Option names of a config group (``model`` or ``hardware``)."""
+    engine_file = engine_file or packaged_configs() / "engine.yaml"
+    names = {p.stem for d in _group_dirs(group, engine_file) if d.is_dir() for p in d.glob("*.yaml")}
+    return sorted(names)
+
+
+def _group_file(group: str, option: str, engine_file: Path) -> Path:
+    candidate = Path(option)
+    if candidate.suffix in (".yaml", ".yml"):
+        for path in (candidate, engine_file.parent / candidate):
+            if path.is_file():
+                return path
+    for d in _group_dirs(group, engine_file):
+        path = d / f"{option}.yaml"
+        if path.is_file():
+            return path
+    raise ConfigError(
+        f"{group}={option!r} is not a known {group} config; "
+        f"valid options: {', '.join(available_options(group, engine_file))} (or a path to a .yaml file)"
+    )
+
+
+def _is_global_package(path: Path) -> bool:
+    """A group file whose first line is ``# @package _global_`` is merged at the root (Hydra's convention):
+    a model file can then carry the parallel layout it needs, e.g. ``parallel: {tp_size: 8}``."""
+    with open(path, encoding="utf-8") as f:
+        return f.readline().strip().replace(" ", "") == "#@package_global_"
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {path} is not valid YAML{line}: {problem}") from None
+    except PermissionError:
+        raise ConfigError(f"cannot read config file {path}: permission denied; make it readable (chmod +r)") from None
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; give the path of an engine YAML file") from None
+    except (OSError, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping at top level, not a {type(loaded).__name__}")
+    if len(loaded) == 0:
+        raise ConfigError(f"config file {path} is empty: give it keys (e.g. `kv_cache: {{page_size: 16}}`) or leave it out")
+    return loaded
+
+
+def _split_defaults(engine: DictConfig, engine_file: Path) -> tuple[dict[str, str], DictConfig]:
+    defaults = engine.get("defaults", [])
+    chosen: dict[str, str] = {}
+    for item in defaults or []:
+        if not isinstance(item, DictConfig) or len(item) != 1:
+            raise ConfigError(f"{engine_file}: every defaults entry must be a single 'group: option' mapping")
+        ((group, option),) = item.items()
+        if group not in GROUPS:
+            raise ConfigError(f"{engine_file}: defaults names group {group!r}; valid groups: {', '.join(GROUPS)}")
+        chosen[str(group)] = str(option)
+    body = OmegaConf.masked_copy(engine, [k for k in engine.keys() if k != "defaults"])
+    return chosen, body
+
+
+def load_config(*overrides: str, path: str | Path | None = None, registry) -> EngineConfig:
+    """Compose and validate an :class:`EngineConfig`.
+
+    :param overrides: ``group=option`` choices (``model=llama-3-8b``) and dotlist overrides
+        (``kv_cache.page_size=16``).
+    :param path: the engine YAML (default: the ``engine.yaml`` shipped with kvcore).
+    :param registry: the plugins whose model sections the schema includes and whose block formats
+        ``kv_cache.dtype`` may name (a :class:`~kvcore.plugins.Registry`; :func:`kvcore.load_config` passes the
+        installed plugins').
+    :raises ConfigError: naming the full key path of whatever is wrong.
+    """
+    schema = engine_schema(registry.model_sections)
+    engine_file = Path(path) if path is not None else packaged_configs() / "engine.yaml"
+    engine = _load_yaml(engine_file)
+    chosen, body = _split_defaults(engine, engine_file)
+    packaged = packaged_configs() / "engine.yaml"
+    if engine_file.resolve() != packaged.resolve():
+        # Groups a custom engine file leaves out default to the shipped engine.yaml's choices.
+        chosen = {**_split_defaults(_load_yaml(packaged), packaged)[0], **chosen}
+
+    dotlist: list[str] = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. model=llama-3-8b, kv_cache.page_size=16)")
+        key, value = item.split("=", 1)
+        if key in GROUPS:
+            chosen[key] = value
+        else:
+            dotlist.append(item)
+
+    try:
+        merged = OmegaConf.structured(schema)
+        for group in GROUPS:
+            if group == "model" and chosen.get(group, "").startswith("hf:"):
+                # a Hugging Face checkpoint's config.json, converted to a model file's keys (kvcore/config/hf.py)
+                from kvcore.config.hf import hf_model_config
+
+                merged = OmegaConf.merge(merged, {group: hf_model_config(chosen[group])})
+            elif group in chosen:
+                path = _group_file(group, chosen[group], engine_file)
+                group_cfg = _load_yaml(path)
+                merged = OmegaConf.merge(merged, group_cfg if _is_global_package(path) else {group: group_cfg})
+        merged = OmegaConf.merge(merged, body, OmegaConf.from_dotlist(dotlist))
+        sections = {field.name: _to_object(merged[field.name], field.name) for field in attrs.fields(schema)}
+    except OmegaConfBaseException as exc:
+        raise ConfigError(describe_error(exc, schema)) from None
+    cfg = validate(schema(**sections))
+    if cfg.kv_format is not None and cfg.kv_format not in registry.kv_formats:
+        formats = f"; block formats: {', '.join(registry.kv_formats)}" if registry.kv_formats else ""
+        raise ConfigError(
+            f"kv_cache.dtype={cfg.kv_cache.dtype!r} is neither a dtype nor a block format a plugin serves; use one "
+            f"of: {', '.join(DTYPE_ALIASES)}{formats}"
+        )
+    return cfg
+
+
+def _to_object(node: DictConfig, path: str) -> Any:
+    """``OmegaConf.to_object(node)``, with an attrs validator's error prefixed by the full key path: the
+    validator names only its own field, so a failing nested section (``model.mla``) is found and named."""
+    try:
+        return OmegaConf.to_object(node)
+    except (ValueError, TypeError) as exc:
+        for name in node.keys():
+            child = node._get_node(name)
+            if isinstance(child, DictConfig) and not child._is_none():
+                _to_object(child, f"{path}.{name}")  # raises with the deeper path if the error is in there
+        raise ConfigError(f"{path}.{exc}") from None
+
+
+def to_yaml(cfg: EngineConfig) -> str:
+    """The resolved config as YAML (for reports and reproducing a run)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
