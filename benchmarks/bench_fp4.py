@@ -8,7 +8,7 @@ out), a pool of 200k tokens, ``N`` random distinct locations.  Per format and si
 - device time of one store and one gather in CUDA-graph replay (median, :func:`kvcore.tools.bench.graph_us`), the
   torch path (``kernels="native"``) beside, and the share of the measured copy ceiling on the bytes the call
   must move (bf16 K and V, codes and scales, the locations);
-- then the gathered read of 4096 rows set against the seed's whole-layer dequantize of the same layer
+- then the gathered read of 4096 rows set against SGLang's whole-layer dequantize of the same layer
   (``get_key_buffer`` + ``get_value_buffer``: every row of the pool), both with ``triton.testing.do_bench``.
 
 ``--tile TxW`` sets the tokens per program and warps used from ``LARGE_FROM`` tokens on, in both directions
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         gathered = do_bench(lambda: fast.get_kv_buffer_by_loc(1, read), return_mode="median") * 1e3
         whole = do_bench(lambda: (ref.get_key_buffer(1), ref.get_value_buffer(1)), return_mode="median") * 1e3
         print(f"{kv_format:<9} gathered read of {READ_OF_WHOLE} rows of {POOL_TOKENS}: {gathered:.2f} us; "
-              f"whole-layer dequantize (the seed's accessors): {whole:.1f} us; {whole / gathered:.0f}x")  # fmt: skip
+              f"whole-layer dequantize (SGLang's accessors): {whole:.1f} us; {whole / gathered:.0f}x")  # fmt: skip
         del fast, ref
         torch.cuda.empty_cache()
     return 0

@@ -1,12 +1,12 @@
 """SGLang's KV-cache configurator builds kvcore's pools unchanged.
 
-Every constructor call of a pool, request table or allocator in the configurator (shared/seeds/
-kv_cache_configurator.seed.txt, ``KVCacheConfigurator._init_pools``) whose class kvcore has is made here with
-the seed's exact keyword set, at the values its code paths give at SGLang's default server arguments (small CPU
+Every constructor call of a pool, request table or allocator in SGLang's KV-cache configurator
+(``KVCacheConfigurator._init_pools``) whose class kvcore has is made here with
+SGLang's exact keyword set, at the values its code paths give at SGLang's default server arguments (small CPU
 sizes), and each pool built must work: a store and a read of the same rows.  Every keyword value that asks for a
 feature kvcore does not have is a one-line :class:`~kvcore.errors.ConfigError` naming the keyword.
 
-Then the seed's return types and attribute names: ``get_kv_size_bytes()`` is ``(K bytes, V bytes)`` for the
+Then SGLang's return types and attribute names: ``get_kv_size_bytes()`` is ``(K bytes, V bytes)`` for the
 MHA-shaped pools (the block-scaled MHA pool and ``SWAKVPool`` too), one int for MLA and DSA, the full-attention
 pool's answer for ``HybridLinearKVPool``; the block-scaled pools answer to ``k_buffer`` / ``v_buffer`` /
 ``k_scale_buffer`` / ``v_scale_buffer``.
@@ -94,7 +94,7 @@ class Layer:
 
 
 def mha_call(pool_cls, **overrides):
-    """The seed's call of ``pool_cls`` (NoOpMHATokenToKVPool if prefill_only_disable_kv_cache else
+    """SGLang's call of ``pool_cls`` (NoOpMHATokenToKVPool if prefill_only_disable_kv_cache else
     mha_pool_class), keyword for keyword."""
     kw = dict(
         page_size=SERVER_ARGS.page_size, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
@@ -143,7 +143,7 @@ def test_post_capture_pools_are_refused(cls):
 
 
 def fp4_call(**overrides):
-    """The seed's MHATokenToKVPoolFP4 call (kv_cache_dtype float4_e2m1fn_x2)."""
+    """SGLang's MHATokenToKVPoolFP4 call (kv_cache_dtype float4_e2m1fn_x2)."""
     kw = dict(
         page_size=SERVER_ARGS.page_size, dtype=torch.float4_e2m1fn_x2, head_num=HEADS, head_dim=HEAD_DIM,
         v_head_dim=V_HEAD_DIM, layer_num=LAYERS, device=DEVICE, enable_memory_saver=SERVER_ARGS.enable_memory_saver,
@@ -162,19 +162,19 @@ def test_fp4_call_builds_a_working_pool():
     assert relative_rms(got_k, k) < LOSSY_BOUNDS["fp4_e2m1"] and relative_rms(got_v, v) < LOSSY_BOUNDS["fp4_e2m1"]
 
 
-def test_fp4_answers_to_the_seeds_buffer_names():
+def test_fp4_answers_to_sglangs_buffer_names():
     pool = fp4_call(v_head_dim=32)
     rows_ = TOKENS + SERVER_ARGS.page_size
     for name, stacked, width in (("k_buffer", pool.k_data, HEAD_DIM), ("v_buffer", pool.v_data, 32)):
         views = getattr(pool, name)
         assert len(views) == LAYERS
-        for i, view in enumerate(views):  # the seed: [m, head_num, head_dim // 2] uint8 per layer
+        for i, view in enumerate(views):  # SGLang's: [m, head_num, head_dim // 2] uint8 per layer
             assert view.shape == (rows_, HEADS, width // 2) and view.dtype == torch.uint8
             assert view.data_ptr() == stacked[i].data_ptr()
     for name, stacked, width in (("k_scale_buffer", pool.k_scale, HEAD_DIM), ("v_scale_buffer", pool.v_scale, 32)):
         views = getattr(pool, name)
         assert len(views) == LAYERS
-        for i, view in enumerate(views):  # the seed: [m, head_num * head_dim // 16] uint8 per layer
+        for i, view in enumerate(views):  # SGLang's: [m, head_num * head_dim // 16] uint8 per layer
             assert view.shape == (rows_, HEADS * width // 16) and view.dtype == torch.uint8
             assert view.data_ptr() == stacked[i].data_ptr()
     loc = loc_of(2, 7)
@@ -220,10 +220,10 @@ def test_mla_calls_build_working_pools(cls):
     assert pool.get_kv_size_bytes() == sum(b.nbytes for b in pool.buffers().values())
 
 
-def test_mla_fp4_answers_to_the_seeds_buffer_names():
+def test_mla_fp4_answers_to_sglangs_buffer_names():
     pool = mla_call(MLATokenToKVPoolFP4, torch.float4_e2m1fn_x2)
     m, width = TOKENS + 1, RANK + ROPE
-    assert [v.shape for v in pool.kv_buffer] == [(m, 1, width // 2)] * LAYERS  # the seed's shapes
+    assert [v.shape for v in pool.kv_buffer] == [(m, 1, width // 2)] * LAYERS  # SGLang's shapes
     assert [v.shape for v in pool.kv_scale_buffer] == [(m, width // 16)] * LAYERS
     assert pool.kv_buffer[2].data_ptr() == pool.kv_data[2].data_ptr()
     assert pool.kv_scale_buffer[2].data_ptr() == pool.kv_scale[2].data_ptr()
@@ -234,8 +234,8 @@ def test_mla_fp4_answers_to_the_seeds_buffer_names():
 DSA_RANK, DSA_ROPE, DSA_PAGE, INDEX_HEAD_DIM = 512, 64, 64, 128
 
 
-def seed_kv_cache_dim(dtype) -> int:
-    """The seed's ``calculate_mla_kv_cache_dim`` for a DSA model at the default DSA backends (not trtllm, not HIP):
+def sglang_kv_cache_dim(dtype) -> int:
+    """SGLang's ``calculate_mla_kv_cache_dim`` for a DSA model at the default DSA backends (not trtllm, not HIP):
     the scaled fp8 row for float8_e4m3fn, the plain latent row otherwise."""
     if dtype == torch.float8_e4m3fn:
         return DSA_RANK + DSA_RANK // DSATokenToKVPool.quant_block_size * 4 + DSA_ROPE * DSATokenToKVPool.rope_storage_dtype.itemsize
@@ -244,7 +244,7 @@ def seed_kv_cache_dim(dtype) -> int:
 
 def dsa_call(dtype, **overrides):
     kw = dict(page_size=DSA_PAGE, dtype=dtype, kv_lora_rank=DSA_RANK, qk_rope_head_dim=DSA_ROPE, layer_num=2,
-              device=DEVICE, kv_cache_dim=seed_kv_cache_dim(dtype), enable_memory_saver=SERVER_ARGS.enable_memory_saver,
+              device=DEVICE, kv_cache_dim=sglang_kv_cache_dim(dtype), enable_memory_saver=SERVER_ARGS.enable_memory_saver,
               start_layer=0, end_layer=1, index_head_dim=INDEX_HEAD_DIM)  # fmt: skip
     kw.update(overrides)
     return DSATokenToKVPool(2 * DSA_PAGE, **kw)
@@ -253,7 +253,7 @@ def dsa_call(dtype, **overrides):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_dsa_call_builds_a_working_pool(dtype):
     pool = dsa_call(dtype)
-    assert pool.kv_cache_dim == seed_kv_cache_dim(dtype)
+    assert pool.kv_cache_dim == sglang_kv_cache_dim(dtype)
     loc, nope, rope = loc_of(65, 3), rows(2, 1, DSA_RANK, 11), rows(2, 1, DSA_ROPE, 12)
     pool.set_mla_kv_buffer(Layer(1), loc, nope, rope)
     got_nope, got_rope = pool.get_mla_kv_buffer(Layer(1), loc, torch.bfloat16)
@@ -278,7 +278,7 @@ SWA_IDS, FULL_IDS, SWA_TOKENS = [0, 2], [1, 3], 16
 
 
 def swa_call(compress: bool = False, **overrides):
-    """The seed's CUDA-path SWAKVPool call (with the hybrid-SWA-compress kwargs when ``compress``)."""
+    """SGLang's CUDA-path SWAKVPool call (with the hybrid-SWA-compress kwargs when ``compress``)."""
     kwargs = dict(swa_head_num=1, swa_head_dim=8, swa_v_head_dim=8, v_head_dim=V_HEAD_DIM) if compress else {}
     kw = dict(
         size=TOKENS, size_swa=SWA_TOKENS, page_size=SERVER_ARGS.page_size, dtype=torch.bfloat16, head_num=HEADS,
@@ -306,7 +306,7 @@ def test_swa_call_and_its_allocator_build_a_working_pool(compress):
 
 
 def test_swa_call_when_every_layer_slides():
-    """full_max_total_num_tokens == 0 (the seed then pairs the pool with a pure-SWA allocator): locations are the
+    """full_max_total_num_tokens == 0 (SGLang then pairs the pool with a pure-SWA allocator): locations are the
     window slots, here from an ordinary allocator over them."""
     pool = swa_call(size=0, swa_attention_layer_ids=[0, 1, 2, 3], full_attention_layer_ids=[])
     assert pool.full_kv_pool is None and pool.size == SWA_TOKENS
@@ -360,7 +360,7 @@ CACHE_PARAMS = state_params(GDN, torch.bfloat16, 1, LINEAR_LAYERS)
 
 
 def hybrid_req_call(stage=(0, HYBRID_LAYERS), **overrides):
-    """The seed's HybridReqToTokenPool call, for the pipeline stage of layers ``stage[0] .. stage[1] - 1``."""
+    """SGLang's HybridReqToTokenPool call, for the pipeline stage of layers ``stage[0] .. stage[1] - 1``."""
     start_layer, end_layer = stage
     kw = dict(
         size=REQS, mamba_size=SERVER_ARGS.max_mamba_cache_size, mamba_spec_state_size=REQS, max_context_len=CONTEXT,
@@ -379,7 +379,7 @@ def hybrid_req_call(stage=(0, HYBRID_LAYERS), **overrides):
 
 
 def hybrid_kv_call(req_to_token_pool, stage=(0, HYBRID_LAYERS), use_mla=False, is_draft_worker=False, **overrides):
-    """The seed's HybridLinearKVPool call (``extra_args`` with the MLA dimensions when ``use_mla``)."""
+    """SGLang's HybridLinearKVPool call (``extra_args`` with the MLA dimensions when ``use_mla``)."""
     start_layer, end_layer = stage
     extra_args = dict(kv_lora_rank=RANK, qk_rope_head_dim=ROPE) if use_mla else {}
     kw = dict(

@@ -2,7 +2,7 @@
 
 Every recipe splits a row's last dimension into blocks of ``block`` values that share one scale byte:
 
-``fp4_e2m1`` (the seed's block FP4)
+``fp4_e2m1`` (SGLang's block FP4)
     values e2m1 (sign, 2 exponent bits of bias 1, 1 mantissa bit: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6),
     packed two per byte with the even element in the low nibble; 16 values per scale; the scale is a power of
     two ``2**e`` stored as the byte ``e + 127`` (UE8M0), ``e = ceil(log2(amax / 6))`` so the largest magnitude
@@ -19,7 +19,7 @@ Every recipe splits a row's last dimension into blocks of ``block`` values that 
     e4m3 values, 32 per scale; the scale is ``2**X`` as UE8M0 with ``X = floor(log2(amax)) - 8`` (8 is e4m3's
     largest exponent), so the largest magnitude scales into [256, 512) and saturates at 448.
 
-Rounding: e2m1 codes round to the nearest value, ties away from zero (the seed's boundaries 0.25, 0.75, ...,
+Rounding: e2m1 codes round to the nearest value, ties away from zero (SGLang's boundaries 0.25, 0.75, ...,
 5); the sign bit is the scaled value's own, so a negative value that rounds to zero (and -0.0) is code 8, -0,
 which decodes to -0.0.
 e4m3 codes are torch's ``.to(torch.float8_e4m3fn)`` (nearest even) of the value clamped to [-448, 448] first,
@@ -46,7 +46,7 @@ E4M3_MAX = 448.0
 E4M3_EMAX = 8
 #: magnitudes of the e2m1 codes 0..7 (bit 3 is the sign)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-#: a magnitude at or above the i-th bound takes code i + 1: nearest value, ties away from zero (the seed's)
+#: a magnitude at or above the i-th bound takes code i + 1: nearest value, ties away from zero (SGLang's)
 E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 UE8M0_BIAS = 127
 

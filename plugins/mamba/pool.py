@@ -545,7 +545,7 @@ class HybridLinearKVPool(KVCache):
         enable_kvcache_transpose: bool = False,
     ):
         check_post_capture("HybridLinearKVPool", post_capture_active)
-        if enable_kvcache_transpose:  # the memory_pool seed's keyword; SGLang refuses True too
+        if enable_kvcache_transpose:  # the keyword of SGLang's older pools; SGLang refuses True too
             raise unsupported("HybridLinearKVPool", "enable_kvcache_transpose", enable_kvcache_transpose,
                               "a transposed KV cache", "pass enable_kvcache_transpose=False")  # fmt: skip
         full = [int(i) for i in full_attention_layer_ids]

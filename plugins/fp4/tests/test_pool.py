@@ -1,5 +1,5 @@
 """MHATokenToKVPoolFP4: reads by location return the format's round trip of what was stored and read no
-other rows; the seed's whole-layer accessors agree; nvfp4's global scales; the errors."""
+other rows; SGLang's whole-layer accessors agree; nvfp4's global scales; the errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sizing hybrid linear-attention pools: state slots reserved before the tokens by the seed's rules (the
+"""Sizing hybrid linear-attention pools: state slots reserved before the tokens by SGLang's rules (the
 ratio split, an explicit size, one slot per request without a prefix cache), the request cap, the errors,
 and the pools ``build_pools`` and ``kvcore up`` make."""
 
@@ -92,7 +92,7 @@ def test_up_is_ready_on_the_cpu(capsys):
 
 
 def test_speculative_decoding_solves_slots_and_draft_states_jointly():
-    """The seed's joint solve: slots = share // (per request x (1 + D / ratio)); the draft states of
+    """SGLang's joint solve: slots = share // (per request x (1 + D / ratio)); the draft states of
     min(max_running_requests, slots // ratio) running requests come out of the same share."""
     draft, running = 4, 64
     plan = plan_memory(load_config("model=qwen3-next-80b", "hardware=h200", "memory.max_running_requests=64",

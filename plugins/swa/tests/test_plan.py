@@ -1,4 +1,4 @@
-"""Sizing hybrid sliding-window pools: the full / window token split against the seed's formula, the window
+"""Sizing hybrid sliding-window pools: the full / window token split against SGLang's formula, the window
 minimum and the ratio that reaches it, and the command line (plan, plugins --explain, up)."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_full_and_window_tokens_follow_the_seeds_split(model, hardware, tp, page
     cell = 2 * max(1, m.num_key_value_heads // tp) * m.head_dim * 2  # K and V, bf16
     full, window = seed_split(plan.budget.kv_budget_bytes, page, cell, cell, len(full_ids), len(swa_ids), 0.8)
     assert plan.full_max_total_num_tokens == plan.max_total_num_tokens
-    # the seed rounds the ratio's product down once more than kvcore's exact search: at most a page apart
+    # SGLang rounds the ratio's product down once more than kvcore's exact search: at most a page apart
     assert 0 <= plan.full_max_total_num_tokens - full <= page
     assert abs(plan.swa_max_total_num_tokens - window) <= page
     # exact: the plan fits, one more page of full tokens (with its window share) would not
