@@ -77,3 +77,19 @@ def test_every_import_the_docs_show_works(page):
 def test_the_readme_shows_imports():
     """The check above has something to check: the README's engine example imports kvcore."""
     assert "import kvcore" in _shown_imports((ROOT / "README.md").read_text(encoding="utf-8"))
+
+
+def test_the_readme_engine_example_is_the_example_file_and_runs(capsys):
+    """README.md's "From engine code" shows examples/engine_loop.py verbatim, and the program runs as shown on the
+    CPU default, printing what the README says it prints."""
+    import runpy
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## From engine code"):]
+    shown = section[section.index("```python\n") + len("```python\n"):]
+    shown = shown[: shown.index("```\n")]
+    program = ROOT / "examples" / "engine_loop.py"
+    assert shown == program.read_text(encoding="utf-8"), "README.md's engine example differs from examples/engine_loop.py"
+    runpy.run_path(str(program), run_name="__main__")
+    printed = capsys.readouterr().out.strip()
+    assert printed and f"`{printed}`" in section, f"the example printed {printed!r}, which the README does not show"
