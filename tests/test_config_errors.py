@@ -59,6 +59,10 @@ CASES = [
     (["parallel.pp_size=2", "parallel.pp_rank=5"], ["parallel.pp_rank=5", "[0, parallel.pp_size=2)"]),
     (["model=qwen3-next-80b", "hardware=h200", "kv_cache.options.max_mamba_cache_size=100000"],
      ["kv_cache.options.max_mamba_cache_size", "memory.max_running_requests"]),
+    (["kv_cache=16"], ["kv_cache='16'", "is a section of keys, not a value", "page_size", "e.g. kv_cache.dtype=auto"]),
+    (["memory=3"], ["memory='3'", "is a section of keys", "mem_fraction_static"]),
+    (["kv_cache.page_size=100000"], ["kv_cache.page_size=100000 is larger than the model's whole context",
+                                     "kv_cache.page_size=64"]),
 ]  # fmt: skip
 
 
@@ -93,6 +97,40 @@ def test_suggested_overrides_work(overrides, key):
     fix = suggested(message, key, overrides)
     plan = plan_memory(load_config(*[o for o in overrides if not o.startswith(f"{key}=")], fix))
     assert plan.max_total_num_tokens > 0
+
+
+def test_a_value_with_no_default_is_not_suggested_as_missing():
+    """A key whose schema default is MISSING (hardware.memory_gib, set by every hardware file) gets its type in
+    the error, never ``e.g. hardware.memory_gib=???``."""
+    message = error_of("hardware.memory_gib=abc")
+    assert message.startswith("hardware.memory_gib") and "give a float" in message and "???" not in message
+
+
+def test_no_fraction_above_one_is_suggested():
+    """When one request's context does not fit even the whole memory, no mem_fraction_static is suggested."""
+    message = error_of("hardware.memory_gib=1.2", "kv_cache.page_size=32768")  # a page of the whole context
+    assert "less than one page" in message and "memory.budget_gib=" in message
+    assert "mem_fraction_static" not in message, "a fraction above 1 suggested"
+
+
+@pytest.mark.parametrize("body", ["model: tiny-mla\nkv_cache:\n  page_size: 16\n",
+                                  "defaults:\n  - model: tiny-swa\nmodel: tiny-mla\n"])
+def test_an_engine_file_names_a_group_option_as_the_command_line_does(tmp_path, body):
+    """``model: tiny-mla`` in an engine file chooses the option (over the file's defaults list), as
+    ``model=tiny-mla`` on the command line does; the file's other keys still apply."""
+    path = tmp_path / "engine.yaml"
+    path.write_text(body)
+    cfg = load_config(path=path)
+    assert cfg.model.name == "tiny-mla" and cfg.model.attention == "mla"
+    assert cfg.kv_cache.page_size == (16 if "page_size" in body else 1)
+    assert load_config("model=tiny-swa", path=path).model.name == "tiny-swa", "the command line still wins"
+
+
+def test_an_engine_file_giving_a_section_one_value_names_the_file_and_the_keys(tmp_path):
+    path = tmp_path / "engine.yaml"
+    path.write_text("kv_cache: 16\n")
+    with pytest.raises(KVCoreError, match=r"engine.yaml: kv_cache=16: kv_cache is a section of keys.*page_size"):
+        load_config(path=path)
 
 
 def test_a_model_too_big_for_the_cpu_points_at_memory_not_parallelism():

@@ -20,13 +20,14 @@ kvcore.  The plugins' model sections and block formats come from the registry th
 
 from __future__ import annotations
 
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import attrs
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kvcore.config.schema import DTYPE_ALIASES, EngineConfig, describe_error, engine_schema, validate
@@ -111,7 +112,11 @@ def _split_defaults(engine: DictConfig, engine_file: Path) -> tuple[dict[str, st
         if group not in GROUPS:
             raise ConfigError(f"{engine_file}: defaults names group {group!r}; valid groups: {', '.join(GROUPS)}")
         chosen[str(group)] = str(option)
-    body = OmegaConf.masked_copy(engine, [k for k in engine.keys() if k != "defaults"])
+    for group in GROUPS:  # `model: tiny-mla` in the file's body chooses a group option, as model=tiny-mla does
+        if group in engine and isinstance(engine[group], str):
+            chosen[group] = str(engine[group])
+    body = OmegaConf.masked_copy(engine, [k for k in engine.keys() if k != "defaults" and k not in chosen
+                                          or (k in GROUPS and not isinstance(engine[k], str))])  # fmt: skip
     return chosen, body
 
 
@@ -143,7 +148,11 @@ def load_config(*overrides: str, path: str | Path | None = None, registry) -> En
         if key in GROUPS:
             chosen[key] = value
         else:
+            _check_not_a_section(schema, key, value)
             dotlist.append(item)
+    for key in body.keys():
+        if not isinstance(body[key], DictConfig) and not OmegaConf.is_missing(body, key):
+            _check_not_a_section(schema, str(key), body[key], where=f"{engine_file}: ")
 
     try:
         merged = OmegaConf.structured(schema)
@@ -169,6 +178,21 @@ def load_config(*overrides: str, path: str | Path | None = None, registry) -> En
             f"of: {', '.join(DTYPE_ALIASES)}{formats}"
         )
     return cfg
+
+
+def _check_not_a_section(schema: type, key: str, value: Any, where: str = "") -> None:
+    """A section (``kv_cache``, ``memory``, ...) given one value instead of its keys: say which keys it has.  (The
+    ``model`` and ``hardware`` groups take an option's name and never get here.)"""
+    section = typing.get_type_hints(schema).get(key)
+    if section is None or not attrs.has(section):
+        return
+    fields = attrs.fields(section)
+    example = next((f"{key}.{f.name}={f.default}" for f in fields
+                    if not isinstance(f.default, attrs.Factory) and f.default not in (None, MISSING)), None)  # fmt: skip
+    raise ConfigError(
+        f"{where}{key}={value!r}: {key} is a section of keys, not a value; set one of its keys "
+        f"({', '.join(f.name for f in fields)}){f', e.g. {example}' if example else ''} (`kvcore config` lists every key)"
+    )
 
 
 def _to_object(node: DictConfig, path: str) -> Any:

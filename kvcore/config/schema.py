@@ -276,7 +276,7 @@ def _hint(schema: type, key: str, unknown: bool) -> str:
         return f"; valid keys at {where}: {', '.join(fields)} (`kvcore config` lists every key)"
     field = fields[parts[-1]]
     default = field.default
-    if default is attrs.NOTHING or isinstance(default, attrs.Factory) or default is None:
+    if default is attrs.NOTHING or isinstance(default, attrs.Factory) or default is None or default == MISSING:
         return f"; give {_a(type_name(field.type))}"
     return f"; give {_a(type_name(field.type))}, e.g. {key}={default}"
 

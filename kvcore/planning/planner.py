@@ -264,6 +264,12 @@ def plan_from_layouts(
             f"memory.max_total_tokens={cfg.model.context_length} (one request of the model's context) or at least "
             f"{page_size}"
         )
+    if aligned <= 0 and page_size > cfg.model.context_length:
+        raise PlanningError(
+            f"kv_cache.page_size={page_size} is larger than the model's whole context (model.context_length="
+            f"{cfg.model.context_length} tokens), and the KV budget of {budget.kv_budget_bytes / GiB:.3f} GiB fits "
+            f"{capped} tokens, less than one page: use a page of at most the context, e.g. kv_cache.page_size=64"
+        )
     if aligned <= 0:
         tokens_only = layout.without("requests").without("running_requests")
         one_request = tokens_only.total_bytes(_sizes(layout, max(page_size, cfg.model.context_length), ratio))
@@ -272,8 +278,9 @@ def plan_from_layouts(
             hint = f"set memory.budget_gib={budget_needed:g} (one request of the model's context), "
         else:
             fraction = math.ceil((one_request + budget.weight_bytes) / budget.pre_model_load_bytes * 1000) / 1000
-            hint = (f"set memory.mem_fraction_static={fraction:.3f} (one request of the model's context) if that is "
-                    f"at most 1, or memory.budget_gib={budget_needed:g}, ")  # fmt: skip
+            raise_fraction = (f"set memory.mem_fraction_static={fraction:.3f} (one request of the model's context), or "
+                              if fraction <= 1 else "")  # more than the whole memory: no fraction fits  # fmt: skip
+            hint = f"{raise_fraction}set memory.budget_gib={budget_needed:g}, "
         raise PlanningError(
             f"the KV budget of {budget.kv_budget_bytes / GiB:.3f} GiB fits {capped} tokens, less than one page of "
             f"kv_cache.page_size={page_size} ({layout.bytes_per_token} bytes per token): "
