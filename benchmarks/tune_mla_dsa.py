@@ -7,7 +7,7 @@ of its tuning constants, and prints the share of the measured copy ceiling, then
 kernel.  The chosen defaults live in ``kvcore_mla.kernels`` (TILE_ELEMS, COPY_TILE_ELEMS, MAX_BLOCK_C,
 ELEMS_PER_WARP; the MLA kernels are swept at 1, 64 and 32k tokens, with the decode-size row kernel that stores up to
 ROW_KERNEL_MAX_TOKENS tokens turned off, so every size runs the tiles these constants shape) and
-``kvcore_dsa.kernels`` (_STORE_BLOCK_N, _STORE_NUM_WARPS, _GATHER_BLOCK_N, _GATHER_NUM_WARPS); this script shows
+``kvcore_dsa.scaled_rows`` (_STORE_BLOCK_N, _STORE_NUM_WARPS, _GATHER_BLOCK_N, _GATHER_NUM_WARPS); this script shows
 the neighbourhood they were picked from.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from bench_mha import copy_ceiling, graph_time_us, same_size_copy_us
 from kvcore_dsa.layout import scaled_row_bytes
-from kvcore_dsa import kernels as dsa
+from kvcore_dsa import scaled_rows as dsa
 from kvcore_mla import kernels as mla
 
 RANK, ROPE, N, ROWS = 512, 64, 32768, 65537

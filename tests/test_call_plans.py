@@ -33,7 +33,8 @@ class _FakeLauncher:
     def __call__(self, key, gx, gy, args, tensors, warps, gz):
         self.calls.append((key, (gx, gy, gz), tuple(args), warps))
 
-    def entry(self, key):
+    def entry(self, full_key):
+        self.asked = full_key
         if not self.compiled:
             return None
         return (lambda *a: self.direct_calls.append(a)), ("function", "metadata")
@@ -51,6 +52,18 @@ def test_a_plan_launches_through_its_launcher_until_compiled_then_directly():
     plan(13, (7, 8))
     assert len(fake.calls) == 3
     assert fake.direct_calls == [(4, 2, 1, 1000, "function", "metadata", 7, 8)]
+
+
+def test_a_plan_adds_its_constexprs_after_the_runtime_arguments_and_keys_on_them():
+    """A call passes the runtime arguments only; the plan adds the constexpr values it was made with, and finds its
+    compiled kernel under ``(key, warps, constexprs)`` (what :meth:`kvcore.kernels.launch.Launcher.key_of` files
+    the kernel under)."""
+    fake = _FakeLauncher(compiled=True)
+    plan = launch.Plan(fake, ("key",), 2, (1, 1), 4, constexprs=[16, True])
+    plan(3, (1, 2))
+    assert fake.calls == [(("key",), (2, 1, 1), (1, 2, 16, True), 4)] and fake.asked == (("key",), 4, (16, True))
+    plan(5, (3, 4))
+    assert fake.direct_calls == [(3, 1, 1, 1000, "function", "metadata", 3, 4, 16, True)]
 
 
 def test_a_plan_goes_through_its_launcher_while_a_launch_hook_is_installed():

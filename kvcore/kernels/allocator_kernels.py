@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kvcore.kernels.free_list import ALLOCATED, TAKEN_BIAS, PageSource
-from kvcore.kernels.launch import cdiv, launcher_for
+from kvcore.kernels.launch import KernelArgs, cdiv, launcher_for
 
 __all__ = [
     "alloc_pages_native",
@@ -122,10 +122,12 @@ def num_new_pages_decode(seq_lens: torch.Tensor, page_size: int) -> int:
 _PAGES_BLOCK = 1024
 
 
-def _launch(kernel, grid: int, inputs: tuple, buffers: tuple, scalars: tuple, key: tuple) -> None:
-    """``kernel[grid](*inputs, *buffers, *scalars)`` through the direct launcher.  The key adds what Triton
-    specializes the caller's ``inputs`` on (dtype, 16-byte alignment) to ``key``; ``buffers`` are the
-    source's and the output, always int64 / int32 and freshly allocated (aligned).
+def _launch(binding: KernelArgs, grid: int, inputs: tuple, buffers: tuple, scalars: tuple, key: tuple) -> None:
+    """``kernel[grid](*inputs, *buffers, *scalars)`` through the direct launcher (``scalars``: the runtime ones,
+    then the constexprs, in the binding's order).  The key adds what Triton specializes the caller's ``inputs``
+    on (dtype, 16-byte alignment) to ``key``, which names the specialized runtime ints (the launcher adds the
+    constexprs and the warps); ``buffers`` are the source's and the output, always int64 / int32 and freshly
+    allocated (aligned).
 
     Plain loops, no generators: this runs on every allocation, and each generator costs a fraction of a
     microsecond of host time."""
@@ -141,7 +143,7 @@ def _launch(kernel, grid: int, inputs: tuple, buffers: tuple, scalars: tuple, ke
     for t in buffers:
         tensors.append(t)
         addresses.append(t.data_ptr())
-    launcher_for(kernel, buffers[0].device)(tuple(meta), grid, 1, (*addresses, *scalars), tensors)
+    launcher_for(binding, buffers[0].device)(tuple(meta), grid, 1, (*addresses, *scalars), tensors)
 
 
 def _check_source(pages: PageSource, *tensors: torch.Tensor) -> None:
@@ -183,6 +185,11 @@ def _alloc_pages_kernel(ring_ptr, ctl_ptr, state_ptr, out_ptr, n_tokens, taken, 
     tl.store(state_ptr + page, tl.full([BLOCK], 2147483647, tl.int32), mask=mask & (i % PAGE_SIZE == 0))
 
 
+#: the kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`; ``*_ptr`` parameters passed as addresses)
+_PAGES_ARGS = KernelArgs(_alloc_pages_kernel, "ring_ptr ctl_ptr state_ptr out_ptr n_tokens taken cap",
+                         "PAGE_SIZE BIAS BLOCK")  # fmt: skip
+
+
 def alloc_pages_triton(pages: PageSource, num_pages: int, page_size: int) -> torch.Tensor:
     """The token indices of the ``num_pages`` pages at the head, page after page (one launch).
 
@@ -191,9 +198,9 @@ def alloc_pages_triton(pages: PageSource, num_pages: int, page_size: int) -> tor
     n = num_pages * page_size
     out = pages.ring.new_empty(n)  # int64 on its device, less host time than torch.empty (probe_alloc_step.py)
     if n:
-        _launch(_alloc_pages_kernel, cdiv(n, _PAGES_BLOCK), (), (pages.ring, pages.ctl, pages.state, out),
-                (n, pages.taken + TAKEN_BIAS, pages.capacity, page_size, TAKEN_BIAS, _PAGES_BLOCK),
-                (pages.capacity, page_size))  # fmt: skip
+        constexprs = _PAGES_ARGS.constexprs(PAGE_SIZE=page_size, BIAS=TAKEN_BIAS, BLOCK=_PAGES_BLOCK)
+        _launch(_PAGES_ARGS, cdiv(n, _PAGES_BLOCK), (), (pages.ring, pages.ctl, pages.state, out),
+                (n, pages.taken + TAKEN_BIAS, pages.capacity, *constexprs), (pages.capacity,))  # fmt: skip
     return out
 
 
@@ -262,6 +269,13 @@ def _alloc_extend_kernel(
         tl.store(state_ptr + page, tl.full([TOKEN_BLOCK], 2147483647, tl.int32), mask=new_page & (t % PAGE_SIZE == 0))
 
 
+#: the kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`; ``*_ptr`` parameters passed as addresses)
+_EXTEND_ARGS = KernelArgs(
+    _alloc_extend_kernel, "prefix_lens_ptr seq_lens_ptr last_loc_ptr ring_ptr ctl_ptr state_ptr out_ptr taken cap",
+    "PAGE_SIZE BIAS BS_BLOCK TOKEN_BLOCK",
+)
+
+
 def _check_extend_args(prefix_lens, seq_lens, last_loc):
     if not (prefix_lens.dim() == seq_lens.dim() == last_loc.dim() == 1):
         raise ValueError(
@@ -299,9 +313,10 @@ def alloc_extend_triton(
     bs = prefix_lens.numel()
     if bs == 0 or extend_num_tokens == 0:
         return out
-    _launch(_alloc_extend_kernel, bs, (prefix_lens, seq_lens, last_loc), (pages.ring, pages.ctl, pages.state, out),
-            (pages.taken + TAKEN_BIAS, pages.capacity, page_size, TAKEN_BIAS, _BS_BLOCK, _TOKEN_BLOCK),
-            (pages.capacity, page_size))  # fmt: skip
+    constexprs = _EXTEND_ARGS.constexprs(PAGE_SIZE=page_size, BIAS=TAKEN_BIAS, BS_BLOCK=_BS_BLOCK,
+                                         TOKEN_BLOCK=_TOKEN_BLOCK)  # fmt: skip
+    _launch(_EXTEND_ARGS, bs, (prefix_lens, seq_lens, last_loc), (pages.ring, pages.ctl, pages.state, out),
+            (pages.taken + TAKEN_BIAS, pages.capacity, *constexprs), (pages.capacity,))  # fmt: skip
     return out
 
 
@@ -386,6 +401,13 @@ def _alloc_decode_kernel(
     tl.store(words_ptr + 0, bits | ((added - count) & 0xFFFFFFFF))
 
 
+#: the kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`; ``*_ptr`` parameters passed as addresses)
+_DECODE_ARGS = KernelArgs(
+    _alloc_decode_kernel, "seq_lens_ptr last_loc_ptr ring_ptr ctl_ptr state_ptr out_ptr words_ptr bs taken cap bits",
+    "PAGE_SIZE BIAS BS_BLOCK",
+)
+
+
 def _check_decode_args(seq_lens, last_loc):
     if not (seq_lens.dim() == last_loc.dim() == 1) or seq_lens.numel() != last_loc.numel():
         raise ValueError(
@@ -416,9 +438,10 @@ def alloc_decode_triton(
     out = pages.ring.new_empty(bs)
     if bs == 0:
         return out
-    _launch(_alloc_decode_kernel, 1, (seq_lens, last_loc), (pages.ring, pages.ctl, pages.state, out, pages.words),
-            (bs, pages.taken + TAKEN_BIAS, pages.capacity, pages.word_bits, page_size, TAKEN_BIAS, _BS_BLOCK),
-            (pages.capacity, page_size))  # fmt: skip
+    constexprs = _DECODE_ARGS.constexprs(PAGE_SIZE=page_size, BIAS=TAKEN_BIAS, BS_BLOCK=_BS_BLOCK)
+    _launch(_DECODE_ARGS, 1, (seq_lens, last_loc), (pages.ring, pages.ctl, pages.state, out, pages.words),
+            (bs, pages.taken + TAKEN_BIAS, pages.capacity, pages.word_bits, *constexprs),
+            (pages.capacity,))  # fmt: skip
     return out
 
 
@@ -453,8 +476,9 @@ class DecodeStep:
     or :func:`alloc_decode_native` on the list's pages.
 
     The Triton path works out once what stays fixed between steps (the launcher, the launch key's fixed part)
-    and reads the list's buffer addresses from the list, so a step costs two input checks, one allocation and
-    one direct launch: the decode loop runs it once per step, and its host time is the step's.
+    and reads the list's buffer addresses and the tuning constants at each step, so a step costs two input
+    checks, one allocation and one direct launch: the decode loop runs it once per step, and its host time is the
+    step's.
 
     :param pages: the allocator's :class:`~kvcore.kernels.free_list.FreePageList` (kept: its buffers may be copied
         after a snapshot, its object stays).
@@ -465,9 +489,9 @@ class DecodeStep:
 
     def __init__(self, pages, page_size: int, use_triton: bool):
         self.pages, self.page_size, self.use_triton = pages, page_size, use_triton
-        self._launch = launcher_for(_alloc_decode_kernel, pages.device) if use_triton else None
+        self._launch = launcher_for(_DECODE_ARGS, pages.device) if use_triton else None
         self._device_index = pages.ring.get_device()
-        self._key = (pages.capacity, page_size)
+        self._key = (pages.capacity,)  # what Triton specializes on besides the inputs (the launcher adds the rest)
 
     def __call__(self, seq_lens: torch.Tensor, last_loc: torch.Tensor, most: int) -> torch.Tensor:
         """The step's locations (int64 ``[bs]``); ``most`` bounds the pages it takes and must be at most the
@@ -494,8 +518,9 @@ class DecodeStep:
             last_loc = last_loc.contiguous()
         seq, last = seq_lens.data_ptr(), last_loc.data_ptr()
         ring, _, _, ctl, state, words = pages.pointers()
+        constexprs = _DECODE_ARGS.constexprs(PAGE_SIZE=self.page_size, BIAS=TAKEN_BIAS, BS_BLOCK=_BS_BLOCK)
         self._launch((*self._key, seq_lens.dtype, seq % 16 == 0, last_loc.dtype, last % 16 == 0), 1, 1, (
             seq, last, ring, ctl, state, out.data_ptr(), words, bs, pages.taken + TAKEN_BIAS, pages.capacity, bits,
-            self.page_size, TAKEN_BIAS, _BS_BLOCK,
+            *constexprs,
         ), lambda: (seq_lens, last_loc, pages.ring, pages.ctl, pages.state, out, pages.words))  # fmt: skip
         return out

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.kernels.launch import Launcher
+from kvcore.kernels.launch import KernelArgs, Launcher
 
 __all__ = ["ALLOCATED", "FREE", "TAKEN_BIAS", "FreePageList", "PageSource", "head_of", "word_bits"]
 
@@ -315,6 +315,16 @@ def _release_kernel(
         tl.store(ctl_ptr + 3, zero)
 
 
+#: the release kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`; its ``*_ptr`` parameters are passed
+#: as addresses)
+_RELEASE_ARGS = KernelArgs(
+    _release_kernel,
+    runtime="src_ptr n ring_ptr held_ptr staged_ptr ctl_ptr state_ptr words_ptr taken bits cap",
+    constexprs="PAGE_SIZE FROM_STAGED DEST ASCENDING BIAS BLOCK RANK_ROWS RANK_COLS SCAN_BLOCK RANK_STEP_COST "
+               "SCAN_STEP_COST",
+)  # fmt: skip
+
+
 class FreePageList:
     """Pages ``1 .. capacity`` of one allocator: which are free, in which order; see the module docstring.
 
@@ -342,9 +352,7 @@ class FreePageList:
         self._words = self._words_tensor.numpy()
         self._epoch = 0
         self._seq = 0  # the sequence number of the last launch that changed ADDED (never reset)
-        self._launch = Launcher(_release_kernel, self.device, (
-            "src_ptr", "ring_ptr", "held_ptr", "staged_ptr", "ctl_ptr", "state_ptr", "words_ptr"
-        )) if use_triton else None  # fmt: skip
+        self._launch = Launcher(_RELEASE_ARGS, self.device) if use_triton else None
         self.clear()
 
     # -- state ----------------------------------------------------------------------------------------------
@@ -545,11 +553,16 @@ class FreePageList:
         n = 0 if index is None else index.numel()
         address = src.data_ptr()
         ring, held, staged, ctl, state, words = self.pointers()
-        ascending = self.sort_each_free and dest != TO_STAGED  # (a fixed choice per dest: not in the key)
-        self._launch((src.dtype, address % 16 == 0, dest, from_staged), 1, 1, (
-            address, n, ring, held, staged, ctl, state, words, self.taken + TAKEN_BIAS,
-            bits, self.capacity, self.page_size, from_staged, dest, ascending, TAKEN_BIAS, _BLOCK, _RANK_ROWS,
-            _RANK_COLS, _SCAN_BLOCK, _RANK_STEP_COST, _SCAN_STEP_COST,
+        # the tuning constants are read here, at each call (the launcher keys the kernel on every constexpr)
+        constexprs = _RELEASE_ARGS.constexprs(
+            PAGE_SIZE=self.page_size, FROM_STAGED=from_staged, DEST=dest,
+            ASCENDING=self.sort_each_free and dest != TO_STAGED, BIAS=TAKEN_BIAS, BLOCK=_BLOCK, RANK_ROWS=_RANK_ROWS,
+            RANK_COLS=_RANK_COLS, SCAN_BLOCK=_SCAN_BLOCK, RANK_STEP_COST=_RANK_STEP_COST,
+            SCAN_STEP_COST=_SCAN_STEP_COST,
+        )  # fmt: skip
+        self._launch((src.dtype, address % 16 == 0), 1, 1, (
+            address, n, ring, held, staged, ctl, state, words, self.taken + TAKEN_BIAS, bits, self.capacity,
+            *constexprs,
         ), lambda: (src, self.ring, self.held, self.staged, self.ctl, self.state, self._words_tensor),
             num_warps=_WARPS)  # fmt: skip
 

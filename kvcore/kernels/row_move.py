@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.kernels.launch import Launcher, cdiv, launcher_for
+from kvcore.kernels.launch import KernelArgs, Launcher, cdiv, launcher_for
 from kvcore.token_rows import TokenRows
 
 # Tiling (bytes).
@@ -218,6 +218,16 @@ def _move_kv_kernel(
         )  # fmt: skip
 
 
+#: the move kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`): per call the buffers' addresses, the
+#: locations' addresses and strides and the count, then what the buffers fix; its pointers are passed as addresses
+_MOVE_ARGS = KernelArgs(
+    _move_kv_kernel,
+    runtime=("k_ptr v_ptr tgt_ptr src_ptr tgt_stride src_stride n_tokens",
+             "num_layers k_layer_stride v_layer_stride"),
+    constexprs="K_ROW V_ROW K_TILE V_TILE K_WORD V_WORD K_TPP K_RPP K_FIRST V_TPP V_RPP V_FIRST N_PAD",
+)
+
+
 def _word_bytes(buf: torch.Tensor) -> int:
     """The widest of 4/2/1 bytes dividing a row of ``buf`` [L, R, ...] (packed rows), its layer stride and its
     address."""
@@ -287,10 +297,21 @@ def _copy_rows_kernel(
     tl.store(dst_ptr + layer * dst_layer_stride + dst_rows[:, None] * ROW + cols[None, :], vals, mask=mask)
 
 
-def _launch(kernel, grid: tuple, args: tuple, key: tuple, num_warps: int = 4) -> None:
+#: the argument list of the large moves' row copy (:class:`kvcore.kernels.launch.KernelArgs`; its ``*_ptr``
+#: parameters are passed as addresses)
+_COPY_ARGS = KernelArgs(
+    _copy_rows_kernel,
+    runtime="src_ptr dst_ptr src_idx_ptr dst_idx_ptr src_idx_stride dst_idx_stride n_rows src_layer_stride "
+            "dst_layer_stride guard_ptr",
+    constexprs="ROW SRC_INDEXED DST_INDEXED GUARD BLOCK_N BLOCK_C",
+)  # fmt: skip
+
+
+def _launch(binding: KernelArgs, grid: tuple, args: tuple, key: tuple, num_warps: int = 4) -> None:
     """``kernel[grid](*args)`` launched directly (:mod:`kvcore.kernels.launch`).  ``args`` are every parameter in
-    signature order, tensors where the kernel takes pointers; they go as addresses, and the key adds their
-    dtypes and 16-byte alignments to ``key``, which must name every other argument Triton specializes on."""
+    the binding's order (its runtime ones, then its constexprs), tensors where the kernel takes pointers; they go
+    as addresses, and the key adds their dtypes and 16-byte alignments to ``key``, which must name every other
+    runtime argument Triton specializes on (the launcher adds the constexprs and the warps)."""
     tensors, addresses, meta = [], [], list(key)
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -301,7 +322,7 @@ def _launch(kernel, grid: tuple, args: tuple, key: tuple, num_warps: int = 4) ->
             meta.append(p % 16 == 0)
         else:
             addresses.append(a)
-    launcher_for(kernel, tensors[0].device)(tuple(meta), grid[0], grid[1], addresses, tensors, num_warps, grid[2])
+    launcher_for(binding, tensors[0].device)(tuple(meta), grid[0], grid[1], addresses, tensors, num_warps, grid[2])
 
 
 def _copy_rows(src, dst, src_idx, dst_idx, n, guard=None, guard_mode=0):
@@ -313,11 +334,12 @@ def _copy_rows(src, dst, src_idx, dst_idx, n, guard=None, guard_mode=0):
     grid = (cdiv(n, block_n), cdiv(row, block_c), src.shape[0])
     strides = (1 if src_idx is None else src_idx.stride(0), 1 if dst_idx is None else dst_idx.stride(0),
                src.stride(0), dst.stride(0))  # fmt: skip
-    constexprs = (row, src_idx is not None, dst_idx is not None, guard_mode, block_n, block_c)
-    _launch(_copy_rows_kernel, grid, (
+    constexprs = _COPY_ARGS.constexprs(ROW=row, SRC_INDEXED=src_idx is not None, DST_INDEXED=dst_idx is not None,
+                                       GUARD=guard_mode, BLOCK_N=block_n, BLOCK_C=block_c)  # fmt: skip
+    _launch(_COPY_ARGS, grid, (
         src, dst, dummy if src_idx is None else src_idx, dummy if dst_idx is None else dst_idx, strides[0],
         strides[1], n, strides[2], strides[3], guard if guard is not None else dummy, *constexprs,
-    ), (strides, constexprs), _COPY_NUM_WARPS)  # fmt: skip
+    ), strides, _COPY_NUM_WARPS)  # fmt: skip
 
 
 def _move_via_scratch(
@@ -360,6 +382,11 @@ def _flag_overlaps_kernel(marks_ptr, tgt_ptr, src_ptr, tgt_stride, src_stride, f
     tl.store(flag_ptr + tl.zeros([BLOCK], tl.int32), tl.full([BLOCK], 1, tl.int32), mask=hazard)
 
 
+#: the argument lists of the overlap flag's kernels (their ``*_ptr`` parameters are passed as addresses)
+_MARK_ARGS = KernelArgs(_mark_sources_kernel, "marks_ptr src_ptr src_stride n", "BLOCK")
+_FLAG_ARGS = KernelArgs(_flag_overlaps_kernel, "marks_ptr tgt_ptr src_ptr tgt_stride src_stride flag_ptr n", "BLOCK")
+
+
 def _flag_overlaps(rows: int, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> torch.Tensor:
     """A device int32 flag, 1 when the move's targets overlap other locations' sources (no host sync)."""
     n = tgt_loc.shape[0]
@@ -367,9 +394,9 @@ def _flag_overlaps(rows: int, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> t
     flag = torch.zeros(1, dtype=torch.int32, device=tgt_loc.device)
     grid = (cdiv(n, _FLAG_BLOCK), 1, 1)
     strides = (tgt_loc.stride(0), src_loc.stride(0))
-    _launch(_mark_sources_kernel, grid, (marks, src_loc, strides[1], n, _FLAG_BLOCK), (strides, _FLAG_BLOCK))
-    _launch(_flag_overlaps_kernel, grid, (marks, tgt_loc, src_loc, *strides, flag, n, _FLAG_BLOCK),
-            (strides, _FLAG_BLOCK))  # fmt: skip
+    _launch(_MARK_ARGS, grid, (marks, src_loc, strides[1], n, *_MARK_ARGS.constexprs(BLOCK=_FLAG_BLOCK)), strides)
+    _launch(_FLAG_ARGS, grid, (marks, tgt_loc, src_loc, *strides, flag, n, *_FLAG_ARGS.constexprs(BLOCK=_FLAG_BLOCK)),
+            strides)  # fmt: skip
     return flag
 
 
@@ -397,23 +424,26 @@ class RowMover:
         k_row, v_row = self._k_row_bytes // self._kwb, self._v_row_bytes // self._vwb
         self._caches, self._layers = (k_cache, v_cache), k_cache.shape[0]
         es_k, es_v = k_cache.element_size(), v_cache.element_size()
-        self._fixed = (self._layers, k_cache.stride(0) * es_k // self._kwb, v_cache.stride(0) * es_v // self._vwb, k_row, v_row)
-        self._paging = (first.tokens_per_page, first.rows_per_page, first.first_row,
-                        v_rows.tokens_per_page, v_rows.rows_per_page, v_rows.first_row)  # fmt: skip
+        # the runtime arguments the buffers fix (layers, layer strides in words), and the constexprs
+        self._layer_args = (self._layers, k_cache.stride(0) * es_k // self._kwb, v_cache.stride(0) * es_v // self._vwb)
+        self._fixed = dict(K_ROW=k_row, V_ROW=v_row, K_WORD=self._kwb, V_WORD=self._vwb, K_TPP=first.tokens_per_page,
+                           K_RPP=first.rows_per_page, K_FIRST=first.first_row, V_TPP=v_rows.tokens_per_page,
+                           V_RPP=v_rows.rows_per_page, V_FIRST=v_rows.first_row)  # fmt: skip
         self._plans: dict[int, tuple] = {}
         self._words = tuple(_row_words(b.rows) for b in self.buffers)  # the large path's word views
-        self.launch = Launcher(_move_kv_kernel, k_cache.device, ("k_ptr", "v_ptr", "tgt_ptr", "src_ptr"))
+        self.launch = Launcher(_MOVE_ARGS, k_cache.device)
         self._cache_ptrs, self._device_index = (k_cache.data_ptr(), v_cache.data_ptr()), k_cache.get_device()
 
-    def _plan(self, n: int) -> tuple[int, int, int, int, int]:
-        """(N_PAD, K_TILE, V_TILE, column programs, warps) of the single-launch path for ``n`` slots."""
+    def _plan(self, n: int) -> tuple[int, int, tuple]:
+        """(column programs, warps, the kernel's constexprs) of the single-launch path for ``n`` slots."""
         plan = self._plans.get(n)
         if plan is None:
             n_pad, tile_bytes = _move_plan(n, self._k_row_bytes, self._v_row_bytes)
             k_tile, v_tile = max(1, tile_bytes // self._kwb), max(1, tile_bytes // self._vwb)
-            n_col = max(cdiv(self._fixed[3], k_tile), cdiv(self._fixed[4], v_tile))
+            n_col = max(cdiv(self._fixed["K_ROW"], k_tile), cdiv(self._fixed["V_ROW"], v_tile))
             num_warps = max(1, min(8, prev_pow2(n_pad * tile_bytes // 4096)))
-            plan = self._plans[n] = (n_pad, k_tile, v_tile, n_col, num_warps)
+            constexprs = _MOVE_ARGS.constexprs(**self._fixed, K_TILE=k_tile, V_TILE=v_tile, N_PAD=n_pad)
+            plan = self._plans[n] = (n_col, num_warps, constexprs)
         return plan
 
     def __call__(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
@@ -429,12 +459,11 @@ class RowMover:
         if n > MOVE_MAX_TOKENS:
             self._move_large(tgt_loc, src_loc, n)
             return
-        n_pad, k_tile, v_tile, n_col, num_warps = plan = self._plan(n)
+        n_col, num_warps, constexprs = self._plan(n)
         tp, sp = tgt_loc.data_ptr(), src_loc.data_ptr()
-        key = (tgt_loc.dtype, src_loc.dtype, tp & 15, sp & 15, plan)
-        self.launch(key, len(self.buffers) * self._layers, n_col, (
-            *self._cache_ptrs, tp, sp, tgt_loc.stride(0), src_loc.stride(0), n, *self._fixed,
-            k_tile, v_tile, self._kwb, self._vwb, *self._paging, n_pad,
+        # the key: what Triton specializes the locations on (the launcher adds the constexprs and the warps)
+        self.launch((tgt_loc.dtype, src_loc.dtype, tp & 15, sp & 15), len(self.buffers) * self._layers, n_col, (
+            *self._cache_ptrs, tp, sp, tgt_loc.stride(0), src_loc.stride(0), n, *self._layer_args, *constexprs,
         ), (*self._caches, tgt_loc, src_loc), num_warps)  # fmt: skip
 
     def _move_large(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor, n: int) -> None:

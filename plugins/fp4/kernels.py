@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kvcore.kernels.fp8 import e4m3fn_bits_to_f32, e4m3fn_bits_to_f32_hw, f32_to_bf16_bits, f32_to_e4m3fn_bits
 from kvcore.kernels.kernel_mode import triton_interpreting
-from kvcore.kernels.launch import UNPLANNED, Launcher, Plan, remember
+from kvcore.kernels.launch import UNPLANNED, KernelArgs, Launcher, Plan, remember
 from kvcore.pools import empty_of
 from kvcore.kernels.row_move import next_pow2
 from kvcore_fp4.formats import E2M1_MAX, E4M3_EMAX, E4M3_MAX, UE8M0_BIAS, Recipe
@@ -440,15 +440,22 @@ class Parts:
     global_scale: torch.Tensor | None = None
 
 
-#: the kernel's pointer parameters, passed as addresses (:mod:`kvcore.kernels.launch`)
-_POINTERS = ("k_data", "k_scale", "v_data", "v_scale", "g_ptr", "loc_ptr", "k_ptr", "v_ptr")
+#: the kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`; pointers passed as addresses): a plan holds
+#: the runtime arguments, a call fills in its layer, count and addresses (:meth:`BlockRows._fire`)
+_ROWS_ARGS = KernelArgs(
+    _rows_kernel,
+    runtime=("k_data k_scale v_data v_scale g_ptr", "layer loc_ptr loc_stride n_tokens",
+             "k_ptr k_sn k_sh k_sd v_ptr v_sn v_sh v_sd"),
+    constexprs="H DK DV NBK NBV BLOCK VALUE_BITS E4M3_SCALE SATURATE KD_LAYER KS_LAYER VD_LAYER VS_LAYER KD_ROW KS_ROW "
+               "VD_ROW VS_ROW GATHER OUT HW_CVT PAIRS PTX BLOCK_N HEADS NBKT_PAD NBVT_PAD",
+    pointers="k_data k_scale v_data v_scale g_ptr loc_ptr k_ptr v_ptr",
+)  # fmt: skip
 #: the plan memo's answer for a signature its caller's ``check`` declined (the caller's general path takes it)
 _DECLINED = object()
 _LOC_DTYPES = (torch.int32, torch.int64)
 #: where the values a call passes (its local layer, the address of loc, its token count, the addresses of k and v)
-#: go in the kernel's arguments
-_LAYER_ARG, _LOC_ARG, _N_ARG, _K_ARG, _V_ARG = (_rows_kernel.arg_names.index(name)
-                                                for name in ("layer", "loc_ptr", "n_tokens", "k_ptr", "v_ptr"))
+#: go in the kernel's runtime arguments
+_LAYER_ARG, _LOC_ARG, _N_ARG, _K_ARG, _V_ARG = map(_ROWS_ARGS.index, "layer loc_ptr n_tokens k_ptr v_ptr".split())
 #: a pool's own test of a call, ``check(block_rows, loc, a, b) -> bool`` (:class:`BlockRows`)
 Check = Callable[..., bool]
 
@@ -501,17 +508,17 @@ class BlockRows:
         self.device, self._device_index, self._layers = kd.device, kd.get_device(), kd.shape[0]
         heads, kw, vw = parts.heads, parts.k_width, parts.v_width
         nbk, nbv = kw // r.block, vw // r.block
-        # H, DK, DV, NBK, NBV, BLOCK, VALUE_BITS, E4M3_SCALE, SATURATE, then the layer and row strides of the four
-        # buffers (kernel order)
-        self._fixed = (heads, kw, vw, nbk, nbv, r.block, r.value_bits, r.scale_kind == "e4m3",
-                       torch_e4m3fn_saturates(), kd.stride(0), ks.stride(0), vd.stride(0), vs.stride(0), kd.stride(1),
-                       ks.stride(1), vd.stride(1), vs.stride(1))  # fmt: skip
+        # the constexprs the parts fix: their shapes and format, and the layer and row strides of the four buffers
+        self._fixed = dict(H=heads, DK=kw, DV=vw, NBK=nbk, NBV=nbv, BLOCK=r.block, VALUE_BITS=r.value_bits,
+                           E4M3_SCALE=r.scale_kind == "e4m3", SATURATE=torch_e4m3fn_saturates(), KD_LAYER=kd.stride(0),
+                           KS_LAYER=ks.stride(0), VD_LAYER=vd.stride(0), VS_LAYER=vs.stride(0), KD_ROW=kd.stride(1),
+                           KS_ROW=ks.stride(1), VD_ROW=vd.stride(1), VS_ROW=vs.stride(1))  # fmt: skip
         # heads a program takes -> (that, K's blocks padded, V's blocks padded): one head, or whole rows
         self._heads = {h: (h, next_pow2(h * nbk), next_pow2(h * nbv)) for h in (1, heads)}
         self._hw_cvt = not triton_interpreting()
         # IEEE float32 products and quotients as inline PTX: compiled kernels on NVIDIA GPUs only
         self._ptx = self._hw_cvt and kd.device.type == "cuda" and torch.version.hip is None
-        self.launch = Launcher(_rows_kernel, kd.device, _POINTERS)
+        self.launch = Launcher(_ROWS_ARGS, kd.device)
         self._large = {gather: LARGE_TILES[r.name, gather] for gather in (False, True)}
         self._new_strides = ((heads * kw, kw, 1), (heads * vw, vw, 1))  # of contiguous [N, heads, width] outputs
         self._plans: dict[tuple, Plan | object | None] = {}
@@ -546,12 +553,13 @@ class BlockRows:
         heads = self._heads[p.heads if whole_rows else 1]
         key = (gather, k.dtype, v.dtype, kss, vss, k.data_ptr() & 15, v.data_ptr() & 15, loc.dtype,
                loc.data_ptr() & 15, block_n, warps, heads[0])  # fmt: skip
-        # the kernel's arguments; a call fills in its layer and addresses (_LAYER_ARG ...), v's added to the
-        # offset held in its slot
-        out = _OUT[k.dtype] if gather else 0
-        args = [*self._addresses, None, None, loc.stride(0), None, None, *kss, v_offset, *vss, *self._fixed, gather,
-                out, self._hw_cvt, self._pairs_of(k, v), self._ptx, block_n, *heads]  # fmt: skip
-        return Plan(self.launch, key, block_n, (2 * p.heads // heads[0], 1), warps, args, views or self._behind)
+        # the runtime arguments; a call fills in its layer and addresses (_LAYER_ARG ...), v's added to its slot's
+        args = [*self._addresses, None, None, loc.stride(0), None, None, *kss, v_offset, *vss]
+        constexprs = _ROWS_ARGS.constexprs(**self._fixed, GATHER=gather, OUT=_OUT[k.dtype] if gather else 0,
+                                           HW_CVT=self._hw_cvt, PAIRS=self._pairs_of(k, v), PTX=self._ptx,
+                                           BLOCK_N=block_n, HEADS=heads[0], NBKT_PAD=heads[1], NBVT_PAD=heads[2])
+        grid_y = 2 * p.heads // heads[0]
+        return Plan(self.launch, key, block_n, (grid_y, 1), warps, args, views or self._behind, constexprs)
 
     def _first_plan(self, signature: tuple, first: bool, check: Check | None, check_args: tuple,
                     make_plan: Callable[[], Plan | None]) -> Plan | object | None:  # fmt: skip
@@ -575,7 +583,7 @@ class BlockRows:
             return False
         if not 0 <= layer < self._layers:
             raise ValueError(f"layer {layer} out of range for {self._layers} layers")
-        if plan is not None:  # the kernel's arguments: the plan's, and the call's layer, addresses and count
+        if plan is not None:  # the runtime arguments: the plan's, and the call's layer, addresses and count
             args = plan.fixed.copy()
             args[_LAYER_ARG], args[_LOC_ARG], args[_N_ARG], args[_K_ARG] = layer, lp, n, kp
             args[_V_ARG] += vp

@@ -33,7 +33,7 @@ from kvcore.kernels import dtypes
 from kvcore.kernels.dtypes import is_fp8_dtype, storage_dtype
 from kvcore.kernels.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, torch_e4m3fn_saturates
 from kvcore.kernels.kernel_mode import triton_interpreting
-from kvcore.kernels.launch import UNPLANNED, Launcher, Plan, cdiv, remember
+from kvcore.kernels.launch import UNPLANNED, KernelArgs, Launcher, Plan, cdiv, remember
 from kvcore.kernels.row_move import next_pow2 as _next_pow2
 
 __all__ = [
@@ -212,9 +212,18 @@ def _store_kv_kernel(
         )  # fmt: skip
 
 
-#: the store kernel's pointer parameters, passed as addresses (see :mod:`kvcore.kernels.launch`)
-_STORE_POINTERS = ("k_cache_ptr", "v_cache_ptr", "k_src_ptr", "v_src_ptr", "loc_ptr", "map_ptr", "k_scale_ptr",
-                   "v_scale_ptr")
+#: the store kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`): per call the caches' addresses, the
+#: layer, the inputs', the locations' and the map's, the count; then the inputs' strides (the plan's), and the
+#: scales (per call, or the plan's); its pointers are passed as addresses
+_STORE_ARGS = KernelArgs(
+    _store_kv_kernel,
+    runtime=("k_cache_ptr v_cache_ptr layer k_src_ptr v_src_ptr loc_ptr loc_stride map_ptr n_tokens",
+             "k_src_sn k_src_sh k_src_sd v_src_sn v_src_sh v_src_sd",
+             "k_scale_ptr v_scale_ptr k_scale_value v_scale_value"),
+    constexprs="DK DV HDK HDV K_LAYER_STRIDE V_LAYER_STRIDE K_ROW_STRIDE V_ROW_STRIDE K_PACKED V_PACKED OUT SATURATE "
+               "K_SCALE_MODE V_SCALE_MODE BLOCK_N BLOCK_CK BLOCK_CV NUM_CB_K HW_CVT HAS_MAP",
+    pointers="k_cache_ptr v_cache_ptr k_src_ptr v_src_ptr loc_ptr map_ptr k_scale_ptr v_scale_ptr",
+)  # fmt: skip
 
 
 def _scale_args(scale, dummy: torch.Tensor):
@@ -283,12 +292,10 @@ class KVStore:
         self.k_cache, self.v_cache, self.cache_dtype, self.use_triton = k_cache, v_cache, cache_dtype, use_triton
         self.layers, self.heads, self.dk, self.dv = ks[0], ks[2], ks[3], vs[3]
         self.k_shape, self.v_shape = (ks[2], ks[3]), (vs[2], vs[3])
-        self.launch = Launcher(_store_kv_kernel, k_cache.device, _STORE_POINTERS)
+        self.launch = Launcher(_STORE_ARGS, k_cache.device)
         self._device_index = k_cache.get_device()
         self._cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr())
-        # DK, DV, HDK, HDV, K/V_LAYER_STRIDE, K/V_ROW_STRIDE (kernel order), then SATURATE and HW_CVT
-        self._fixed = (self.dk, self.dv, self.heads * self.dk, self.heads * self.dv, kcs[0], vcs[0], kcs[1], vcs[1],
-                       torch_e4m3fn_saturates(), not triton_interpreting())  # fmt: skip
+        self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
         self._codes: dict[torch.dtype, int] = {}
         self._plans: dict[tuple, Plan | None] = {}
         self._check_index_map(index_map)
@@ -343,28 +350,33 @@ class KVStore:
     # -- plans and the one launch ----------------------------------------------------------------------------
 
     def _spec(self, n_pad: int, out: int, kss: tuple, vss: tuple, k_mode: int, v_mode: int, mapped: bool) -> tuple:
-        """(BLOCK_N, column blocks, the kernel's arguments from ``DK`` on) of a call's tokens (rounded up to a
-        power of two), conversion, input strides and scale modes, with or without an index map."""
-        block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(
-            self.heads * self.dk, self.heads * self.dv, n_pad, out == dtypes.SAME
-        )
-        f = self._fixed
-        tail = (*f[:8], kss[2] == 1 and kss[1] == self.dk, vss[2] == 1 and vss[1] == self.dv, out, f[8], k_mode,
-                v_mode, block_n, block_ck, block_cv, num_cb_k, f[9], mapped)  # fmt: skip
-        return block_n, num_cb, tail
+        """(BLOCK_N, column blocks, the kernel's constexprs) of a call's tokens (rounded up to a power of two),
+        conversion, input strides and scale modes, with or without an index map."""
+        hdk, hdv = self.heads * self.dk, self.heads * self.dv
+        block_n, block_ck, block_cv, num_cb_k, num_cb = _store_plan(hdk, hdv, n_pad, out == dtypes.SAME)
+        kcs, vcs = self.k_cache.stride(), self.v_cache.stride()
+        constexprs = _STORE_ARGS.constexprs(
+            DK=self.dk, DV=self.dv, HDK=hdk, HDV=hdv, K_LAYER_STRIDE=kcs[0], V_LAYER_STRIDE=vcs[0],
+            K_ROW_STRIDE=kcs[1], V_ROW_STRIDE=vcs[1], K_PACKED=kss[2] == 1 and kss[1] == self.dk,
+            V_PACKED=vss[2] == 1 and vss[1] == self.dv, OUT=out, SATURATE=self._saturate, K_SCALE_MODE=k_mode,
+            V_SCALE_MODE=v_mode, BLOCK_N=block_n, BLOCK_CK=block_ck, BLOCK_CV=block_cv, NUM_CB_K=num_cb_k,
+            HW_CVT=self._hw_cvt, HAS_MAP=mapped,
+        )  # fmt: skip
+        return block_n, num_cb, constexprs
 
     def _plan(self, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale, v_scale,
               index_map: torch.Tensor | None) -> Plan | None:  # fmt: skip
         """The plan of a call's signature (:mod:`kvcore.kernels.launch`), after the full checks of the call; None when
         the call has no rows.
 
-        ``plan.fixed`` is ``(K cache address, V cache address, loc stride, rest, per call)``.  ``per call`` None
-        (the common case): no scale is read (none given, or the inputs have the cache dtype, which ignores them),
-        the kernel reads the inputs as they are, ``rest`` is every argument after the token count, and the
-        tensors behind the addresses are the call's own.  Otherwise it is ``(K scale mode, V scale mode, whether
-        the kernel reads the inputs as their bytes)``, ``rest`` is ``(the arguments after the token count up to
-        the scales' pointers, those after the scales' values)``, and each scale's pointer and value are read per
-        call (:func:`_scale_call`).  The token count is the call's own (:mod:`kvcore.kernels.launch`).
+        ``plan.fixed`` is ``(K cache address, V cache address, loc stride, rest, per call)``, the plan's
+        constexprs its own (:data:`_STORE_ARGS`).  ``per call`` None (the common case): no scale is read (none
+        given, or the inputs have the cache dtype, which ignores them), the kernel reads the inputs as they are,
+        ``rest`` is every runtime argument after the token count, and the tensors behind the addresses are the
+        call's own.  Otherwise it is ``(K scale mode, V scale mode, whether the kernel reads the inputs as their
+        bytes)``, ``rest`` is the inputs' strides (the runtime arguments after the token count up to the scales'
+        pointers), and each scale's pointer and value are read per call (:func:`_scale_call`).  The token count
+        is the call's own (:mod:`kvcore.kernels.launch`).
         """
         self._check_index_map(index_map)
         self._check_not_remapped(index_map)
@@ -393,8 +405,8 @@ class KVStore:
             k_sp, v_sp = k_scale_t.data_ptr(), v_scale_t.data_ptr()
         kss, vss = cache_k.stride(), cache_v.stride()
         kp, vp = cache_k.data_ptr(), cache_v.data_ptr()
-        block_n, num_cb, tail = self._spec(1 << (n - 1).bit_length(), out, kss, vss, k_mode, v_mode,
-                                           map_key is not None)  # fmt: skip
+        block_n, num_cb, constexprs = self._spec(1 << (n - 1).bit_length(), out, kss, vss, k_mode, v_mode,
+                                                 map_key is not None)  # fmt: skip
         key = (block_n, out, cache_k.dtype, kss, vss, kp & 15, vp & 15, loc.dtype, loc.data_ptr() & 15, k_sp & 15,
                v_sp & 15, map_key, k_mode, v_mode)  # fmt: skip
         if k_mode == _SCALE_POINTER or v_mode == _SCALE_POINTER:  # Triton specializes on a scale tensor's dtype too
@@ -402,10 +414,10 @@ class KVStore:
         strides = (*kss, *vss)
         byte_views = out == dtypes.SAME and cache_k.dtype != self.k_cache.dtype  # fp8 inputs into an fp8 cache
         if k_mode == v_mode == _SCALE_NONE and not byte_views:
-            fixed = (k_ptr, v_ptr, loc.stride(0), (*strides, k_ptr, v_ptr, 1.0, 1.0, *tail), None)
+            fixed = (k_ptr, v_ptr, loc.stride(0), (*strides, k_ptr, v_ptr, 1.0, 1.0), None)
         else:
-            fixed = (k_ptr, v_ptr, loc.stride(0), (strides, tail), (k_mode, v_mode, byte_views))
-        return Plan(self.launch, key, block_n, (num_cb, 1), _STORE_NUM_WARPS, fixed)
+            fixed = (k_ptr, v_ptr, loc.stride(0), strides, (k_mode, v_mode, byte_views))
+        return Plan(self.launch, key, block_n, (num_cb, 1), _STORE_NUM_WARPS, fixed, constexprs=constexprs)
 
     def _byte_tensors(self, loc, cache_k, cache_v, index_map) -> Callable[[], tuple[torch.Tensor, ...]]:
         """The tensors behind the addresses of a call whose fp8 inputs the kernel reads as their bytes, for a
@@ -454,11 +466,10 @@ class KVStore:
                              index_map, lp: int, kp: int, vp: int, mp: int) -> None:  # fmt: skip
         """Launch a plan whose scales are read per call, or whose inputs the kernel reads as their bytes (kept out
         of :meth:`__call__`, which builds no closure: the closure's cells would cost every call)."""
-        k_ptr, v_ptr, loc_stride, (strides, tail), (k_mode, v_mode, byte_views) = plan.fixed
+        k_ptr, v_ptr, loc_stride, strides, (k_mode, v_mode, byte_views) = plan.fixed
         k_sp, k_value = _scale_call(k_mode, k_scale, k_ptr)
         v_sp, v_value = _scale_call(v_mode, v_scale, v_ptr)
-        args = (k_ptr, v_ptr, layer_index, kp, vp, lp, loc_stride, mp, n, *strides, k_sp, v_sp, k_value, v_value,
-                *tail)  # fmt: skip
+        args = (k_ptr, v_ptr, layer_index, kp, vp, lp, loc_stride, mp, n, *strides, k_sp, v_sp, k_value, v_value)
         if byte_views:  # scales are ignored then (the inputs have the cache dtype)
             plan(n, args, self._byte_tensors(loc, cache_k, cache_v, index_map))
             return

@@ -20,7 +20,7 @@ from kvcore.kernels import dtypes
 from kvcore.kernels.dtypes import storage_dtype
 from kvcore.kernels.fp8 import torch_e4m3fn_saturates
 from kvcore.kernels.kernel_mode import triton_interpreting
-from kvcore.kernels.launch import UNPLANNED, Launcher, Plan, cdiv, remember
+from kvcore.kernels.launch import UNPLANNED, KernelArgs, Launcher, Plan, cdiv, remember
 from kvcore.kernels.row_move import next_pow2
 from kvcore_mha.kernels import STORE_MAX_BLOCK_C, STORE_TILE_ELEMS, _convert_native, _store_tile
 
@@ -57,8 +57,20 @@ def _store_rows_kernel(
                     c_sh, c_sd, loc_ptr, 1.0, C_D, C_HD, C_RS, C_PACKED, C_OUT, SATURATE, 0, BLOCK_N, C_BC, HW_CVT, False)  # fmt: skip
 
 
-#: the store kernel's pointer parameters, passed as addresses (see :mod:`kvcore.kernels.launch`)
-_POINTERS = ("a_ptr", "b_ptr", "c_ptr", "a_src", "b_src", "c_src", "loc_ptr")
+#: the per-buffer constexprs of :func:`_store_rows_kernel`, each prefixed with its slot's letter (the last slot has
+#: no ``CB``, its column blocks' count)
+_SLOT_FIELDS = ("D", "HD", "LS", "RS", "PACKED", "OUT", "BC", "CB")
+#: the store kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`): per call the caches' addresses,
+#: the layer, the inputs' and the locations' addresses; the plan's loc stride; the count; the plan's strides.  Its
+#: pointers are passed as addresses.
+_ROWS_ARGS = KernelArgs(
+    _store_rows_kernel,
+    runtime=("a_ptr b_ptr c_ptr layer a_src b_src c_src loc_ptr loc_stride n_tokens",
+             "a_sn a_sh a_sd b_sn b_sh b_sd c_sn c_sh c_sd"),
+    constexprs=[" ".join(f"{slot}_{f}" for f in _SLOT_FIELDS[: 8 if slot != "C" else 7]) for slot in "ABC"]
+    + ["SATURATE BLOCK_N HW_CVT"],
+    pointers="a_ptr b_ptr c_ptr a_src b_src c_src loc_ptr",
+)  # fmt: skip
 
 
 class RowStore:
@@ -91,7 +103,7 @@ class RowStore:
         self.names = tuple(names[: len(caches)])
         self.layers = caches[0].shape[0]
         self.row_shapes = [tuple(c.shape[2:]) for c in caches]
-        self.launch = Launcher(_store_rows_kernel, caches[0].device, _POINTERS)
+        self.launch = Launcher(_ROWS_ARGS, caches[0].device)
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
         self._pad = MAX_BUFFERS - len(caches)
         self._padded_caches = (*caches, *[caches[0]] * self._pad)
@@ -156,8 +168,8 @@ class RowStore:
 
     def _plan(self, loc: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Plan | None:
         """The plan of a call's signature (:mod:`kvcore.kernels.launch`), after the full checks of the call; None when
-        the call has no rows.  ``plan.fixed`` is ``(every argument after loc's address but the token count, whether
-        the kernel reads some input as its bytes)``."""
+        the call has no rows.  ``plan.fixed`` is ``(every runtime argument after loc's address but the token count,
+        whether the kernel reads some input as its bytes)``; the constexprs are the plan's own."""
         self._check(loc, inputs)
         codes = self._codes(inputs)
         n = loc.shape[0]
@@ -165,13 +177,13 @@ class RowStore:
             return None
         byte_views = any(self._byte_view(x, code, c) for x, code, c in zip(inputs, codes, self.caches))
         inputs = self._kernel_inputs(inputs, codes)
-        block_n, columns, per_buffer = self._spec(1 << (n - 1).bit_length(), inputs, codes)
+        block_n, columns, constexprs = self._spec(1 << (n - 1).bit_length(), inputs, codes)
         key = (block_n, loc.dtype, loc.data_ptr() % 16,
                *((x.dtype, x.stride(), x.data_ptr() % 16, code) for x, code in zip(inputs, codes)))  # fmt: skip
         srcs = [*inputs, *[inputs[0]] * self._pad]
         strides = [s for x in srcs for s in x.stride()]
-        rest = (loc.stride(0), *strides, *per_buffer, self._saturate, block_n, self._hw_cvt)
-        return Plan(self.launch, key, block_n, (columns, 1), _NUM_WARPS, (rest, byte_views))
+        rest = (loc.stride(0), *strides)
+        return Plan(self.launch, key, block_n, (columns, 1), _NUM_WARPS, (rest, byte_views), constexprs=constexprs)
 
     @staticmethod
     def _byte_view(x: torch.Tensor, code: int, cache: torch.Tensor) -> bool:
@@ -206,20 +218,23 @@ class RowStore:
             cache[layer_index, rows] = _convert_native(x, self.cache_dtype, None)
 
     def _spec(self, n_pad: int, inputs, codes) -> tuple:
-        """(BLOCK_N, column blocks in all, the constexprs of every buffer slot) of a launch key."""
-        per_buffer, blocks, widths = [], [], []
-        for slot in range(MAX_BUFFERS):
+        """(BLOCK_N, column blocks in all, the kernel's constexprs) of a call's tokens (rounded up to a power of
+        two), inputs and conversions."""
+        named, blocks, widths = {}, 0, []
+        for slot, letter in enumerate("ABC"[:MAX_BUFFERS]):
             if slot < len(self.caches):
                 cache, x, code = self.caches[slot], inputs[slot], codes[slot]
                 heads, dim = cache.shape[2], cache.shape[3]
                 block_c = min(next_pow2(heads * dim), STORE_MAX_BLOCK_C)
                 cb = cdiv(heads * dim, block_c)
                 packed = x.stride(2) == 1 and x.stride(1) == dim
-                fields = [dim, heads * dim, cache.stride(0), cache.stride(1), packed, code, block_c, cb]
+                fields = (dim, heads * dim, cache.stride(0), cache.stride(1), packed, code, block_c, cb)
                 widths.append(block_c)
-            else:
-                fields, cb = [1, 1, 0, 1, True, dtypes.SAME, 1, 0], 0
-            blocks.append(cb)
-            per_buffer += fields if slot < MAX_BUFFERS - 1 else fields[:-1]  # the last slot needs no block count
+            else:  # a slot past the caches: never reached (no column blocks)
+                fields, cb = (1, 1, 0, 1, True, dtypes.SAME, 1, 0), 0
+            blocks += cb
+            named.update((f"{letter}_{field}", value) for field, value in zip(_SLOT_FIELDS, fields))
+        del named["C_CB"]  # the last slot needs no block count
         block_n = max(1, min(STORE_TILE_ELEMS // max(widths), n_pad))
-        return block_n, sum(blocks), tuple(per_buffer)
+        return block_n, blocks, _ROWS_ARGS.constexprs(**named, SATURATE=self._saturate, BLOCK_N=block_n,
+                                                      HW_CVT=self._hw_cvt)  # fmt: skip

@@ -57,7 +57,7 @@ from kvcore.kernels import dtypes
 from kvcore.kernels.dtypes import FP8_DTYPES, is_fp8_dtype, storage_dtype
 from kvcore.kernels.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
 from kvcore.kernels.kernel_mode import triton_interpreting
-from kvcore.kernels.launch import UNPLANNED, Launcher, Plan, cdiv, remember
+from kvcore.kernels.launch import UNPLANNED, KernelArgs, Launcher, Plan, cdiv, remember
 from kvcore.pools import empty_of
 from kvcore.kernels.row_move import next_pow2 as _next_pow2
 from kvcore.kernels.row_move import prev_pow2 as _prev_pow2
@@ -222,6 +222,25 @@ def _mla_row_kernel(
     tl.store(cache + cols, tl.where(in_a, a, b), mask=in_a | in_b)
 
 
+#: the runtime arguments both kernels take, in the order a call passes them: per call the cache's address, the
+#: layer, the locations' address, the plan's loc stride, the count; then each part's address (per call) and its
+#: strides (the plan's).  Its pointers are passed as addresses.
+_RUNTIME = "cache_ptr layer loc_ptr loc_stride n_tokens a_ptr a_sn a_sd b_ptr b_sn b_sd"
+_POINTERS = "cache_ptr loc_ptr a_ptr b_ptr"
+#: the argument lists (:class:`kvcore.kernels.launch.KernelArgs`) of the tile kernel and of the row kernel
+_ROWS_ARGS = KernelArgs(
+    _mla_rows_kernel, _RUNTIME,
+    constexprs="LAYER_STRIDE ROW A_WIDTH B_WIDTH B_EXT0 BLOCK_A BLOCK_B NUM_CB_A A_PACKED B_PACKED GATHER A_IN A_OUT "
+               "B_IN B_OUT SATURATE HW_CVT BLOCK_N",
+    pointers=_POINTERS,
+)  # fmt: skip
+_ROW_ARGS = KernelArgs(
+    _mla_row_kernel, _RUNTIME,
+    constexprs="LAYER_STRIDE ROW A_WIDTH B_WIDTH B_EXT0 BLOCK A_PACKED B_PACKED A_IN A_OUT B_IN B_OUT SATURATE HW_CVT",
+    pointers=_POINTERS,
+)
+
+
 def _plan(a_width: int, b_width: int, n_pad: int, copy: bool) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N, BLOCK_A, BLOCK_B, column blocks of A, of A + B, warps) for parts of the given widths and
     ``n_pad`` (a power of two) tokens."""
@@ -291,9 +310,8 @@ class LatentRows:
         self.kv_cache, self.cache_dtype, self.use_triton = kv_cache, cache_dtype, use_triton
         self.width, self.layers = width, kv_cache.shape[0]
         self.device, self._device_index = kv_cache.device, kv_cache.get_device()  # -1 on the CPU
-        pointers = ("cache_ptr", "loc_ptr", "a_ptr", "b_ptr")
-        self.launch = Launcher(_mla_rows_kernel, kv_cache.device, pointers)
-        self.launch_row = Launcher(_mla_row_kernel, kv_cache.device, pointers)
+        self.launch = Launcher(_ROWS_ARGS, kv_cache.device)
+        self.launch_row = Launcher(_ROW_ARGS, kv_cache.device)
         self._cache_ptr = kv_cache.data_ptr()
         self._row_stride, self._layer_stride = kv_cache.stride(1), kv_cache.stride(0)
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
@@ -364,29 +382,31 @@ class LatentRows:
         key = (gather, a_part, b_part, b_ext0, a.dtype, b.dtype, a.data_ptr() & 15, b.data_ptr() & 15, loc.dtype,
                loc.data_ptr() & 15)  # fmt: skip
         n_pad = 1 << (n - 1).bit_length()
-        codes = (a_part[3], a_part[4], b_part[3], b_part[4], self._saturate, self._hw_cvt)
+        # the constexprs both kernels take
+        common = dict(LAYER_STRIDE=self._layer_stride, ROW=self._row_stride, A_WIDTH=a_part[0], B_WIDTH=b_part[0],
+                      B_EXT0=b_ext0, A_PACKED=a_part[2] == 1, B_PACKED=b_part[2] == 1, A_IN=a_part[3],
+                      A_OUT=a_part[4], B_IN=b_part[3], B_OUT=b_part[4], SATURATE=self._saturate,
+                      HW_CVT=self._hw_cvt)  # fmt: skip
+        fixed = (loc.stride(0), a_part[1:3], b_part[1:3])
         views = self._byte_views if fp8 else None
         if n_pad <= ROW_KERNEL_MAX_TOKENS and not gather:  # one program a token
             block = _next_pow2(a_part[0] + b_part[0])
-            tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block, a_part[2] == 1,
-                    b_part[2] == 1, *codes)  # fmt: skip
-            return Plan(self.launch_row, key, 1, (1, 1), ROW_KERNEL_WARPS, (
-                loc.stride(0), a_part[1:3], (*b_part[1:3], *tail)), views)  # fmt: skip
+            return Plan(self.launch_row, key, 1, (1, 1), ROW_KERNEL_WARPS, fixed, views,
+                        _ROW_ARGS.constexprs(BLOCK=block, **common))  # fmt: skip
         copy = a_part[4] == dtypes.SAME and (b_part[0] == 0 or b_part[4] == dtypes.SAME)
         block_n, block_a, block_b, num_cb_a, num_cb, warps = _plan(a_part[0], b_part[0], n_pad, copy)
-        tail = (self._layer_stride, self._row_stride, a_part[0], b_part[0], b_ext0, block_a, block_b, num_cb_a,
-                a_part[2] == 1, b_part[2] == 1, gather, *codes, block_n)  # fmt: skip
-        return Plan(self.launch, (*key, block_n, warps), block_n, (num_cb, 1), warps, (
-            loc.stride(0), a_part[1:3], (*b_part[1:3], *tail)), views)  # fmt: skip
+        constexprs = _ROWS_ARGS.constexprs(BLOCK_A=block_a, BLOCK_B=block_b, NUM_CB_A=num_cb_a, GATHER=gather,
+                                           BLOCK_N=block_n, **common)  # fmt: skip
+        return Plan(self.launch, (*key, block_n, warps), block_n, (num_cb, 1), warps, fixed, views, constexprs)
 
     def _fire(self, plan: Plan | None, n: int, layer_index: int, lp: int, ap: int, bp: int, loc, a, b) -> None:
         """Launch ``plan`` (None: nothing to launch) for ``n`` tokens of one layer and the call's addresses.  (No
         closure here: its cells would cost every call; fp8 parts' byte views are the plan's ``views``.)"""
         if not 0 <= layer_index < self.layers:
             self._check_layer(layer_index)
-        if plan is not None:
-            loc_stride, a_args, b_args = plan.fixed
-            plan(n, (self._cache_ptr, layer_index, lp, loc_stride, n, ap, *a_args, bp, *b_args),
+        if plan is not None:  # the runtime arguments (_RUNTIME); the plan adds its constexprs
+            loc_stride, a_strides, b_strides = plan.fixed
+            plan(n, (self._cache_ptr, layer_index, lp, loc_stride, n, ap, *a_strides, bp, *b_strides),
                  (self.kv_cache, loc, a, b))  # fmt: skip
 
     @staticmethod

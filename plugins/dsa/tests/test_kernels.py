@@ -15,7 +15,7 @@ import triton.language as tl
 from kvcore.kernels.kernel_mode import triton_interpreting
 from kvcore.testing.tensors import bits_equal, compiled, poison, randn_nonzero, skip_module_without_device, test_device
 from kvcore_dsa.layout import scaled_row_bytes
-from kvcore_dsa import kernels
+from kvcore_dsa import kernels, scaled_rows
 from kvcore_dsa.layout import INDEX_PAGE_SIZE, SCALE_MIN
 
 
@@ -371,7 +371,7 @@ def _divide_kernel(x_ptr, s_ptr, q_ptr, n, HW_CVT: tl.constexpr, BLOCK: tl.const
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=1.0)
     s = tl.load(s_ptr + i, mask=m, other=1.0)
-    tl.store(q_ptr + i, kernels._divide_rn(x, s, HW_CVT), mask=m)
+    tl.store(q_ptr + i, scaled_rows._divide_rn(x, s, HW_CVT), mask=m)
 
 
 def _quotient_cases(gen: torch.Generator, per_case: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,7 +55,7 @@ class RecordingLauncher:
     direct = False
 
     def __init__(self, launcher):
-        self.launcher, self.launches = launcher, []
+        self.launcher, self.launches, self.args = launcher, [], launcher.args  # (its binding: plans check against it)
         self._stream, self._device_index = launcher._stream, launcher._device_index
 
     def __call__(self, key, grid_x, grid_y, args, tensors=(), num_warps=4, grid_z=1):
