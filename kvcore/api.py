@@ -112,7 +112,13 @@ def plan_memory(
     :param weights_loaded: the profile was taken after the weights loaded; do not charge them again.
     """
     registry = registry or get_registry()
-    selection = select_backend(registry, _core_request(cfg))
+    return _plan(cfg, registry, select_backend(registry, _core_request(cfg)), free_memory_bytes, weights_loaded)
+
+
+def _plan(cfg: EngineConfig, registry: Registry, selection: Selection, free_memory_bytes: int | None,
+          weights_loaded: bool) -> MemoryPlan:  # fmt: skip
+    """:func:`plan_memory` with the backend already selected (``selection``, of ``cfg``'s core request): the
+    layout of every pipeline rank, then the sizes."""
     layouts = []
     for rank in range(cfg.parallel.pp_size):
         request = selection.backend.resolve(_core_request(cfg, pp_rank=rank))
@@ -130,6 +136,18 @@ class Pools:
     token_to_kv_pool_allocator: object
     plan: MemoryPlan
     selection: Selection
+
+
+def check_device_visible(cfg: EngineConfig) -> None:
+    """Raise unless the device ``cfg`` allocates on is there: a CUDA profile on a machine without a visible GPU is
+    one :class:`ConfigError` line, before anything is planned or allocated."""
+    if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
+        profile = "" if cfg.hardware.name == "cpu" else ", or choose a CPU profile (hardware=cpu)"
+        raise ConfigError(
+            f"no CUDA device is visible, and this config allocates on CUDA (hardware={cfg.hardware.name}, "
+            f"hardware.device=cuda): set hardware.device=cpu{profile}, or size the pools without a device with "
+            "`kvcore plan`"
+        )
 
 
 def build_pools(
@@ -151,21 +169,19 @@ def build_pools(
     from kvcore.planning import distributed
 
     registry = registry or get_registry()
+    selection = None  # selected once, here, and passed to the planning below
     if distributed.active(group):
         cfg, _ = distributed.rank_config(cfg, group)
         if plan is None:
-            plan = plan_memory(cfg, registry=registry, free_memory_bytes=free_memory_bytes, weights_loaded=weights_loaded)
-            plan = distributed.agree(plan, group)
-    if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"hardware={cfg.hardware.name} allocates on CUDA (hardware.device=cuda), but no CUDA device is visible: "
-            "use `kvcore plan` to size pools without a device, or hardware=cpu"
-        )
+            selection = select_backend(registry, _core_request(cfg))
+            plan = distributed.agree(_plan(cfg, registry, selection, free_memory_bytes, weights_loaded), group)
+    check_device_visible(cfg)
     core = _core_request(cfg)
-    selection = select_backend(registry, core)
+    if selection is None:
+        selection = select_backend(registry, core)
     request = selection.backend.resolve(core)
     if plan is None:
-        plan = plan_memory(cfg, registry=registry, free_memory_bytes=free_memory_bytes, weights_loaded=weights_loaded)
+        plan = _plan(cfg, registry, selection, free_memory_bytes, weights_loaded)
     hook = registry.hook
     token_to_kv_pool = hook.kvcore_create_pool(
         backend=selection.backend, request=request, layout=plan.layout, sizes=plan.sizes

@@ -14,7 +14,13 @@ class PluginError(KVCoreError):
 
 
 class SelectionError(KVCoreError):
-    """No registered backend (or more than one, equally ranked) serves the request."""
+    """No registered backend (or more than one, equally ranked) serves the request.  The message says what to do;
+    ``details`` holds one line per registered backend saying why it does not serve the request (``--explain``
+    prints them)."""
+
+    def __init__(self, message: str, details: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.details = tuple(details)
 
 
 class PlanningError(KVCoreError, ValueError):

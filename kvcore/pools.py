@@ -8,7 +8,9 @@ Conventions every pool follows:
 
 * Row 0 (page 0) of every token-indexed buffer is padding: padded tokens of a batch write there, and
   allocators never hand it out.
-* fp8 caches are stored as ``torch.uint8`` (``store_dtype``) and viewed back as ``dtype`` when read.
+* ``dtype`` is the cache dtype (what reads return); ``store_dtype`` is the dtype the K/V buffers actually hold:
+  ``dtype`` itself, ``torch.uint8`` for fp8 (viewed back as ``dtype`` when read) and for pools whose buffers hold
+  codes and scales as bytes (the block-scaled formats).
 * A pool stores the layers ``start_layer .. end_layer`` (global ids, inclusive) of its pipeline stage; every
   accessor takes a global layer id, or any object with a ``layer_id`` attribute.
 * Each buffer is one stacked tensor ``[layer_num, rows, ...]`` (:meth:`KVCache.buffers`) so kernels reach
@@ -179,7 +181,12 @@ class KVCache(abc.ABC):
     1. ``super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer,
        end_layer, kernels)``: validates the sizes and layer range, sets ``store_dtype`` and resolves the
        kernels mode (``self.kernels``, and ``self._use_triton`` for every path that has a Triton kernel and a
-       torch reference, the shared row move included).
+       torch reference, the shared row move included).  ``store_dtype`` must be the dtype of every buffer that
+       holds K/V rows (:meth:`token_buffers` but the :meth:`request_state_buffers`): engines view those
+       buffers with it, and the conformance kit checks it.  The base sets the storage dtype of ``dtype``
+       (:func:`~kvcore.kernels.dtypes.storage_dtype`: fp8 as ``torch.uint8``, any other dtype as itself); a
+       family whose buffers hold something else sets it after ``super().__init__`` (the block-scaled pools
+       hold codes and block scales: ``torch.uint8``, as SGLang's FP4 pools say).
     2. Allocate every buffer as one stacked tensor ``[layer_num, rows, ...]``, rows indexed by token
        (``size + page_size`` rows: page 0 is padding) or by page for per-page state.
     3. ``self._finalize_allocation()``, once, after the last buffer exists (it records ``mem_usage``).
@@ -189,6 +196,24 @@ class KVCache(abc.ABC):
     :meth:`self_test_write`.  **Optional:** :meth:`get_value_buffer` (families that keep values; without it
     the pool keeps keys only, and its ``set_kv_buffer`` need not take a ``cache_v``), :meth:`token_buffers` (when some
     buffers are not token-indexed) and :meth:`token_rows` (to add per-token rows that live inside pages).
+
+    **Lossy pools** (quantized caches, whose stored rows are not the values written: the block-scaled pools of
+    ``kvcore_fp4``) also state how close a round trip comes, for the conformance kit's lossy check:
+
+    * ``lossy_bound``: a float (attribute or property), the relative RMS error ``||read - written|| /
+      ||written||`` a round trip of random values of normal range stays within, per part; a pool without the
+      attribute, or with None, is treated as lossless.
+    * ``self_test_values(layer, loc, generator) -> {part: tensor}``: writes random values (drawn from
+      ``generator``) at tokens ``loc`` of global ``layer`` through the family's own write path, and returns
+      them as written, by part (``"k"`` / ``"v"``, ``"nope"`` / ``"rope"``): float tensors ``[len(loc), ...]``
+      of the values given to the write, before quantization.
+    * ``read_values(layer, loc) -> {part: tensor}``: the same parts of tokens ``loc`` read back through the
+      family's own read path (dequantized), of the same shapes.
+
+    Who calls them: :class:`kvcore.testing.BaseLossyTests` (in ``LossyKVCacheConformance``, and in ``kvcore
+    check`` for every pool whose ``lossy_bound`` is not None), which compares every part within
+    ``lossy_bound`` and checks that nothing else in :meth:`buffers` changed; no engine path does.  The kit's
+    byte checks still run on what :meth:`self_test_write` reports (the codes the pool stored).
 
     **What the base then provides for every family:** :meth:`move_kv_cache` and CPU offload
     (:meth:`get_cpu_copy` / :meth:`load_cpu_copy`) over :meth:`token_rows`, :meth:`get_contiguous_buf_infos`

@@ -1,6 +1,7 @@
 """Token and paged KV allocators: kernels against torch references and a pure-Python model, and allocator
-bookkeeping (None-when-short, padding slot, need_sort deferral, free groups, backup/restore, clear), with a
-hypothesis state machine checking that live allocations never overlap.
+bookkeeping (None-when-short, padding slot, need_sort deferral, free groups, backup/restore, clear), with the
+conformance kit's hypothesis state machine (extended with kvcore's own free lists) checking that live allocations
+never overlap.
 
 Triton kernels run under TRITON_INTERPRET=1 (set by the root conftest), so sizes stay small.
 """
@@ -14,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant
 
 from kvcore.kernels import allocator_kernels as K
 from kvcore.kernels.free_list import ALLOCATED, PageSource
@@ -24,6 +25,7 @@ from kvcore.allocators import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
+from kvcore.testing import AllocatorMachine
 
 COMPILED = os.environ.get("KVCORE_TEST_COMPILED") == "1"
 if COMPILED and not torch.cuda.is_available():
@@ -609,15 +611,24 @@ def test_kernel_mode_auto_on_cpu_uses_reference():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Hypothesis state machine: random extend/decode/alloc/free sequences against a model of live requests.
+# Hypothesis state machine: the kit's (kvcore.testing.AllocatorMachine: random extend / decode / alloc / free /
+# free-group / backup / restore / clear sequences against a model of live requests) on kvcore's own allocators,
+# with what only they promise checked on top.
 # ------------------------------------------------------------------------------------------------------------
 
 
-class AllocatorMachine(RuleBasedStateMachine):
-    """Model: each live request is the list of its token locations.  Pages are never shared between requests,
-    so freeing a request frees exactly its pages."""
+class KvcoreAllocatorMachine(AllocatorMachine):
+    """The kit's machine on a token or paged allocator drawn per run (page size 1, 3 or 4, ``need_sort`` or not,
+    Triton or torch kernels, a size with a partial page that must not be handed out), checked beyond the kit
+    against what kvcore's allocators expose: a refused allocation leaves the free lists exactly as they were,
+    results are int64, the free lists (``free_pages`` + ``release_pages``) hold every page not live exactly once
+    (sorted under ``need_sort``), live pages are never beyond the last whole page, and the allocator's free-group
+    flag is the model's.  Calls go by position or by SGLang's keyword names, and a decode step may give a request
+    its first token."""
 
     NUM_PAGES = 12
+    call_by_keyword = True
+    decode_empty_requests = True
 
     @initialize(
         ps=st.sampled_from([1, 3, 4]),
@@ -626,151 +637,39 @@ class AllocatorMachine(RuleBasedStateMachine):
         token_class=st.booleans(),
     )
     def setup(self, ps, need_sort, kernels, token_class):
-        self.ps = ps
         if ps == 1 and token_class:
-            self.a = make("token", self.NUM_PAGES, need_sort=need_sort)
-        else:
-            self.a = make("paged", self.NUM_PAGES * ps + ps - 1, ps=ps, need_sort=need_sort, kernels=kernels)
-        self.reqs: dict[int, list[int]] = {}
-        self.pending_pages: set[int] = set()  # freed inside an open group
-        self.next_id = 0
-        self.checkpoint = None
+            allocator = make("token", self.NUM_PAGES, need_sort=need_sort)
+        else:  # a partial last page: only the whole pages are handed out
+            allocator = make("paged", self.NUM_PAGES * ps + ps - 1, ps=ps, need_sort=need_sort, kernels=kernels)
+        self.start(allocator)
+        assert self.capacity == self.NUM_PAGES * ps, f"{self.capacity} tokens offered by {self.NUM_PAGES} pages of {ps}"
 
-    # -- model helpers --
+    def refusal_state(self):
+        return self.a.available_size(), state_lists(self.a)
 
-    def used_pages(self):
-        return {loc // self.ps for locs in self.reqs.values() for loc in locs} | self.pending_pages
-
-    def pages_needed(self, pre, seq):
-        return sum(-(-s // self.ps) - -(-p // self.ps) for p, s in zip(pre, seq))
-
-    def in_group(self):
-        return not self.a.is_not_in_free_group
-
-    # -- rules --
-
-    @rule(data=st.data())
-    def extend(self, data):
-        ids = data.draw(st.lists(st.sampled_from(sorted(self.reqs)), unique=True, max_size=3)) if self.reqs else []
-        n_new = data.draw(st.integers(0 if ids else 1, 2))
-        ids = ids + list(range(self.next_id, self.next_id + n_new))
-        adds = [data.draw(st.integers(0, 2 * self.ps + 1)) for _ in ids]
-        pre = [len(self.reqs.get(i, [])) for i in ids]
-        seq = [p + k for p, k in zip(pre, adds)]
-        last = [self.reqs[i][-1] if self.reqs.get(i) else -1 for i in ids]
-        pre_t, seq_t, last_t = tensors(pre, seq, last)
-        use_cpu = data.draw(st.booleans())
-        before = state_lists(self.a)
-        kw = dict(prefix_lens_cpu=pre_t.cpu(), seq_lens_cpu=seq_t.cpu()) if use_cpu else {}
-        out = self.a.alloc_extend(pre_t, seq_lens=seq_t, last_loc=last_t, extend_num_tokens=sum(adds), **kw)
-        free_pages = self.NUM_PAGES - len(self.used_pages())
-        if self.pages_needed(pre, seq) > free_pages:
-            assert out is None
-            assert state_lists(self.a) == before
-            return
-        assert out is not None and out.dtype == torch.int64 and out.numel() == sum(adds)
-        self.next_id += n_new
-        pos = 0
-        for i, k in zip(ids, adds):
-            self.reqs.setdefault(i, []).extend(out[pos : pos + k].tolist())
-            pos += k
-
-    @precondition(lambda self: self.reqs)
-    @rule(data=st.data())
-    def decode(self, data):
-        ids = data.draw(st.lists(st.sampled_from(sorted(self.reqs)), unique=True, min_size=1, max_size=4))
-        seq = [len(self.reqs[i]) + 1 for i in ids]
-        last = [self.reqs[i][-1] if self.reqs[i] else -1 for i in ids]
-        seq_t, last_t = tensors(seq, last)
-        before = state_lists(self.a)
-        kw = dict(seq_lens_cpu=seq_t.cpu()) if data.draw(st.booleans()) else {}
-        out = self.a.alloc_decode(seq_t, last_loc=last_t, **kw)
-        need = sum((s - 1) % self.ps == 0 for s in seq)
-        if need > self.NUM_PAGES - len(self.used_pages()):
-            assert out is None and state_lists(self.a) == before
-            return
-        assert out is not None and out.numel() == len(ids)
-        for i, loc in zip(ids, out.tolist()):
-            self.reqs[i].append(loc)
-
-    @rule(pages=st.integers(0, 4))
-    def alloc_pages(self, pages):
-        before = state_lists(self.a)
-        out = self.a.alloc(pages * self.ps)
-        if pages > self.NUM_PAGES - len(self.used_pages()):
-            assert out is None and state_lists(self.a) == before
-            return
-        assert out is not None and out.numel() == pages * self.ps
-        self.reqs[self.next_id] = out.tolist()
-        self.next_id += 1
-
-    @precondition(lambda self: self.reqs)
-    @rule(data=st.data())
-    def free_request(self, data):
-        i = data.draw(st.sampled_from(sorted(self.reqs)))
-        locs = self.reqs.pop(i)
-        order = data.draw(st.permutations(range(len(locs))))  # any order, tokens of a page apart
-        self.a.free(torch.tensor([locs[j] for j in order], dtype=torch.int64, device=DEVICE))
-        if self.in_group():
-            self.pending_pages |= {loc // self.ps for loc in locs}
-
-    @precondition(lambda self: self.a.is_not_in_free_group)
-    @rule()
-    def group_begin(self):
-        self.a.free_group_begin()
-
-    @precondition(lambda self: not self.a.is_not_in_free_group)
-    @rule()
-    def group_end(self):
-        self.a.free_group_end()
-        self.pending_pages = set()
-
-    @precondition(lambda self: self.a.is_not_in_free_group)
-    @rule()
-    def backup(self):
-        self.checkpoint = (self.a.backup_state(), {k: list(v) for k, v in self.reqs.items()})
-
-    @precondition(lambda self: self.checkpoint is not None and self.a.is_not_in_free_group)
-    @rule()
-    def restore(self):
-        state, reqs = self.checkpoint
-        self.a.restore_state(state)
-        self.reqs = {k: list(v) for k, v in reqs.items()}
-
-    @precondition(lambda self: self.a.is_not_in_free_group)
-    @rule()
-    def clear(self):
-        self.a.clear()
-        self.reqs = {}
-        self.checkpoint = None
-
-    # -- invariants --
+    def check_result(self, out, what):
+        assert out.dtype == torch.int64, f"{what} returned {out.dtype} locations"
 
     @invariant()
     def free_lists_are_the_complement_of_live_pages(self):
         free = self.a.free_pages.tolist() + self.a.release_pages.tolist()
         assert len(free) == len(set(free)), "a page is on the free lists twice"
-        used = self.used_pages()
+        used = self._used_pages()
         assert set(free) == set(range(1, self.NUM_PAGES + 1)) - used
-        assert self.a.available_size() == (self.NUM_PAGES - len(used)) * self.ps
         if self.a.need_sort:
             assert self.a.free_pages.tolist() == sorted(self.a.free_pages.tolist())
 
     @invariant()
-    def live_locations_are_unique_and_paged(self):
-        seen: dict[int, int] = {}  # page -> owner
-        for rid, locs in self.reqs.items():
-            assert len(locs) == len(set(locs))
-            for t, loc in enumerate(locs):
-                page = loc // self.ps
-                assert 1 <= page <= self.NUM_PAGES, f"page {page} out of range (0 is padding)"
-                assert loc % self.ps == t % self.ps
-                if t % self.ps:
-                    assert page == locs[t - 1] // self.ps
-                assert seen.setdefault(page, rid) == rid, "two live requests share a page"
+    def live_pages_are_whole_pages_of_the_pool(self):
+        pages = {loc // self.ps for locs in self.reqs.values() for loc in locs}
+        assert pages <= set(range(1, self.NUM_PAGES + 1)), f"pages {sorted(pages)} beyond 1..{self.NUM_PAGES}"
+
+    @invariant()
+    def free_group_flag_is_the_models(self):
+        assert self.a.is_not_in_free_group == (not self.in_group)
 
 
-TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine = KvcoreAllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(
     max_examples=150,
     stateful_step_count=25,

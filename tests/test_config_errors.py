@@ -177,10 +177,42 @@ def test_an_unreadable_file_says_so(capsys, files, monkeypatch):
     assert "permission denied; make it readable" in err and "Traceback" not in err
 
 
-def test_up_on_a_gpu_profile_without_a_gpu_is_one_error(capsys, monkeypatch):
+def test_up_on_a_gpu_profile_without_a_gpu_is_one_error_before_any_plan(capsys, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["up", "model=llama-3-8b", "hardware=h200"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "", "up printed the config or a plan before refusing"
+    assert err.count("\n") == 1 and "no CUDA device is visible" in err and "hardware=cpu" in err
+
+
+def test_a_cuda_device_on_the_cpu_profile_is_told_to_set_the_device_back(capsys, monkeypatch):
+    """hardware=cpu with hardware.device=cuda: the fix is the device key, not the profile the config already has."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["up", "hardware.device=cuda"]) == 2
     err = capsys.readouterr().err
-    assert "no CUDA device is visible" in err and "hardware=cpu" in err and "Traceback" not in err
+    assert "set hardware.device=cpu" in err and "choose a CPU profile" not in err
+
+
+def test_no_backend_for_the_config_puts_the_fix_first_and_the_rest_behind_explain(capsys):
+    overrides = ["plan", "model=deepseek-v3.2", "kv_cache.page_size=16"]
+    assert main(overrides) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "kv_cache.page_size=64" in err[0] and "--explain" in err[1]
+    assert main([*overrides, "--explain"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_cache.page_size=64" in err.splitlines()[0] and "  - mha (mha): serves attention mha, model needs dsa" in err
+
+
+def test_up_counts_the_backends_not_chosen_and_explain_lists_them(capsys):
+    from kvcore.plugins import get_registry
+
+    others = len(get_registry().backends) - 1
+    assert main(["up", "memory.max_total_tokens=256"]) == 0
+    out = capsys.readouterr().out
+    assert f"{others} other backends not chosen (`--explain` says why each is not)" in out and "skipped '" not in out
+    assert main(["up", "memory.max_total_tokens=256", "--explain"]) == 0
+    assert capsys.readouterr().out.count("skipped '") == others

@@ -1,5 +1,6 @@
-"""Plugin loading (entry points, allow/block lists, strict mode, broken plugins), backend selection and its
-explanation, and vendor overrides of the core's firstresult hooks as used by ``plan_memory`` / ``build_pools``.
+"""Plugin loading (entry points, allow/block lists, strict mode, broken plugins, plugin API versions), backend
+selection and its explanation, vendor overrides of the core's firstresult hooks as used by ``plan_memory`` /
+``build_pools``, and ``kvcore bench``'s cases as the plugins register them (``kvcore_bench_cases``).
 
 The plugins are small modules under ``tests/fake_plugins``, loaded through fake ``kvcore`` entry points.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -391,3 +393,246 @@ def test_build_pools_default_allocators():
     )
     assert type(pools.token_to_kv_pool_allocator) is PagedTokenToKVPoolAllocator
     assert pools.plan.max_total_num_tokens == 128
+
+
+# -- plugin API versions ------------------------------------------------------------------------------------------
+
+
+def _versioned(version):
+    """A plugin object declaring ``KVCORE_API_VERSION = version`` (registering backend 'versioned')."""
+    from fake_plugins import _common
+
+    class Versioned:
+        KVCORE_API_VERSION = version
+
+        @kvcore.hookimpl
+        def kvcore_register_backends(self):
+            return [_common.spec("versioned", priority=-1)]
+
+    return Versioned()
+
+
+def _major(version: str) -> int:
+    return int(version.split(".")[0])
+
+
+def test_an_old_api_version_is_refused_by_name():
+    from kvcore.hookspecs import API_VERSION
+
+    registry = load(MHA, ep("old_api"))
+    assert registry.plugins == ["mha"]
+    assert "old_api" not in registry.backends
+    assert registry.manager.get_plugin("old_api") is None  # none of its hooks was registered
+    failure = registry.failure_of("old_api")
+    assert failure is not None and failure.stage == "version"
+    old = str(_major(API_VERSION) - 1)
+    message = failure.describe()
+    assert "'old_api'" in message
+    assert f"plugin API {old} (KVCORE_API_VERSION = '{old}')" in message
+    assert f"this kvcore's plugin API is {API_VERSION}" in message
+    assert "install a release of plugin 'old_api'" in message and "KVCORE_DISABLE_PLUGINS=old_api" in message
+
+
+def test_an_old_api_version_is_fatal_in_strict_mode():
+    from kvcore.hookspecs import API_VERSION
+
+    with pytest.raises(PluginError) as info:
+        load(MHA, ep("old_api"), env={"KVCORE_STRICT_PLUGINS": "1"})
+    text = str(info.value)
+    assert "old_api" in text and f"plugin API is {API_VERSION}" in text and "KVCORE_STRICT_PLUGINS" in text
+
+
+def test_kvcore_plugins_lists_a_refused_plugin_with_both_versions(monkeypatch, capsys):
+    from kvcore.hookspecs import API_VERSION
+    from kvcore.tools import cli
+
+    monkeypatch.setattr(cli, "get_registry", lambda: load(MHA, ep("old_api"), ep("plain"), ep("current_api")))
+    assert cli.main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    failed = [line for line in out.splitlines() if line.startswith("plugin FAILED:")]
+    assert len(failed) == 1 and "'old_api'" in failed[0]
+    old = str(_major(API_VERSION) - 1)
+    assert f"KVCORE_API_VERSION = '{old}'" in failed[0] and f"plugin API is {API_VERSION}" in failed[0]
+    assert f"plugin API: {API_VERSION} (kvcore.hookspecs.API_VERSION)" in out
+    assert "(loaded unchecked): plain" in out  # the one plugin without a declaration
+    loaded = next(line for line in out.splitlines() if line.startswith("plugins loaded:"))
+    assert loaded.split(":", 1)[1].strip().split(", ") == ["current_api", "mha", "plain"]
+
+
+def test_the_core_api_version_loads():
+    registry = load(MHA, ep("current_api"))
+    assert sorted(registry.plugins) == ["current_api", "mha"]
+    assert registry.backends["current_api"].plugin == "current_api"
+    assert registry.failures == []
+    from kvcore.hookspecs import API_VERSION
+
+    assert registry.api_versions["current_api"] == API_VERSION
+
+
+def test_a_plugin_declaring_no_version_loads_as_before():
+    registry = load(MHA, ep("plain"))
+    assert sorted(registry.plugins) == ["mha", "plain"] and registry.failures == []
+    assert registry.api_versions["plain"] is None
+
+
+@pytest.mark.parametrize("minor", ["0", "7"])
+def test_only_the_major_is_compared(minor):
+    from kvcore.hookspecs import API_VERSION
+
+    registry = load(extra=[("versioned", _versioned(f"{_major(API_VERSION)}.{minor}"))])
+    assert registry.plugins == ["versioned"] and registry.failures == []
+
+
+@pytest.mark.parametrize("offset", [-1, 1])
+def test_another_major_is_refused_either_way(offset):
+    from kvcore.hookspecs import API_VERSION
+
+    declared = str(_major(API_VERSION) + offset)
+    registry = load(extra=[("versioned", _versioned(declared))])
+    assert registry.plugins == [] and "versioned" not in registry.backends
+    failure = registry.failure_of("versioned")
+    assert failure.stage == "version" and f"KVCORE_API_VERSION = '{declared}'" in failure.error
+    assert ("upgrade kvcore" if offset > 0 else "install a release") in failure.error
+
+
+@pytest.mark.parametrize("declared", [4, "v4", "4.x", "", "4.1.2"])
+def test_a_malformed_version_is_refused_saying_how_to_write_it(declared):
+    registry = load(extra=[("versioned", _versioned(declared))])
+    failure = registry.failure_of("versioned")
+    assert failure is not None and failure.stage == "version"
+    assert "not an API version" in failure.error and "major[.minor]" in failure.error
+
+
+def test_every_installed_plugin_declares_the_core_version():
+    """The built-in families and both example vendors declare the version they are written for."""
+    from kvcore.hookspecs import API_VERSION
+
+    registry = load_registry(env={})
+    assert registry.failures == []
+    for name in ("mha", "mla", "dsa", "swa", "mamba", "fp4", "k_only", "double_sparse", "acme", "zeta"):
+        if name in registry.plugins:
+            assert registry.api_versions[name] == API_VERSION, name
+    assert {"mha", "mla", "dsa", "swa", "mamba", "fp4", "k_only", "double_sparse"} <= set(registry.plugins)
+
+
+# -- kvcore bench's cases, registered by the plugins -----------------------------------------------------------
+
+#: the rows ``kvcore bench`` times, by the plugin that registers them (RESULTS.md compares them by name)
+BUILTIN_BENCH_CASES = {
+    "mha": ["mha set_kv_buffer bf16", "mha set_kv_buffer fp8<-bf16", "move_kv_cache mha 32 layers",
+            "mha set_kv_buffer bf16, page 16", "page-major set_kv_buffer bf16, page 16",
+            "move_kv_cache mha 32 layers, page 16", "move_kv_cache page-major 32 layers, page 16"],
+    "mla": ["mla set_mla_kv_buffer", "mla set_kv_buffer (concatenated)", "mla get_mla_kv_buffer",
+            "mla get_mla_kv_buffer (out=)"],
+    "dsa": ["dsa set_mla_kv_buffer (fp8 quantize)", "dsa get_mla_kv_buffer (dequantize)", "dsa get_mla_kv_buffer (out=)",
+            "dsa set_index_k_scale_buffer", "dsa get_index_k_scale_buffer", "dsa get_index_k_scale_buffer (out=)"],
+    "swa": ["swa set_kv_buffer (window, mapped)"],
+    "fp4": ["nvfp4 set_kv_buffer (quantize)", "nvfp4 get_kv_buffer_by_loc", "nvfp4 get_kv_buffer_by_loc (out=)"],
+    "mamba": ["mamba copy_from (36 layers)"],
+}  # fmt: skip
+BUILTIN = ("mha", "mla", "dsa", "swa", "mamba", "fp4", "k_only", "double_sparse")
+
+
+def builtin_entry_points():
+    installed = {e.name: e for e in metadata.entry_points(group="kvcore")}
+    return [installed[name] for name in BUILTIN]
+
+
+def test_the_builtin_plugins_register_every_bench_case():
+    from kvcore.hookspecs import GATHER, INTO, STATE
+    from kvcore.tools.bench import collect
+
+    suites = collect(load(*builtin_entry_points()))
+    found = {}
+    for suite in suites:
+        found.setdefault(suite.plugin, []).extend(case.op for case in suite.cases)
+        assert {case.pool for case in suite.cases} <= {pool.name for pool in suite.pools}
+    assert found == BUILTIN_BENCH_CASES
+    cases = {case.op: case for suite in suites for case in suite.cases}
+    # what each row compares and times, as before the cases moved into the plugins
+    assert [op for op, c in cases.items() if c.move] == [op for op in cases if op.startswith("move_kv_cache")]
+    assert cases["mamba copy_from (36 layers)"].written == STATE
+    assert cases["mamba copy_from (36 layers)"].sizes == (8, 256)
+    assert {op for op, c in cases.items() if c.written == GATHER} == {
+        "mla get_mla_kv_buffer", "dsa get_mla_kv_buffer (dequantize)", "dsa get_index_k_scale_buffer",
+        "nvfp4 get_kv_buffer_by_loc"}  # fmt: skip
+    assert {op for op, c in cases.items() if c.written == INTO} == {op for op in cases if op.endswith("(out=)")}
+    # bytes per token of the copy-ceiling column (Llama-3-8B's 8 x 128 rows, DeepSeek's 512 + 64, gpt-oss's 8 x 64)
+    assert cases["mha set_kv_buffer bf16"].bytes_per_token == 8192
+    assert cases["page-major set_kv_buffer bf16, page 16"].bytes_per_token == 8200
+    assert cases["swa set_kv_buffer (window, mapped)"].bytes_per_token == 4104
+    assert cases["mla get_mla_kv_buffer (out=)"].bytes_per_token == 2304
+    assert cases["dsa set_mla_kv_buffer (fp8 quantize)"].bytes_per_token == 1152 + 656
+    assert cases["nvfp4 set_kv_buffer (quantize)"].bytes_per_token == 2 * 8 * 128 * 41 // 16
+    assert cases["mamba copy_from (36 layers)"].bytes_per_token == 2 * 36 * (4096 * 3 * 2 + 16 * 128 * 128 * 4)
+    assert {op for op, c in cases.items() if c.bytes_per_token is None} == {
+        "mha set_kv_buffer fp8<-bf16", "move_kv_cache mha 32 layers", "move_kv_cache mha 32 layers, page 16",
+        "move_kv_cache page-major 32 layers, page 16", "dsa set_index_k_scale_buffer", "dsa get_index_k_scale_buffer",
+        "dsa get_index_k_scale_buffer (out=)"}  # fmt: skip
+
+
+def test_the_plugin_modules_stay_light():
+    """``import kvcore_<family>.plugin`` imports no bench module: the hook imports it when ``kvcore bench`` runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        f"for name in {BUILTIN!r}:\n"
+        "    __import__(f'kvcore_{name}.plugin')\n"
+        "loaded = sorted(m for m in sys.modules if m.endswith('.bench') or m == 'kvcore.tools.bench')\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_vendor_plugins_bench_cases_are_picked_up_and_checked(monkeypatch):
+    from kvcore.tools.bench import build, check, collect, instances
+
+    suites = collect(load(MHA, ep("bench_vendor")))
+    assert [s.plugin for s in suites] == ["bench_vendor", "mha"]  # in the order the plugins registered (by name)
+    vendor = [s for s in suites if s.plugin == "bench_vendor"]
+    assert [c.op for c in vendor[0].cases] == ["vendor set_kv_buffer", "vendor get_key_buffer rows"]
+    # what kvcore bench does with them before timing (here on the CPU): both pools, the same random bytes, every
+    # case run on each and compared
+    fast, ref = build(vendor, "triton"), build(vendor, "native")
+    mine, theirs = fast["vendor_mha"].buffers(), ref["vendor_mha"].buffers()
+    assert all(torch.equal(mine[b].view(torch.uint8), theirs[b].view(torch.uint8)) for b in ("k", "v"))
+    for n in (1, 8, 64):
+        for case, inputs in instances(vendor, n, n):
+            ours, theirs = check(case, n, inputs, fast, ref)
+            assert callable(ours) and callable(theirs)
+    from fake_plugins import bench_vendor
+
+    monkeypatch.setitem(bench_vendor.WRONG, "store", True)
+    case, inputs = instances(vendor, 8, 8)[0]
+    with pytest.raises(AssertionError, match="vendor set_kv_buffer at N=8 differs from the torch path"):
+        check(case, 8, inputs, fast, ref)
+
+
+def test_bench_case_errors_name_the_plugin():
+    from kvcore.hookspecs import BenchCase, BenchCases, BenchPool
+    from kvcore.tools.bench import collect
+
+    def records(*items):
+        class Plugin:
+            @kvcore.hookimpl
+            def kvcore_bench_cases(self):
+                return list(items)
+
+        return Plugin()
+
+    pool = BenchPool(name="p", make=lambda kernels: None)
+    case = BenchCase(op="vendor set_kv_buffer", pool="p", call=lambda p, x: p, written=lambda x: x)
+    with pytest.raises(PluginError, match="plugin 'bad': kvcore_bench_cases returned dict"):
+        collect(load(extra=[("bad", records({"op": "x"}))]))
+    lacking = BenchCases(pools=(), inputs=lambda n, gen: None, cases=(case,))
+    with pytest.raises(PluginError, match="plugin 'bad': bench case 'vendor set_kv_buffer' calls pool 'p'"):
+        collect(load(extra=[("bad", records(lacking))]))
+    twin = BenchCases(pools=(BenchPool(name="q", make=lambda kernels: None),), inputs=lambda n, gen: None,
+                      cases=(attrs.evolve(case, pool="q"),))  # fmt: skip
+    with pytest.raises(PluginError, match="plugin 'twin': bench case 'vendor set_kv_buffer' is already registered by "
+                                          "plugin 'bench_vendor'"):  # fmt: skip
+        collect(load(ep("bench_vendor"), extra=[("twin", records(twin))]))
+    with pytest.raises(ValueError, match="written='rows'"):
+        BenchCase(op="x", pool="p", call=lambda p, x: p, written="rows")

@@ -54,6 +54,9 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e
 #: transformers layer types the cache can serve.
 _FULL_ATTENTION = ("full_attention",)
 
+#: the backend :meth:`PagedKVCache.from_model` builds (by name: its pools hand out per-layer K and V buffers)
+BACKEND = "mha"
+
 
 class KVCacheFullError(KVCoreError, RuntimeError):
     """The pool (or the request table) has no room for the tokens or rows a forward brings."""
@@ -152,6 +155,49 @@ def config_overrides(model: Any) -> list[str]:
         "model.weight_dtype=null",
         "model.weight_bytes=null",
     ]
+
+
+def _build_pools(request: Any, *, size: int, requests: int, max_context_len: int, need_sort: bool, registry: Any):
+    """``(pool, allocator, request table)`` for ``request`` (which names the backend), built through the hooks
+    :func:`kvcore.build_pools` calls, with ``size`` tokens and ``requests`` request slots (no memory planning)."""
+    from kvcore.errors import PluginError
+    from kvcore.layout import PoolLayout
+    from kvcore.plugins import get_registry
+    from kvcore.plugins.selection import select_backend
+
+    registry = registry or get_registry()
+    try:
+        backend = select_backend(registry, request).backend
+    except KVCoreError as exc:
+        raise type(exc)(f"PagedKVCache builds kvcore's {request.backend!r} backend: {exc}") from exc
+    request = backend.resolve(request)
+    hook = registry.hook
+    layout = hook.kvcore_buffer_layout(backend=backend, request=request)
+    if not isinstance(layout, PoolLayout):
+        raise PluginError(f"plugin {backend.plugin!r}: the buffer layout of backend {backend.name!r} is "
+                          f"{type(layout).__name__}, expected kvcore.layout.PoolLayout")  # fmt: skip
+    other = sorted(set(layout.groups) - {"tokens"})
+    if other:
+        raise ConfigError(f"backend {backend.name!r} sizes buffers by {', '.join(other)}; PagedKVCache sizes tokens only")
+    sizes = {"tokens": size}
+    pool = hook.kvcore_create_pool(backend=backend, request=request, layout=layout, sizes=sizes)
+    req_to_token_pool = hook.kvcore_create_req_to_token_pool(
+        backend=backend, request=request, size=requests, max_context_len=max_context_len, sizes=sizes, pool=pool
+    )
+    if need_sort:
+        from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+        if request.page_size == 1:
+            allocator = TokenToKVPoolAllocator(size, request.kv_dtype, request.device, pool, True, request.kernels)
+        else:
+            allocator = PagedTokenToKVPoolAllocator(size, request.page_size, request.kv_dtype, request.device, pool,
+                                                    True, request.kernels)  # fmt: skip
+    else:
+        allocator = hook.kvcore_choose_allocator(backend=backend, request=request, pool=pool, sizes=sizes)
+    for what, value in (("pool", pool), ("allocator", allocator), ("request pool", req_to_token_pool)):
+        if value is None:
+            raise PluginError(f"no plugin created the {what} for backend {backend.name!r}")
+    return pool, allocator, req_to_token_pool
 
 
 class PagedKVLayer(CacheLayerMixin):
@@ -254,7 +300,7 @@ class PagedKVCache(Cache):
     slot); :meth:`free_all` (or ``reset()``) gives everything back and readies the cache for a new batch.
 
     :param pool: a token-to-KV pool with ``set_kv_buffer`` / ``get_key_buffer`` / ``get_value_buffer``
-        (``kvcore_mha.MHATokenToKVPool``, or the page-major pool ``kv_cache.layout=page_major`` builds) holding
+        (the ``mha`` backend's pool, token-major, or page-major with ``kv_cache.layout=page_major``) holding
         every layer of the model, global ids ``0 .. L-1``.
     :param allocator: its token or paged allocator.
     :param req_to_token_pool: the request table (``max_context_len`` bounds a row's tokens).
@@ -314,8 +360,13 @@ class PagedKVCache(Cache):
         need_sort: bool = False,
         k_scale: float | None = None,
         v_scale: float | None = None,
+        registry: Any = None,
     ) -> PagedKVCache:
         """A cache sized for ``model`` (a transformers ``PreTrainedModel``, or anything with ``.config``).
+
+        The pools are built by the ``mha`` backend's plugin through the hooks :func:`kvcore.build_pools` calls
+        (``kvcore_buffer_layout``, ``kvcore_create_pool``, ``kvcore_create_req_to_token_pool``,
+        ``kvcore_choose_allocator``), at exactly the sizes given here (no memory planning).
 
         :param max_total_tokens: token slots in the pool, over all rows (rounded down to whole pages).
         :param page_size: tokens per page; 1 uses the token allocator, more the paged one.
@@ -326,10 +377,11 @@ class PagedKVCache(Cache):
             ``max_position_embeddings``, at most the pool's size).
         :param device: where the pool lives (default: the model's device).
         :param kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``native``.
+        :param need_sort: the core's allocator defers frees and hands out sorted slots (built directly then: the
+            allocator hook takes no such argument).
+        :param registry: the plugins (default: the installed ones); one of them must register the ``mha`` backend.
         """
-        from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-        from kvcore.pools import ReqToTokenPool
-        from kvcore_mha import MHATokenToKVPool
+        import kvcore
 
         dims = model_dimensions(model.config)
         model_dtype = getattr(model, "dtype", None) or torch.float32
@@ -343,15 +395,16 @@ class PagedKVCache(Cache):
             raise ConfigError(f"max_total_tokens={max_total_tokens} holds no whole page of page_size={page_size}")
         if max_context_len is None:
             max_context_len = min(dims["context_length"] or size, size)
-        pool = MHATokenToKVPool(
-            size, page_size, cache_dtype, dims["kv_heads"], dims["head_dim"], dims["layers"], str(device), False,
-            kernels=kernels,
-        )
-        if page_size == 1:
-            allocator = TokenToKVPoolAllocator(size, cache_dtype, device, pool, need_sort, kernels)
-        else:
-            allocator = PagedTokenToKVPoolAllocator(size, page_size, cache_dtype, device, pool, need_sort, kernels)
-        req_to_token_pool = ReqToTokenPool(int(max_batch_size), int(max_context_len), str(device))
+        request = kvcore.PoolRequest(
+            attention="mha", kv_dtype=cache_dtype, model_dtype=model_dtype, device=str(device), vendor="generic",
+            page_size=page_size, layer_num=dims["layers"], start_layer=0, end_layer=dims["layers"] - 1,
+            head_num=dims["kv_heads"], head_dim=dims["head_dim"], v_head_dim=dims["head_dim"], kernels=kernels,
+            backend=BACKEND, model_name=getattr(model.config, "name_or_path", "") or type(model).__name__,
+        )  # fmt: skip
+        pool, allocator, req_to_token_pool = _build_pools(
+            request, size=size, requests=int(max_batch_size), max_context_len=int(max_context_len),
+            need_sort=need_sort, registry=registry,
+        )  # fmt: skip
         return cls(pool, allocator, req_to_token_pool, k_scale=k_scale, v_scale=v_scale)
 
     @classmethod

@@ -4,7 +4,9 @@
   :class:`Registry` (backends, model sections, block formats, failed plugins);
 - :mod:`kvcore.plugins.builtin`: the core's ``trylast`` answers to the layout and build hooks (the request table
   and the token / paged allocators);
-- :mod:`kvcore.plugins.selection`: choosing a backend for a request, and explaining the choice.
+- :mod:`kvcore.plugins.selection`: choosing a backend for a request, and explaining the choice;
+- :mod:`kvcore.plugins.lazy`: ``lazy_getattr``, how a family package exports its public names without importing
+  its kernels until one is used.
 
 May import: :mod:`kvcore.hookspecs`, :mod:`kvcore.backend`, :mod:`kvcore.layout`, :mod:`kvcore.errors`, and (in
 the built-in answers, when a pool is built) :mod:`kvcore.pools` and :mod:`kvcore.allocators`.  Nothing here

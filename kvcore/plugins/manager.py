@@ -12,12 +12,19 @@ Environment switches (read when the registry loads):
 Without strict mode a broken plugin is logged with its name and skipped; it only stops kvcore when the
 request selects one of its backends (or names a backend nobody registered while that plugin is broken),
 and then the error carries the plugin's original failure.
+
+API versions: a plugin module may declare ``KVCORE_API_VERSION = "N"`` (a string, ``major[.minor]``), the
+:data:`kvcore.hookspecs.API_VERSION` it was written for.  Before any of its hooks is registered, a declared major
+other than the core's (or a declaration that is not such a string) makes it a failed plugin at stage
+``version``, with a message naming the plugin, both versions and what to do; ``kvcore plugins`` lists it, and
+``KVCORE_STRICT_PLUGINS=1`` makes it fatal.  A plugin that declares nothing loads as before (unchecked).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import traceback
 from collections.abc import Iterable, Mapping
 from importlib import metadata
@@ -36,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kvcore"
 CORE_PLUGIN_NAME = "kvcore.plugins.builtin"
+#: the module attribute a plugin declares its plugin API version in
+VERSION_ATTRIBUTE = "KVCORE_API_VERSION"
+_VERSION_RE = re.compile(r"([0-9]+)(?:\.([0-9]+))?")
 
 
 @attrs.frozen
@@ -43,11 +53,50 @@ class PluginFailure:
     """A plugin that did not load, and why."""
 
     plugin: str
-    stage: str  # "import", "hooks", "register"
+    stage: str  # "import", "version", "hooks", "register"
     error: str
 
     def describe(self) -> str:
         return f"plugin {self.plugin!r} failed at {self.stage}: {self.error}"
+
+
+def api_major(version: str) -> int:
+    """The major of an API version string (``"4"``, ``"4.1"``).
+
+    :raises ValueError: for anything else.
+    """
+    match = _VERSION_RE.fullmatch(version) if isinstance(version, str) else None
+    if match is None:
+        raise ValueError(f"{version!r} is not an API version: a string, major[.minor], e.g. {hookspecs.API_VERSION!r}")
+    return int(match.group(1))
+
+
+def version_problem(name: str, plugin: Any) -> str | None:
+    """Why plugin ``name`` cannot load under this core's :data:`~kvcore.hookspecs.API_VERSION`, or None (it
+    declares the core's major, or declares nothing)."""
+    declared = getattr(plugin, VERSION_ATTRIBUTE, None)
+    if declared is None:
+        return None
+    core = hookspecs.API_VERSION
+    try:
+        major = api_major(declared)
+    except ValueError:
+        return (
+            f"declares {VERSION_ATTRIBUTE} = {declared!r} ({type(declared).__name__}), which is not an API version; "
+            f"write the version it was written for as a string, major[.minor] (this kvcore's is "
+            f"{VERSION_ATTRIBUTE} = {core!r})"
+        )
+    if major == api_major(core):
+        return None
+    if major < api_major(core):
+        fix = (f"install a release of plugin {name!r} written for plugin API {api_major(core)}, or port it "
+               "(docs/writing-a-backend.md says what each version changed)")  # fmt: skip
+    else:
+        fix = f"upgrade kvcore to one of plugin API {major}, or install an older release of plugin {name!r}"
+    return (
+        f"written for kvcore plugin API {declared} ({VERSION_ATTRIBUTE} = {declared!r}), but this kvcore's plugin API "
+        f"is {core} (kvcore.hookspecs.API_VERSION); {fix}; or disable it with KVCORE_DISABLE_PLUGINS={name}"
+    )
 
 
 def _names(value: str | None) -> set[str] | None:
@@ -69,6 +118,8 @@ class Registry:
     plugins: list[str] = attrs.field(factory=list)
     skipped: dict[str, str] = attrs.field(factory=dict)
     strict: bool = False
+    #: the ``KVCORE_API_VERSION`` each loaded plugin declares (None: declares none)
+    api_versions: dict[str, str | None] = attrs.field(factory=dict)
 
     @property
     def hook(self):
@@ -100,7 +151,14 @@ class Registry:
         self.failures.append(failure)
 
     def register(self, plugin: Any, name: str) -> bool:
-        """Register one plugin object and collect its backends.  Returns False when it failed."""
+        """Register one plugin object and collect its backends.  Returns False when it failed.
+
+        A plugin declaring another major plugin API version (``KVCORE_API_VERSION``) fails before any of its
+        hooks is registered."""
+        problem = version_problem(name, plugin)
+        if problem is not None:
+            self._fail(name, "version", problem)
+            return False
         try:
             self.manager.register(plugin, name=name)
         except Exception as exc:  # pluggy validates signatures against the specs here
@@ -132,6 +190,7 @@ class Registry:
             self.manager.unregister(name=name)
             return False
         self.plugins.append(name)
+        self.api_versions[name] = getattr(plugin, VERSION_ATTRIBUTE, None)
         return True
 
     def _collect_backends(self, name: str) -> bool:

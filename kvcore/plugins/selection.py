@@ -83,12 +83,23 @@ def select_backend(registry: Registry, request: PoolRequest) -> Selection:
 
     matching = sorted((c.backend for c in candidates if c.matches), key=lambda b: _rank(b, request), reverse=True)
     if not matching:
-        lines = "".join(f"\n  - {c.backend.name} ({c.backend.plugin}): {'; '.join(c.reasons)}" for c in candidates)
+        details = tuple(f"{c.backend.name} ({c.backend.plugin}): {'; '.join(c.reasons)}" for c in candidates)
+        served = [c for c in candidates if request.attention in c.backend.attention]
+        if served:  # what those serving the model's attention lack, first: that is what to change
+            fix = "; ".join(f"backend {c.backend.name!r} (plugin {c.backend.plugin}) serves it but: {'; '.join(c.reasons)}"
+                            for c in served)  # fmt: skip
+        elif registry.backends:
+            kinds = sorted({kind for b in registry.backends.values() for kind in b.attention})
+            fix = (f"no backend serves {request.attention} attention (they serve {', '.join(kinds)}): install a plugin "
+                   "that does (`kvcore plugins` lists the backends)")  # fmt: skip
+        else:
+            fix = "no backends are registered (`kvcore plugins` lists the plugins loaded)"
         raise SelectionError(
             f"no registered backend serves attention={request.attention}, "
             f"kv dtype={request.kv_format or str(request.kv_dtype).removeprefix('torch.')}, device={request.device_type}, "
-            f"vendor={request.vendor}, page size={request.page_size}:{lines or ' (no backends registered)'}"
-            + (f"\nplugins that failed to load:{failures}" if failures else "")
+            f"vendor={request.vendor}, page size={request.page_size}: {fix}"
+            + (f"\nplugins that failed to load:{failures}" if failures else ""),
+            details,
         )
     best = matching[0]
     if len(matching) > 1 and _rank(matching[1], request) == _rank(best, request):

@@ -59,13 +59,32 @@ class AllocatorMachine(RuleBasedStateMachine):
     An allocator with ``free_swa`` has a sliding-window side: every location it hands out (a *full* location)
     comes with a window slot, read through ``translate_loc_from_full_to_swa`` (or ``full_to_swa_index_mapping``).
     The model then also keeps, per request, how many of its first tokens left the window (``slid``): those map
-    to the padding slot, every other live token to a window slot of its own."""
+    to the padding slot, every other live token to a window slot of its own.
+
+    A subclass that knows more of its allocator checks more through these hooks, keeping every rule and check:
+
+    - an ``@initialize`` rule named ``setup`` replaces this one (to draw the allocator's parameters); it calls
+      :meth:`start` with the allocator;
+    - :meth:`refusal_state`: what an allocation that does not fit must leave unchanged;
+    - :meth:`check_result`: a check of every allocation's result;
+    - ``call_by_keyword``: also call ``alloc_extend`` / ``alloc_decode`` with SGLang's keyword names, leaving the
+      CPU copies out when not passing them;
+    - ``decode_empty_requests``: a decode step may also give a request that holds no token yet its first one;
+    - more ``@invariant`` methods, reading the model (``reqs``, ``pending``, ``in_group``, ``capacity``)."""
 
     factory: Callable[[], Any] = None  # type: ignore[assignment]
+    #: call alloc_extend / alloc_decode by SGLang's keyword names too (drawn per call), not only by position
+    call_by_keyword = False
+    #: a decode step may pick requests that hold no token yet (``last_loc`` -1: their first token opens a page)
+    decode_empty_requests = False
 
     @initialize()
     def setup(self):
-        self.a = type(self).factory()
+        self.start(type(self).factory())
+
+    def start(self, allocator) -> None:
+        """Begin a run on a fresh ``allocator``: read its capacity (and its window side's), empty model."""
+        self.a = allocator
         self.ps = int(self.a.page_size)
         self.device = getattr(self.a, "device", "cpu")
         self.windowed = callable(getattr(self.a, "free_swa", None))
@@ -127,9 +146,26 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _t(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def _unchanged(self, before: int, out, what: str) -> None:
+    def refusal_state(self) -> Any:
+        """What an allocation that does not fit must leave unchanged (compared with ``==``): by default
+        ``available_size()``; a subclass may read more of its allocator (its free lists)."""
+        return self.a.available_size()
+
+    def check_result(self, out: torch.Tensor, what: str) -> None:
+        """A check of the locations an allocation returned (called after the count is checked); none by
+        default."""
+
+    def _unchanged(self, before: Any, out, what: str) -> None:
         assert out is None, f"{what} should not fit ({self._free_pages()} free pages) but returned {out}"
-        assert self.a.available_size() == before, f"a refused {what} changed available_size"
+        assert self.refusal_state() == before, f"a refused {what} changed the allocator's state (refusal_state())"
+
+    def _lens_call(self, data, method: str, positional: list, keywords: dict[str, Any]):
+        """``method`` of the allocator, by position (SGLang's order, ``None`` for CPU copies not passed) or, for a
+        machine with ``call_by_keyword``, drawn: by SGLang's keyword names, leaving out the ``None`` CPU copies."""
+        if self.call_by_keyword and data.draw(st.booleans(), label=f"{method} by keyword"):
+            first, *_ = positional
+            return getattr(self.a, method)(first, **{k: v for k, v in keywords.items() if v is not None})
+        return getattr(self.a, method)(*positional)
 
     # -- rules --------------------------------------------------------------------------------------------
 
@@ -144,14 +180,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         last = [self.reqs[i][-1] if self.reqs.get(i) else -1 for i in ids]
         pre_t, seq_t, last_t = self._t(pre), self._t(seq), self._t(last)
         cpu = data.draw(st.booleans())
-        before = self.a.available_size()
-        out = self.a.alloc_extend(pre_t, pre_t.cpu() if cpu else None, seq_t, seq_t.cpu() if cpu else None, last_t,
-                                  sum(adds))  # fmt: skip
+        pre_cpu, seq_cpu = (pre_t.cpu(), seq_t.cpu()) if cpu else (None, None)
+        before = self.refusal_state()
+        out = self._lens_call(data, "alloc_extend", [pre_t, pre_cpu, seq_t, seq_cpu, last_t, sum(adds)],
+                              dict(prefix_lens_cpu=pre_cpu, seq_lens=seq_t, seq_lens_cpu=seq_cpu, last_loc=last_t,
+                                   extend_num_tokens=sum(adds)))  # fmt: skip
         needed = sum(-(-s // self.ps) - -(-p // self.ps) for p, s in zip(pre, seq))
         if needed > self._free_pages():
             self._unchanged(before, out, f"alloc_extend of {needed} new pages")
             return
         assert out is not None and out.numel() == sum(adds), f"alloc_extend returned {out} for {sum(adds)} tokens"
+        self.check_result(out, "alloc_extend")
         self.next_id += n_new
         pos = 0
         for i, k in zip(ids, adds):
@@ -162,28 +201,34 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def decode(self, data):
         ids = data.draw(st.lists(st.sampled_from(sorted(self.reqs)), unique=True, min_size=1, max_size=4))
-        ids = [i for i in ids if self.reqs[i]] or ids[:0]
+        if not self.decode_empty_requests:
+            ids = [i for i in ids if self.reqs[i]]
         if not ids:
             return
-        seq_t, last_t = self._t([len(self.reqs[i]) + 1 for i in ids]), self._t([self.reqs[i][-1] for i in ids])
-        before = self.a.available_size()
-        out = self.a.alloc_decode(seq_t, seq_t.cpu() if data.draw(st.booleans()) else None, last_t)
+        seq_t = self._t([len(self.reqs[i]) + 1 for i in ids])
+        last_t = self._t([self.reqs[i][-1] if self.reqs[i] else -1 for i in ids])
+        seq_cpu = seq_t.cpu() if data.draw(st.booleans()) else None
+        before = self.refusal_state()
+        out = self._lens_call(data, "alloc_decode", [seq_t, seq_cpu, last_t],
+                              dict(seq_lens_cpu=seq_cpu, last_loc=last_t))  # fmt: skip
         needed = sum(len(self.reqs[i]) % self.ps == 0 for i in ids)
         if needed > self._free_pages():
             self._unchanged(before, out, f"alloc_decode of {needed} new pages")
             return
-        assert out is not None and out.numel() == len(ids)
+        assert out is not None and out.numel() == len(ids), f"alloc_decode returned {out} for {len(ids)} requests"
+        self.check_result(out, "alloc_decode")
         for i, loc in zip(ids, out.tolist()):
             self.reqs[i].append(loc)
 
     @rule(pages=st.integers(0, 4))
     def alloc_pages(self, pages):
-        before = self.a.available_size()
+        before = self.refusal_state()
         out = self.a.alloc(pages * self.ps)
         if pages > self._free_pages():
             self._unchanged(before, out, f"alloc of {pages} pages")
             return
-        assert out is not None and out.numel() == pages * self.ps
+        assert out is not None and out.numel() == pages * self.ps, f"alloc returned {out} for {pages} pages"
+        self.check_result(out, "alloc")
         self.reqs[self.next_id] = out.tolist()
         self.next_id += 1
 

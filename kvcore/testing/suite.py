@@ -35,7 +35,8 @@ import torch
 CAPABILITIES = frozenset({"store", "move", "cpu_offload", "buffer_infos"})
 #: declared in addition by a pool that stores values lossily (quantized caches): its round trip is checked
 #: within ``pool.lossy_bound`` (relative RMS error) through ``pool.self_test_values`` and ``pool.read_values``
-#: (:class:`BaseLossyTests`), beside the byte checks that hold for the bytes its writer reports.
+#: (:class:`BaseLossyTests`; the protocol is documented on :class:`kvcore.pools.KVCache`), beside the byte checks
+#: that hold for the bytes its writer reports.
 LOSSY = "lossy"
 
 
@@ -128,11 +129,18 @@ class BaseLayoutTests(_Base):
         assert not unknown, f"request_state_buffers() names {unknown}, which buffers() does not"
         assert reported + sum(b.nbytes for b in states.values()) == sum(b.nbytes for b in buffers.values())
 
-    def test_fp8_is_stored_as_uint8(self, kv_pool):
+    def test_store_dtype_is_what_the_kv_buffers_hold(self, kv_pool):
+        """``store_dtype`` is the dtype of every buffer holding K/V rows (:meth:`~kvcore.pools.KVCache.token_buffers`
+        but the per-request state), which engines view those buffers with; an fp8 cache is stored as uint8."""
         if kv_pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            assert kv_pool.store_dtype == torch.uint8
-        else:
-            assert kv_pool.store_dtype == kv_pool.dtype
+            assert kv_pool.store_dtype == torch.uint8, f"an {kv_pool.dtype} pool has store_dtype {kv_pool.store_dtype}"
+        states = kv_pool.request_state_buffers()
+        held = {name: buf.dtype for name, buf in kv_pool.token_buffers().items() if name not in states}
+        if not held:  # a pool that keeps no rows per token (the no-op pool's placeholders): its buffers, then
+            held = {name: buf.dtype for name, buf in kv_pool.buffers().items() if name not in states}
+        assert held, "the pool names no buffer of K/V rows (token_buffers() and buffers() are empty)"
+        wrong = {name: dtype for name, dtype in held.items() if dtype != kv_pool.store_dtype}
+        assert not wrong, f"store_dtype is {kv_pool.store_dtype}, but the K/V buffers hold {wrong}"
 
 
 class BaseStoreTests(_Base):
@@ -288,7 +296,8 @@ class BaseLossyTests(_Base):
     """For pools declaring :data:`LOSSY`: values written through the family's write path
     (``pool.self_test_values(layer, loc, generator) -> {part: float values written}``) read back
     (``pool.read_values(layer, loc) -> {part: float values}``) within ``pool.lossy_bound``, the relative RMS
-    error the pool states, and nothing else in its buffers changes."""
+    error the pool states, and nothing else in its buffers changes.  The protocol (what each member returns, and
+    who calls it) is documented on :class:`kvcore.pools.KVCache`, under "Lossy pools"."""
 
     @pytest.mark.parametrize("n", [3, 17])
     def test_round_trip_within_the_stated_bound(self, kv_pool, kv_capabilities, generator, n):

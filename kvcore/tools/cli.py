@@ -21,7 +21,7 @@ import torch
 
 from kvcore import api
 from kvcore.api import load_config
-from kvcore.config import EngineConfig, available_options
+from kvcore.config import EngineConfig
 from kvcore.errors import ConfigError, KVCoreError, SelectionError
 from kvcore.planning.planner import GiB, MemoryPlan
 from kvcore.plugins import get_registry
@@ -156,17 +156,26 @@ def cmd_up(args: argparse.Namespace) -> int:
     from kvcore.planning import distributed
 
     cfg = _load(args.overrides)
+    api.check_device_visible(cfg)  # before any plan is printed: a GPU profile on a CPU machine is one line
     if not distributed.init_from_env(cfg.hardware.device):
-        return _up(cfg, "", _print)
+        return _up(cfg, "", _print, args.explain)
     try:
         cfg, where = distributed.rank_config(cfg)
         print(f"[rank {where.rank}] {where.describe()}: layers {cfg.layer_range[0]}..{cfg.layer_range[1] - 1}", flush=True)
-        return _up(cfg, f"[rank {where.rank}] ", _print if where.rank == 0 else _print_nothing)
+        return _up(cfg, f"[rank {where.rank}] ", _print if where.rank == 0 else _print_nothing, args.explain)
     finally:
         torch.distributed.destroy_process_group()
 
 
-def _up(cfg: EngineConfig, rank: str, report) -> int:
+def _selection_lines(selection, explain: bool) -> list[str]:
+    """The chosen backend's line, then every other backend's (``explain``) or one line counting them."""
+    lines = selection.explain()
+    if explain or len(lines) == 1:
+        return lines
+    return [lines[0], f"{len(lines) - 1} other backends not chosen (`--explain` says why each is not)"]
+
+
+def _up(cfg: EngineConfig, rank: str, report, explain: bool = False) -> int:
     """``kvcore up`` for one rank: ``rank`` prefixes the lines every rank prints, ``report`` prints the rest."""
     from kvcore.planning import distributed
     from kvcore.tools.selfcheck import run_self_check
@@ -174,7 +183,7 @@ def _up(cfg: EngineConfig, rank: str, report) -> int:
     report(["[1/4] config"] + ["  " + line for line in _describe_config(cfg)])
     registry = get_registry()
     selection = api.select(cfg, registry)
-    report(["[2/4] backend"] + ["  " + line for line in selection.explain()])
+    report(["[2/4] backend"] + ["  " + line for line in _selection_lines(selection, explain)])
     free = None
     if cfg.hardware.device == "cuda" and torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0]
@@ -205,6 +214,8 @@ def _print_nothing(lines: Sequence[str]) -> None:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    from kvcore.hookspecs import API_VERSION
+
     registry = get_registry()
     print("backends:")
     for backend in sorted(registry.backends.values(), key=lambda b: b.name):
@@ -216,6 +227,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         if backend.description:
             print(f"             {backend.description}")
     print("plugins loaded: " + (", ".join(registry.plugins) or "none"))
+    undeclared = [name for name in registry.plugins if registry.api_versions.get(name) is None]
+    print(f"plugin API: {API_VERSION} (kvcore.hookspecs.API_VERSION)"
+          + (f"; not declaring KVCORE_API_VERSION (loaded unchecked): {', '.join(undeclared)}" if undeclared else ""))
     for name, why in sorted(registry.skipped.items()):
         print(f"plugin skipped: {name} ({why})")
     for failure in registry.failures:
@@ -300,9 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     help_overrides = "optional engine YAML, then overrides: model=NAME hardware=NAME key.path=value"
     up = sub.add_parser("up", help="plan, allocate and self-check the pools (default: embedded CPU config)")
     up.add_argument("overrides", nargs="*", help=help_overrides)
+    up.add_argument("--explain", action="store_true", help="say why every other backend is not chosen")
     up.set_defaults(func=cmd_up)
     plan = sub.add_parser("plan", help="size the pools without allocating (works for GPU profiles on a CPU)")
     plan.add_argument("overrides", nargs="*", help=help_overrides)
+    plan.add_argument("--explain", action="store_true", help="when no backend serves the config, say why each does not")
     plan.add_argument("--sweep", action="append", metavar="KEY=V1,V2,...",
                       help="plan every combination of these values (repeatable): a table of tokens, requests, bytes per "
                       "token and KV GiB")
@@ -357,9 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except KVCoreError as exc:
         print(f"kvcore: error: {exc}", file=sys.stderr)
-        if "model=" in str(exc) or "hardware=" in str(exc):
-            print(f"  models: {', '.join(available_options('model'))}", file=sys.stderr)
-            print(f"  hardware: {', '.join(available_options('hardware'))}", file=sys.stderr)
+        details = getattr(exc, "details", ())
+        if details and getattr(args, "explain", None):
+            print("\n".join(f"  - {line}" for line in details), file=sys.stderr)
+        elif details:
+            print(f"  (`--explain` says why each of the {len(details)} registered backends does not serve it)",
+                  file=sys.stderr)
         return 2
     finally:
         planner_log.setLevel(level)  # an engine calling main() keeps its own logging

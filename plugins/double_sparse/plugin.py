@@ -12,6 +12,9 @@ from kvcore.errors import ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import BufferLayout, PoolLayout
 
+#: the kvcore plugin API this plugin is written for (kvcore.hookspecs.API_VERSION); checked when it loads
+KVCORE_API_VERSION = "4"
+
 BACKEND = "double_sparse"
 
 

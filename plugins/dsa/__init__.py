@@ -1,8 +1,13 @@
-"""kvcore_dsa: the DSA pool family (DeepSeek sparse attention: MLA rows plus an fp8 indexer cache), plugin ``dsa``."""
+"""kvcore_dsa: the DSA pool family (DeepSeek sparse attention: MLA rows plus an fp8 indexer cache), plugin ``dsa``.
+
+Builds on the base family ``kvcore_mla``: ``DSATokenToKVPool`` subclasses ``MLATokenToKVPool`` (through the
+hooks ``kvcore_mla``'s docstring names), its layout extends ``mla_layout``, and the backend reads ``model.mla``
+(``MLADims``) besides its own ``model.dsa``.
+"""
 
 from __future__ import annotations
 
-import importlib
+from kvcore.plugins.lazy import lazy_getattr
 
 #: public name -> the module that defines it (imported on first use: importing the package stays light,
 #: so a test kit can choose interpreted or compiled Triton kernels before any kernel module loads)
@@ -13,10 +18,4 @@ _PUBLIC = {
 }
 
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

@@ -17,6 +17,9 @@ from kvcore.layout import PoolLayout
 from kvcore_dsa.layout import DSADims, DSAOptions
 from kvcore_mla.layout import MLADims
 
+#: the kvcore plugin API this plugin is written for (kvcore.hookspecs.API_VERSION); checked when it loads
+KVCORE_API_VERSION = "4"
+
 BACKEND = "dsa"
 
 
@@ -60,3 +63,11 @@ def kvcore_register_backends():
             ),
         )
     ]
+
+
+@hookimpl
+def kvcore_bench_cases():
+    """``kvcore bench``'s cases of this family (:mod:`kvcore_dsa.bench`, imported only when the bench runs)."""
+    from kvcore_dsa.bench import bench_cases
+
+    return bench_cases()

@@ -7,6 +7,9 @@ from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import PoolLayout
 
+#: the kvcore plugin API this plugin is written for (kvcore.hookspecs.API_VERSION); checked when it loads
+KVCORE_API_VERSION = "4"
+
 BACKEND = "fp4"
 MLA_BACKEND = "fp4_mla"
 FORMATS = ("fp4_e2m1", "nvfp4", "mxfp8")
@@ -69,3 +72,11 @@ def kvcore_register_backends():
             description="block-scaled MLA pool: latent rows' nope and rope quantized apart, read by location",
         ),
     ]
+
+
+@hookimpl
+def kvcore_bench_cases():
+    """``kvcore bench``'s cases of this family (:mod:`kvcore_fp4.bench`, imported only when the bench runs)."""
+    from kvcore_fp4.bench import bench_cases
+
+    return bench_cases()

@@ -96,8 +96,61 @@ def _flat_loc(loc: torch.Tensor) -> torch.Tensor:
     return loc if loc.dim() == 1 else loc.reshape(-1)
 
 
-class _Lossy:
-    """The conformance kit's lossy-storage protocol (``kvcore.testing.LOSSY``) for the block-scaled pools."""
+class _BlockScaledPool(KVCache):
+    """What the two block-scaled pools share, from the constructor on: the read dtype and the format (SGLang's
+    ``dtype=torch.float4_e2m1fn_x2`` means block FP4 read as bfloat16), the format's recipe, the check that every
+    part's width is whole blocks, ``store_dtype`` (uint8: the buffers hold codes and block scales, as SGLang's FP4
+    pools say), nvfp4's global scales, the block rows' kernels, the buffers by name, and the conformance kit's
+    lossy-storage protocol (``kvcore.testing.LOSSY``, see :class:`~kvcore.pools.KVCache`).
+
+    A subclass's constructor: ``super().__init__`` first, then its code and scale buffers, then
+    :meth:`_bind_rows` (which finalizes the allocation)."""
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, layer_num: int, device: str,
+                 enable_memory_saver: bool, start_layer: int | None, end_layer: int | None, kernels: str,
+                 kv_format: str, widths: dict[str, int]):  # fmt: skip
+        """:class:`~kvcore.pools.KVCache`'s checks, then the format and every part's width (``widths``: the
+        constructor keyword naming the width -> its values per head)."""
+        dtype, kv_format = _read_dtype(dtype, kv_format)
+        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer,
+                         kernels)  # fmt: skip
+        self.store_dtype = torch.uint8  # every K/V buffer holds codes or block scales, as bytes
+        if kv_format not in RECIPES:
+            raise ConfigError(f"kv_format={kv_format!r} is not one of {', '.join(RECIPES)}")
+        self.kv_format, self.recipe = kv_format, RECIPES[kv_format]
+        for what, width in widths.items():
+            self.recipe.check_width(width, what)
+        self.global_scale = (
+            torch.ones(layer_num, 1, 2, dtype=torch.float32, device=device) if self.recipe.global_scale else None
+        )
+
+    def _bytes(self, *shape: int) -> torch.Tensor:
+        """A zeroed uint8 buffer (codes or block scales)."""
+        return torch.zeros(shape, dtype=torch.uint8, device=self.device)
+
+    def _bind_rows(self, parts: block_kernels.Parts) -> None:
+        """Bind the block rows' kernels to the buffers (once: shapes and strides are fixed now) and finalize the
+        allocation."""
+        self._rows = block_kernels.BlockRows(parts)
+        self._out_device = parts.k_data.device  # where reads allocate their results
+        self._finalize_allocation()
+
+    def _with_global_scale(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.global_scale is not None:
+            named["global_scale"] = self.global_scale
+        return named
+
+    def token_buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer but the per-layer global scales: codes and block scales, one row per token."""
+        return {name: buf for name, buf in self.buffers().items() if name != "global_scale"}
+
+    def _globals(self, local: int) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """The global scales of a local layer's two parts (1.0 when the format keeps none)."""
+        if self.global_scale is None:
+            return 1.0, 1.0
+        return self.global_scale[local, 0, 0], self.global_scale[local, 0, 1]
+
+    # -- the lossy-storage protocol ------------------------------------------------------------------------
 
     @property
     def lossy_bound(self) -> float:
@@ -108,7 +161,7 @@ class _Lossy:
                 for part, heads, width in self._value_parts()}  # fmt: skip
 
 
-class MHATokenToKVPoolFP4(_Lossy, KVCache):
+class MHATokenToKVPoolFP4(_BlockScaledPool):
     """Keys and values of MHA/GQA layers in a block-scaled format (``kv_format``: ``fp4_e2m1``, ``nvfp4`` or
     ``mxfp8``, see :mod:`kvcore_fp4.formats`).
 
@@ -120,7 +173,7 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
     Reads: :meth:`get_kv_buffer_by_loc` dequantizes only the rows asked for (what attention backends call);
     :meth:`get_key_buffer` / :meth:`get_value_buffer` dequantize a whole layer, as the seed's pool does, for
     compatibility.  ``dtype`` is what reads return (SGLang's ``torch.float4_e2m1fn_x2`` means block FP4 read as
-    bfloat16).
+    bfloat16); ``store_dtype`` is ``torch.uint8``, what the code and scale buffers hold (as in SGLang).
 
     Stores and reads by location run one Triton launch each (:mod:`kvcore_fp4.kernels`), or the torch
     references of :mod:`kvcore_fp4.formats` with ``kernels="native"``; both write the same bytes.
@@ -158,45 +211,29 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         kv_format: str = "fp4_e2m1",
     ):
         check_post_capture(type(self).__name__, post_capture_active)
-        dtype, kv_format = _read_dtype(dtype, kv_format)
-        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
-        if kv_format not in RECIPES:
-            raise ConfigError(f"kv_format={kv_format!r} is not one of {', '.join(RECIPES)}")
-        self.kv_format, self.recipe = kv_format, RECIPES[kv_format]
         self.head_num, self.head_dim = head_num, head_dim
         self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
+        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer,
+                         kernels, kv_format, {"head_dim": self.head_dim, "v_head_dim": self.v_head_dim})  # fmt: skip
         r, rows = self.recipe, size + page_size
-        r.check_width(self.head_dim, "head_dim")
-        r.check_width(self.v_head_dim, "v_head_dim")
-
-        def zeros(*shape, dtype=torch.uint8):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.k_data = zeros(layer_num, rows, head_num, r.data_bytes(self.head_dim))
-        self.k_scale = zeros(layer_num, rows, head_num, r.scale_bytes(self.head_dim))
-        self.v_data = zeros(layer_num, rows, head_num, r.data_bytes(self.v_head_dim))
-        self.v_scale = zeros(layer_num, rows, head_num, r.scale_bytes(self.v_head_dim))
-        self.global_scale = torch.ones(layer_num, 1, 2, dtype=torch.float32, device=device) if r.global_scale else None
+        self.k_data = self._bytes(layer_num, rows, head_num, r.data_bytes(self.head_dim))
+        self.k_scale = self._bytes(layer_num, rows, head_num, r.scale_bytes(self.head_dim))
+        self.v_data = self._bytes(layer_num, rows, head_num, r.data_bytes(self.v_head_dim))
+        self.v_scale = self._bytes(layer_num, rows, head_num, r.scale_bytes(self.v_head_dim))
         self.k_buffer, self.v_buffer = list(self.k_data.unbind(0)), list(self.v_data.unbind(0))
         self.k_scale_buffer = [t.view(rows, -1) for t in self.k_scale.unbind(0)]
         self.v_scale_buffer = [t.view(rows, -1) for t in self.v_scale.unbind(0)]
-        self._rows = block_kernels.BlockRows(block_kernels.Parts(
+        self._bind_rows(block_kernels.Parts(
             r, head_num, self.k_data, self.k_scale, self.head_dim, self.v_data, self.v_scale, self.v_head_dim,
             self.global_scale,
         ))  # fmt: skip
-        self._out_device = self.k_data.device  # where reads allocate their results
-        self._finalize_allocation()
 
     # -- buffers ------------------------------------------------------------------------------------------
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        named = {"k_data": self.k_data, "k_scale": self.k_scale, "v_data": self.v_data, "v_scale": self.v_scale}
-        if self.global_scale is not None:
-            named["global_scale"] = self.global_scale
-        return named
-
-    def token_buffers(self) -> dict[str, torch.Tensor]:
-        return {name: buf for name, buf in self.buffers().items() if name != "global_scale"}
+        return self._with_global_scale(
+            {"k_data": self.k_data, "k_scale": self.k_scale, "v_data": self.v_data, "v_scale": self.v_scale}
+        )
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
         """SGLang's ``(K bytes, V bytes)`` of an MHA-shaped pool, all layers, padding included: K's codes and block
@@ -217,11 +254,6 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
             raise ValueError(f"global scales must be positive, got {k_scale}, {v_scale}")
         local = self.local_layer(layer)
         self.global_scale[local, 0] = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=self.device)
-
-    def _globals(self, local: int) -> tuple[torch.Tensor | float, torch.Tensor | float]:
-        if self.global_scale is None:
-            return 1.0, 1.0
-        return self.global_scale[local, 0, 0], self.global_scale[local, 0, 1]
 
     # -- writes -------------------------------------------------------------------------------------------
 
@@ -325,13 +357,14 @@ class MHATokenToKVPoolFP4(_Lossy, KVCache):
         return expected
 
 
-class MLATokenToKVPoolFP4(_Lossy, KVCache):
+class MLATokenToKVPoolFP4(_BlockScaledPool):
     """MLA latent rows (``kv_lora_rank`` nope values, then ``qk_rope_head_dim`` rope values) in a block-scaled
     format; nope and rope are quantized separately (no block straddles them: both widths are whole blocks).
 
     Buffers: ``kv_data`` ``[L, R, 1, row codes]``, ``kv_scale`` ``[L, R, 1, row blocks]`` and, for nvfp4,
     ``global_scale[layer, 0, 0 | 1]`` for nope / rope.  :meth:`get_mla_kv_buffer` dequantizes only the rows
-    asked for; :meth:`get_key_buffer` a whole layer (the seed's accessor).  ``dtype`` is what reads return.
+    asked for; :meth:`get_key_buffer` a whole layer (the seed's accessor).  ``dtype`` is what reads return,
+    ``store_dtype`` (``torch.uint8``) what the buffers hold.
     SGLang's per-layer names are views of the same bytes: ``kv_buffer[i]`` (codes ``[R, 1, code bytes]``) and
     ``kv_scale_buffer[i]`` (scales ``[R, scale bytes]``).  :meth:`get_kv_size_bytes` is one int, as for MLA.
     """
@@ -351,42 +384,24 @@ class MLATokenToKVPoolFP4(_Lossy, KVCache):
         kernels: str = "auto",
         kv_format: str = "fp4_e2m1",
     ):
-        dtype, kv_format = _read_dtype(dtype, kv_format)
-        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
-        if kv_format not in RECIPES:
-            raise ConfigError(f"kv_format={kv_format!r} is not one of {', '.join(RECIPES)}")
-        r = self.recipe = RECIPES[kv_format]
-        self.kv_format, self.kv_lora_rank, self.qk_rope_head_dim = kv_format, kv_lora_rank, qk_rope_head_dim
-        r.check_width(kv_lora_rank, "kv_lora_rank")
-        r.check_width(qk_rope_head_dim, "qk_rope_head_dim")
-        width, rows = kv_lora_rank + qk_rope_head_dim, size + page_size
-        self.kv_data = torch.zeros((layer_num, rows, 1, r.data_bytes(width)), dtype=torch.uint8, device=device)
-        self.kv_scale = torch.zeros((layer_num, rows, 1, r.scale_bytes(width)), dtype=torch.uint8, device=device)
-        self.global_scale = torch.ones(layer_num, 1, 2, dtype=torch.float32, device=device) if r.global_scale else None
+        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
+        widths = {"kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": qk_rope_head_dim}
+        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer,
+                         kernels, kv_format, widths)  # fmt: skip
+        r, width, rows = self.recipe, kv_lora_rank + qk_rope_head_dim, size + page_size
+        self.kv_data = self._bytes(layer_num, rows, 1, r.data_bytes(width))
+        self.kv_scale = self._bytes(layer_num, rows, 1, r.scale_bytes(width))
         self.kv_buffer = list(self.kv_data.unbind(0))  # SGLang's per-layer names: codes [R, 1, code bytes]
         self.kv_scale_buffer = [t.view(rows, -1) for t in self.kv_scale.unbind(0)]  # scales [R, scale bytes]
         nd, ns = r.data_bytes(kv_lora_rank), r.scale_bytes(kv_lora_rank)
         self._split = (nd, ns)
-        self._rows = block_kernels.BlockRows(block_kernels.Parts(
+        self._bind_rows(block_kernels.Parts(
             r, 1, self.kv_data[..., :nd], self.kv_scale[..., :ns], kv_lora_rank, self.kv_data[..., nd:],
             self.kv_scale[..., ns:], qk_rope_head_dim, self.global_scale,
         ))  # fmt: skip
-        self._out_device = self.kv_data.device  # where reads allocate their results
-        self._finalize_allocation()
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        named = {"kv_data": self.kv_data, "kv_scale": self.kv_scale}
-        if self.global_scale is not None:
-            named["global_scale"] = self.global_scale
-        return named
-
-    def token_buffers(self) -> dict[str, torch.Tensor]:
-        return {"kv_data": self.kv_data, "kv_scale": self.kv_scale}
-
-    def _globals(self, local: int):
-        if self.global_scale is None:
-            return 1.0, 1.0
-        return self.global_scale[local, 0, 0], self.global_scale[local, 0, 1]
+        return self._with_global_scale({"kv_data": self.kv_data, "kv_scale": self.kv_scale})
 
     # -- writes -------------------------------------------------------------------------------------------
 

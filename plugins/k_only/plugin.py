@@ -8,6 +8,9 @@ from kvcore.kernels.dtypes import storage_dtype
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import BufferLayout, PoolLayout
 
+#: the kvcore plugin API this plugin is written for (kvcore.hookspecs.API_VERSION); checked when it loads
+KVCORE_API_VERSION = "4"
+
 BACKEND = "k_only"
 
 

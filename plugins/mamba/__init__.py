@@ -1,8 +1,14 @@
-"""kvcore_mamba: hybrid Mamba / linear-attention pools (Qwen3-Next's gated DeltaNet, Mamba2), plugin ``mamba``."""
+"""kvcore_mamba: hybrid Mamba / linear-attention pools (Qwen3-Next's gated DeltaNet, Mamba2), plugin ``mamba``.
+
+Builds on the base families ``kvcore_mha`` and ``kvcore_mla``: the full-attention layers of a ``mamba`` pool are
+an ``MHATokenToKVPool`` (or ``PageMajorMHATokenToKVPool``; ``NoOpMHATokenToKVPool`` is refused), declared with
+``mha_layout``; those of a ``mamba_mla`` pool an ``MLATokenToKVPool``, declared with ``mla_layout``, and the
+``mamba_mla`` backend reads ``model.mla`` (``MLADims``).
+"""
 
 from __future__ import annotations
 
-import importlib
+from kvcore.plugins.lazy import lazy_getattr
 
 #: public name -> the module that defines it (imported on first use: importing the package stays light,
 #: so a test kit can choose interpreted or compiled Triton kernels before any kernel module loads)
@@ -15,10 +21,4 @@ _PUBLIC = {
 }
 
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

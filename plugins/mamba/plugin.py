@@ -8,6 +8,9 @@ from kvcore.hookspecs import hookimpl
 from kvcore.layout import PoolLayout
 from kvcore_mamba.layout import LinearAttentionDims, MambaOptions
 
+#: the kvcore plugin API this plugin is written for (kvcore.hookspecs.API_VERSION); checked when it loads
+KVCORE_API_VERSION = "4"
+
 BACKEND = "mamba"
 MLA_BACKEND = "mamba_mla"
 
@@ -83,3 +86,11 @@ def kvcore_create_req_to_token_pool(backend, request, size, max_context_len, siz
         speculative_num_draft_tokens=options.speculative_num_draft_tokens, mamba_pool=pool.mamba_pool,
         kernels=request.kernels,
     )  # fmt: skip
+
+
+@hookimpl
+def kvcore_bench_cases():
+    """``kvcore bench``'s cases of this family (:mod:`kvcore_mamba.bench`, imported only when the bench runs)."""
+    from kvcore_mamba.bench import bench_cases
+
+    return bench_cases()

@@ -8,6 +8,9 @@ from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import PoolLayout
 
+#: the kvcore plugin API this plugin is written for (kvcore.hookspecs.API_VERSION); checked when it loads
+KVCORE_API_VERSION = "4"
+
 BACKEND = "mha"
 NOOP = "noop"
 
@@ -79,3 +82,11 @@ def kvcore_register_backends():
             "kv_cache.layout=page_major keeps a page of all layers contiguous",
         )
     ]
+
+
+@hookimpl
+def kvcore_bench_cases():
+    """``kvcore bench``'s cases of this family (:mod:`kvcore_mha.bench`, imported only when the bench runs)."""
+    from kvcore_mha.bench import bench_cases
+
+    return bench_cases()

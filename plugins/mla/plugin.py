@@ -12,6 +12,9 @@ from kvcore.hookspecs import hookimpl
 from kvcore.layout import PoolLayout
 from kvcore_mla.layout import MLADims
 
+#: the kvcore plugin API this plugin is written for (kvcore.hookspecs.API_VERSION); checked when it loads
+KVCORE_API_VERSION = "4"
+
 BACKEND = "mla"
 
 
@@ -54,3 +57,11 @@ def kvcore_register_backends():
             "(uint8 storage), one-launch Triton nope/rope store and gather, shared row move",
         )
     ]
+
+
+@hookimpl
+def kvcore_bench_cases():
+    """``kvcore bench``'s cases of this family (:mod:`kvcore_mla.bench`, imported only when the bench runs)."""
+    from kvcore_mla.bench import bench_cases
+
+    return bench_cases()

@@ -32,7 +32,9 @@ class MLATokenToKVPool(KVCache):
     first ``kv_lora_rank`` columns.  Row 0 (the first page) is padding.
 
     Subclassing (DSA pools): the constructor, :meth:`set_mla_kv_buffer`, :meth:`get_mla_kv_buffer`,
-    :meth:`set_kv_buffer`, :meth:`buffers` and :meth:`token_buffers` are stable.  ``kv_cache_dim`` widens the
+    :meth:`set_kv_buffer`, :meth:`buffers` and :meth:`token_buffers` are stable, and so are the two hooks a
+    subclass overrides: ``_create_buffers()`` (allocate its own row format) and ``_read_into(...)`` (its read into
+    caller buffers).  ``kv_cache_dim`` widens the
     row for a family's own row format (e.g. fp8 values + scales + bf16 rope); :meth:`buffers` of a subclass
     adds its own buffers to ``super().buffers()``.  The kernels (:mod:`kvcore_mla.kernels`) also copy raw
     bytes (``cache_dtype=torch.uint8``) into such rows.

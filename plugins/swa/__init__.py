@@ -1,8 +1,12 @@
-"""kvcore_swa: hybrid sliding-window attention pools (gpt-oss, Gemma 3, Mistral), plugin ``swa``."""
+"""kvcore_swa: hybrid sliding-window attention pools (gpt-oss, Gemma 3, Mistral), plugin ``swa``.
+
+Builds on the base family ``kvcore_mha``: its full and sliding-window sub-pools are ``MHATokenToKVPool`` (or
+``PageMajorMHATokenToKVPool``), declared with ``mha_layout`` / ``page_major_layout``.
+"""
 
 from __future__ import annotations
 
-import importlib
+from kvcore.plugins.lazy import lazy_getattr
 
 #: public name -> the module that defines it (imported on first use: importing the package stays light,
 #: so a test kit can choose interpreted or compiled Triton kernels before any kernel module loads)
@@ -13,10 +17,4 @@ _PUBLIC = {
 }
 
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

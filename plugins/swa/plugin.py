@@ -8,6 +8,9 @@ from kvcore.hookspecs import hookimpl
 from kvcore.layout import PoolLayout
 from kvcore_swa.layout import SWADims
 
+#: the kvcore plugin API this plugin is written for (kvcore.hookspecs.API_VERSION); checked when it loads
+KVCORE_API_VERSION = "4"
+
 BACKEND = "swa"
 
 
@@ -68,3 +71,11 @@ def kvcore_choose_allocator(backend, request, pool, sizes):
         sizes["tokens"], sizes["swa_tokens"], page_size=request.page_size, dtype=request.kv_dtype,
         device=request.device, kvcache=pool, need_sort=False, kernels=request.kernels,
     )  # fmt: skip
+
+
+@hookimpl
+def kvcore_bench_cases():
+    """``kvcore bench``'s cases of this family (:mod:`kvcore_swa.bench`, imported only when the bench runs)."""
+    from kvcore_swa.bench import bench_cases
+
+    return bench_cases()

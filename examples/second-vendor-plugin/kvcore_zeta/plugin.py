@@ -5,6 +5,9 @@ from __future__ import annotations
 from kvcore.backend import BackendSpec
 from kvcore.hookspecs import hookimpl
 
+#: the kvcore plugin API this plugin is written for (kvcore.hookspecs.API_VERSION); checked when it loads
+KVCORE_API_VERSION = "4"
+
 BACKEND = "zeta"
 
 

@@ -14,16 +14,10 @@ Its tests (``tests/``) are kvcore's conformance kit and nothing else, plus a del
 that ``kvcore check`` must fail.
 """
 
-__all__ = ["AcmeKVPool", "AcmePageAllocator"]
+from kvcore.plugins.lazy import lazy_getattr
 
+#: public name -> the module that defines it: the pool imports Triton, so it is loaded on first use only
+_PUBLIC = {"AcmeKVPool": "kvcore_acme.pool", "AcmePageAllocator": "kvcore_acme.allocator"}
 
-def __getattr__(name):  # the pool imports Triton; load it on first use only
-    if name == "AcmeKVPool":
-        from kvcore_acme.pool import AcmeKVPool
-
-        return AcmeKVPool
-    if name == "AcmePageAllocator":
-        from kvcore_acme.allocator import AcmePageAllocator
-
-        return AcmePageAllocator
-    raise AttributeError(f"module 'kvcore_acme' has no attribute {name!r}")
+__all__ = sorted(_PUBLIC)
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

@@ -14,6 +14,9 @@ from kvcore.hookspecs import hookimpl
 from kvcore.layout import PoolLayout
 from kvcore_acme.layout import ACME_DTYPES, acme_layout
 
+#: the kvcore plugin API this plugin is written for (kvcore.hookspecs.API_VERSION); checked when it loads
+KVCORE_API_VERSION = "4"
+
 BACKEND = "acme"
 VENDOR = "acme"
 

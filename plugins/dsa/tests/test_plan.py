@@ -141,7 +141,7 @@ def test_cli_page_size_error(fresh_cli_registry, capsys):
     _, err = capsys.readouterr()
     assert rc == 2
     # The backend declares its one page size, so selection says which page size it serves and what to set.
-    assert "dsa (dsa): page size 16 not in [64] (set kv_cache.page_size=64)" in err
+    assert "backend 'dsa' (plugin dsa) serves it but: page size 16 not in [64] (set kv_cache.page_size=64)" in err
 
 
 def test_cli_plan_prints_dsa_plan(fresh_cli_registry, capsys):
