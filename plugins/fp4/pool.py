@@ -171,7 +171,7 @@ class MHATokenToKVPoolFP4(_BlockScaledPool):
     together.
 
     Reads: :meth:`get_kv_buffer_by_loc` dequantizes only the rows asked for (what attention backends call);
-    :meth:`get_key_buffer` / :meth:`get_value_buffer` dequantize a whole layer, as the seed's pool does, for
+    :meth:`get_key_buffer` / :meth:`get_value_buffer` dequantize a whole layer, as SGLang's pool does, for
     compatibility.  ``dtype`` is what reads return (SGLang's ``torch.float4_e2m1fn_x2`` means block FP4 read as
     bfloat16); ``store_dtype`` is ``torch.uint8``, what the code and scale buffers hold (as in SGLang).
 
@@ -322,7 +322,7 @@ class MHATokenToKVPoolFP4(_BlockScaledPool):
         return dequantize(data[local], scales[local], self.recipe, self.dtype, self._globals(local)[which])
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """A whole layer's keys dequantized (the seed's accessor; reads every row: prefer
+        """A whole layer's keys dequantized (SGLang's accessor; reads every row: prefer
         :meth:`get_kv_buffer_by_loc`)."""
         return self._whole_layer(layer_id, self.k_data, self.k_scale, 0)
 
@@ -363,7 +363,7 @@ class MLATokenToKVPoolFP4(_BlockScaledPool):
 
     Buffers: ``kv_data`` ``[L, R, 1, row codes]``, ``kv_scale`` ``[L, R, 1, row blocks]`` and, for nvfp4,
     ``global_scale[layer, 0, 0 | 1]`` for nope / rope.  :meth:`get_mla_kv_buffer` dequantizes only the rows
-    asked for; :meth:`get_key_buffer` a whole layer (the seed's accessor).  ``dtype`` is what reads return,
+    asked for; :meth:`get_key_buffer` a whole layer (SGLang's accessor).  ``dtype`` is what reads return,
     ``store_dtype`` (``torch.uint8``) what the buffers hold.
     SGLang's per-layer names are views of the same bytes: ``kv_buffer[i]`` (codes ``[R, 1, code bytes]``) and
     ``kv_scale_buffer[i]`` (scales ``[R, scale bytes]``).  :meth:`get_kv_size_bytes` is one int, as for MLA.
@@ -481,7 +481,7 @@ class MLATokenToKVPoolFP4(_BlockScaledPool):
         return _into(out, nope, rope)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """A whole layer's latent rows dequantized ``[R, 1, kv_lora_rank + qk_rope_head_dim]`` (the seed's
+        """A whole layer's latent rows dequantized ``[R, 1, kv_lora_rank + qk_rope_head_dim]`` (SGLang's
         accessor; reads every row: prefer :meth:`get_mla_kv_buffer`)."""
         every = torch.arange(self.kv_data.shape[1], device=self.kv_data.device)
         return torch.cat(self.get_mla_kv_buffer(layer_id, every), dim=-1)
