@@ -227,3 +227,31 @@ def test_bench_tables_line_up():
     for table in head:
         widest = max(body[table], key=len)
         assert len(head[table]) == len(widest), f"a column head of {table} does not sit over its column"
+
+def test_version(capsys):
+    import kvcore
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"kvcore {kvcore.__version__}"
+
+
+@pytest.mark.parametrize("command", ["up", "plan"])
+def test_help_describes_the_command_with_examples_and_what_is_shipped(capsys, command):
+    from kvcore.config import available_options
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert "examples:" in out and f"kvcore {command} model=llama-3-8b hardware=h200" in out
+    assert all(name in out for name in available_options("model")) and "shipped hardware: cpu, h100, h200" in out
+
+
+def test_help_and_bad_arguments_do_not_import_torch():
+    """`kvcore --help` answers without importing torch (the library is imported by the commands that use it)."""
+    code = ("import sys\nfrom kvcore.tools.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'kvcore --help imported torch'\n"
+            "import kvcore, kvcore.config, kvcore.plugins\nassert 'torch' not in sys.modules, 'import kvcore imported torch'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr

@@ -446,7 +446,9 @@ def test_kvcore_plugins_lists_a_refused_plugin_with_both_versions(monkeypatch, c
     from kvcore.hookspecs import API_VERSION
     from kvcore.tools import cli
 
-    monkeypatch.setattr(cli, "get_registry", lambda: load(MHA, ep("old_api"), ep("plain"), ep("current_api")))
+    import kvcore.plugins.manager
+
+    monkeypatch.setattr(kvcore.plugins.manager, "_REGISTRY", load(MHA, ep("old_api"), ep("plain"), ep("current_api")))
     assert cli.main(["plugins"]) == 0
     out = capsys.readouterr().out
     failed = [line for line in out.splitlines() if line.startswith("plugin FAILED:")]

@@ -4,52 +4,25 @@
   the cross-field checks, a backend's ``kv_cache.options`` validated into its options class;
 - :mod:`kvcore.config.loading`: config groups, the engine YAML, dotlist overrides, merged over the schema;
 - :mod:`kvcore.config.hf`: ``model=hf:PATH``, a Hugging Face ``config.json`` read into a model section;
-- :mod:`kvcore.config.keys`: every key described, for ``kvcore config`` and docs/configuration.md.
+- :mod:`kvcore.config.keys`: every key described, for ``kvcore config`` and docs/configuration.md;
+- :mod:`kvcore.config.files`: the groups and where their files are (file system only: no torch).
 
-May import: :mod:`kvcore.errors` and :mod:`kvcore.kernels.kernel_mode` (the kernel modes a key accepts).  It
-imports no plugin machinery: the plugins' model sections and block formats come from the registry its caller
+May import: :mod:`kvcore.errors` and :mod:`kvcore.kernels.kernel_mode` (the kernel modes a key accepts), and
+:mod:`kvcore.plugins.lazy` (the package's names are imported on first use, so reaching :mod:`kvcore.config.files`
+imports no torch).  It imports no other plugin machinery: the plugins' model sections and block formats come from the registry its caller
 passes (:func:`kvcore.load_config` passes the installed plugins').
 """
 
-from kvcore.config.keys import KeyDoc, all_keys, describe_keys, keys_markdown
-from kvcore.config.loading import GROUPS, available_options, load_config, packaged_configs, to_yaml
-from kvcore.config.schema import (
-    DTYPE_ALIASES,
-    EngineConfig,
-    HardwareConfig,
-    KVCacheConfig,
-    MemoryConfig,
-    ModelConfig,
-    ParallelConfig,
-    engine_schema,
-    key,
-    parse_dtype,
-    positive,
-    structured_options,
-    validate,
-)
+from kvcore.plugins.lazy import lazy_getattr
 
-__all__ = [
-    "DTYPE_ALIASES",
-    "EngineConfig",
-    "GROUPS",
-    "HardwareConfig",
-    "KVCacheConfig",
-    "KeyDoc",
-    "MemoryConfig",
-    "ModelConfig",
-    "ParallelConfig",
-    "all_keys",
-    "available_options",
-    "describe_keys",
-    "engine_schema",
-    "key",
-    "keys_markdown",
-    "load_config",
-    "packaged_configs",
-    "parse_dtype",
-    "positive",
-    "structured_options",
-    "to_yaml",
-    "validate",
-]
+#: public name -> the module defining it, imported on first use
+_PUBLIC = {
+    **dict.fromkeys(("KeyDoc", "all_keys", "describe_keys", "keys_markdown"), "kvcore.config.keys"),
+    **dict.fromkeys(("GROUPS", "available_options", "packaged_configs"), "kvcore.config.files"),
+    **dict.fromkeys(("load_config", "to_yaml"), "kvcore.config.loading"),
+    **dict.fromkeys(("DTYPE_ALIASES", "EngineConfig", "HardwareConfig", "KVCacheConfig", "MemoryConfig", "ModelConfig",
+                     "ParallelConfig", "engine_schema", "key", "parse_dtype", "positive", "structured_options",
+                     "validate"), "kvcore.config.schema"),
+}  # fmt: skip
+__all__ = sorted(_PUBLIC)
+__getattr__ = lazy_getattr(__name__, _PUBLIC, submodules=True)

@@ -60,7 +60,7 @@ def all_keys(registry) -> list[KeyDoc]:
 
 
 def keys_markdown(keys: list[KeyDoc]) -> str:
-    """The keys as the markdown table README.md carries (``kvcore config --markdown``)."""
+    """The keys as the markdown table docs/configuration.md carries (``kvcore config --markdown``)."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     rows += [f"| `{k.path}` | {k.type} | {k.default} | {k.doc} |" for k in keys]
     return "\n".join(rows) + "\n"

@@ -21,7 +21,6 @@ kvcore.  The plugins' model sections and block formats come from the registry th
 from __future__ import annotations
 
 import typing
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -30,48 +29,9 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from kvcore.config.files import GROUPS, group_file, packaged_configs
 from kvcore.config.schema import DTYPE_ALIASES, EngineConfig, describe_error, engine_schema, validate
 from kvcore.errors import ConfigError
-
-
-GROUPS = ("model", "hardware")
-
-
-def packaged_configs() -> Path:
-    """The configs directory shipped with kvcore."""
-    return Path(str(resources.files("kvcore.configs")))
-
-
-def _group_dirs(group: str, engine_file: Path) -> list[Path]:
-    dirs = [engine_file.parent / group, packaged_configs() / group]
-    unique: list[Path] = []
-    for d in dirs:
-        if d not in unique:
-            unique.append(d)
-    return unique
-
-
-def available_options(group: str, engine_file: Path | None = None) -> list[str]:
-    """Option names of a config group (``model`` or ``hardware``)."""
-    engine_file = engine_file or packaged_configs() / "engine.yaml"
-    names = {p.stem for d in _group_dirs(group, engine_file) if d.is_dir() for p in d.glob("*.yaml")}
-    return sorted(names)
-
-
-def _group_file(group: str, option: str, engine_file: Path) -> Path:
-    candidate = Path(option)
-    if candidate.suffix in (".yaml", ".yml"):
-        for path in (candidate, engine_file.parent / candidate):
-            if path.is_file():
-                return path
-    for d in _group_dirs(group, engine_file):
-        path = d / f"{option}.yaml"
-        if path.is_file():
-            return path
-    raise ConfigError(
-        f"{group}={option!r} is not a known {group} config; "
-        f"valid options: {', '.join(available_options(group, engine_file))} (or a path to a .yaml file)"
-    )
 
 
 def _is_global_package(path: Path) -> bool:
@@ -163,7 +123,7 @@ def load_config(*overrides: str, path: str | Path | None = None, registry) -> En
 
                 merged = OmegaConf.merge(merged, {group: hf_model_config(chosen[group])})
             elif group in chosen:
-                path = _group_file(group, chosen[group], engine_file)
+                path = group_file(group, chosen[group], engine_file)
                 group_cfg = _load_yaml(path)
                 merged = OmegaConf.merge(merged, group_cfg if _is_global_package(path) else {group: group_cfg})
         merged = OmegaConf.merge(merged, body, OmegaConf.from_dotlist(dotlist))

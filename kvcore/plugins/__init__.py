@@ -13,13 +13,10 @@ the built-in answers, when a pool is built) :mod:`kvcore.pools` and :mod:`kvcore
 imports the config, the planner or a family.
 """
 
-from kvcore.plugins.manager import (
-    CORE_PLUGIN_NAME,
-    ENTRY_POINT_GROUP,
-    PluginFailure,
-    Registry,
-    get_registry,
-    load_registry,
-)
+from kvcore.plugins.lazy import lazy_getattr
 
-__all__ = ["CORE_PLUGIN_NAME", "ENTRY_POINT_GROUP", "PluginFailure", "Registry", "get_registry", "load_registry"]
+#: public name -> the module defining it, imported on first use (``import kvcore.plugins`` imports no torch)
+_PUBLIC = {name: "kvcore.plugins.manager" for name in
+           ("CORE_PLUGIN_NAME", "ENTRY_POINT_GROUP", "PluginFailure", "Registry", "get_registry", "load_registry")}  # fmt: skip
+__all__ = sorted(_PUBLIC)
+__getattr__ = lazy_getattr(__name__, _PUBLIC, submodules=True)

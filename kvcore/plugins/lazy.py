@@ -13,8 +13,9 @@ package imports none of them itself: it lists each public name with the module t
 
 ``__all__`` is what the package makes public: what engines and other families may import from it.
 
-It imports only :mod:`importlib` itself; reaching it loads :mod:`kvcore` and :mod:`kvcore.plugins`, which load no
-Triton kernel either.
+It imports only :mod:`importlib` itself, and reaching it loads :mod:`kvcore` and :mod:`kvcore.plugins`, which use
+it the same way: they import nothing (torch included) until one of their names is used, so ``kvcore --help``
+does not wait for torch.
 """
 
 from __future__ import annotations
@@ -26,18 +27,26 @@ from typing import Any
 __all__ = ["lazy_getattr"]
 
 
-def lazy_getattr(package: str, public: Mapping[str, str]) -> Callable[[str], Any]:
+def lazy_getattr(package: str, public: Mapping[str, str], submodules: bool = False) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package``: name ``n`` of ``public`` is ``getattr(module, n)`` of the module
-    ``public[n]`` names (absolute, or relative to ``package``: ``".pool"``), imported on first use; any other name
-    is an :class:`AttributeError`, as for a module without the hook.  Names are not cached in the package, so the
-    package always answers what the defining module holds."""
+    ``public[n]`` names (absolute, or relative to ``package``: ``".pool"``), imported on first use; with
+    ``submodules``, any other name is the package's submodule of that name when it has one (``kvcore.plugins.manager``
+    without importing it first, as an eager package would have); anything else is an :class:`AttributeError`, as
+    for a module without the hook.  Names are not cached in the package, so the package always answers what the
+    defining module holds."""
     public = dict(public)
 
     def __getattr__(name: str) -> Any:
         module = public.get(name)
-        if module is None:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(module, package), name)
+        if module is not None:
+            return getattr(importlib.import_module(module, package), name)
+        if submodules and not name.startswith("__"):
+            try:
+                return importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{package}.{name}":
+                    raise
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     __getattr__.__qualname__ = f"{package}.__getattr__"
     return __getattr__

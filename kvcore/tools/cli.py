@@ -15,16 +15,21 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
-import torch
 
-from kvcore import api
-from kvcore.api import load_config
-from kvcore.config import EngineConfig
+import kvcore
 from kvcore.errors import ConfigError, KVCoreError, SelectionError
-from kvcore.planning.planner import GiB, MemoryPlan
-from kvcore.plugins import get_registry
+
+if TYPE_CHECKING:
+    from kvcore.config import EngineConfig
+    from kvcore.planning.planner import MemoryPlan
+
+# The library (and torch with it) is imported by the commands that use it, not here: `kvcore --help` and a bad
+# argument answer without waiting for torch.
+
+GiB = 1 << 30
 
 
 def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -35,7 +40,7 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 def _load(args: Sequence[str]) -> EngineConfig:
     path, overrides = _split_args(args)
-    return load_config(*overrides, path=path)
+    return kvcore.load_config(*overrides, path=path)
 
 
 def _gib(n: int) -> str:
@@ -107,7 +112,7 @@ def _compare_dtypes(cfg: EngineConfig) -> list[str]:
     for name in COMPARED_DTYPES:
         other = attrs.evolve(cfg, kv_cache=attrs.evolve(cfg.kv_cache, dtype=name))
         try:
-            plan = api.plan_memory(other)
+            plan = kvcore.api.plan_memory(other)
         except SelectionError:
             lines.append(f"           {name:<14} {'-':>12} {'-':>12} {'-':>9}  no backend serves {cfg.model.attention} at it")
             continue
@@ -126,7 +131,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("--plot draws a sweep: add --sweep KEY=V1,V2,... (e.g. --sweep parallel.tp_size=1,2,4,8)")
     cfg = _load(args.overrides)
     _print(_describe_config(cfg))
-    _print(_describe_plan(api.plan_memory(cfg)))
+    _print(_describe_plan(kvcore.api.plan_memory(cfg)))
     _print(_compare_dtypes(cfg))
     return 0
 
@@ -137,7 +142,7 @@ def _plan_sweep(args: argparse.Namespace) -> int:
 
     path, overrides = _split_args(args.overrides)
     sweeps = [parse_sweep(text) for text in args.sweep]
-    cfg = load_config(*overrides, path=path)
+    cfg = kvcore.load_config(*overrides, path=path)
     title = f"{cfg.model.name} on {cfg.hardware.name}: " + " x ".join(key for key, _ in sweeps)
     total = 1
     for _, values in sweeps:
@@ -153,10 +158,12 @@ def _plan_sweep(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     """Plan, allocate and self-check.  Under ``torchrun`` every rank does so for its own stage and heads, the
     sizes agreed over the ranks; rank 0 prints the report, every rank its own result."""
+    import torch
+
     from kvcore.planning import distributed
 
     cfg = _load(args.overrides)
-    api.check_device_visible(cfg)  # before any plan is printed: a GPU profile on a CPU machine is one line
+    kvcore.api.check_device_visible(cfg)  # before any plan is printed: a GPU profile on a CPU machine is one line
     if not distributed.init_from_env(cfg.hardware.device):
         return _up(cfg, "", _print, args.explain)
     try:
@@ -177,23 +184,25 @@ def _selection_lines(selection, explain: bool) -> list[str]:
 
 def _up(cfg: EngineConfig, rank: str, report, explain: bool = False) -> int:
     """``kvcore up`` for one rank: ``rank`` prefixes the lines every rank prints, ``report`` prints the rest."""
+    import torch
+
     from kvcore.planning import distributed
     from kvcore.tools.selfcheck import run_self_check
 
     report(["[1/4] config"] + ["  " + line for line in _describe_config(cfg)])
-    registry = get_registry()
-    selection = api.select(cfg, registry)
+    registry = kvcore.plugins.get_registry()
+    selection = kvcore.api.select(cfg, registry)
     report(["[2/4] backend"] + ["  " + line for line in _selection_lines(selection, explain)])
     free = None
     if cfg.hardware.device == "cuda" and torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0]
-    plan = api.plan_memory(cfg, registry=registry, free_memory_bytes=free)
+    plan = kvcore.api.plan_memory(cfg, registry=registry, free_memory_bytes=free)
     if rank:
         plan = distributed.agree(plan)
     report(["[3/4] plan (nothing allocated yet)"] + ["  " + line for line in _describe_plan(plan)])
     report([f"[4/4] allocating {_gib(plan.kv_cache_bytes + plan.req_to_token_bytes)} on {cfg.hardware.device} ..."])
     started = time.perf_counter()
-    pools = api.build_pools(cfg, registry=registry, plan=plan)
+    pools = kvcore.api.build_pools(cfg, registry=registry, plan=plan)
     allocated = sum(buf.nbytes for buf in pools.token_to_kv_pool.buffers().values())
     print(f"  {rank}allocated {_gib(allocated)} of KV pools in {time.perf_counter() - started:.2f} s "
           f"({type(pools.token_to_kv_pool).__name__}, {type(pools.token_to_kv_pool_allocator).__name__})")
@@ -216,7 +225,7 @@ def _print_nothing(lines: Sequence[str]) -> None:
 def cmd_plugins(args: argparse.Namespace) -> int:
     from kvcore.hookspecs import API_VERSION
 
-    registry = get_registry()
+    registry = kvcore.plugins.get_registry()
     print("backends:")
     for backend in sorted(registry.backends.values(), key=lambda b: b.name):
         dtypes = "any" if backend.kv_dtypes is None else ", ".join(str(d).removeprefix("torch.") for d in backend.kv_dtypes)
@@ -238,14 +247,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         cfg = _load(args.explain)
         print(f"explain for model={cfg.model.name} hardware={cfg.hardware.name} (device {cfg.hardware.device}, "
               f"vendor {cfg.hardware.vendor}):")
-        _print("  " + line for line in api.select(cfg, registry).explain())
+        _print("  " + line for line in kvcore.api.select(cfg, registry).explain())
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
     from kvcore.config import all_keys, keys_markdown
 
-    keys = all_keys(get_registry())
+    keys = all_keys(kvcore.plugins.get_registry())
     if args.markdown:
         print(keys_markdown(keys), end="")
         return 0
@@ -256,6 +265,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
     if not torch.cuda.is_available():
         print("kvcore bench: needs a CUDA GPU, and this machine has none: it times the pools' kernels on the device "
               "(`kvcore plan` sizes pools and the test suite checks every kernel on a CPU without one)", file=sys.stderr)
@@ -280,7 +291,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from kvcore.tools.check import plan_check, run_check
     from kvcore.plugins import load_registry
 
-    registry = get_registry()
+    registry = kvcore.plugins.get_registry()
     if args.plugin:
         registry = load_registry(extra_plugins=[(name, importlib.import_module(name)) for name in args.plugin])
     plan = plan_check(
@@ -307,16 +318,48 @@ def _comma_list(kind, choices: Sequence[str] | None = None):
     return parse
 
 
+def _shipped() -> str:
+    """The shipped model and hardware options, for help texts (read from the config files: no torch)."""
+    from kvcore.config.files import available_options
+
+    return (f"shipped models: {', '.join(available_options('model'))}\n"
+            f"shipped hardware: {', '.join(available_options('hardware'))}\n"
+            "any model given as model=hf:PATH (a Hugging Face config.json), any file as model=PATH.yaml")  # fmt: skip
+
+
+UP_HELP = """Plan, allocate and self-check the pools of a config: the config, the backend chosen, the memory plan,
+then the pools built on the device and checked (write, read, move, CPU offload, free).  With no argument it runs
+the embedded CPU default (Qwen2.5-0.5B on a 2 GiB CPU budget)."""
+PLAN_HELP = """Size the pools of a config without allocating anything (a GPU profile plans on a CPU machine): the
+budget, every buffer's bytes per token, the tokens and requests that fit, and the same budget at each cache
+dtype side by side."""
+CONFIG_EXAMPLES = """examples:
+  kvcore {cmd}
+  kvcore {cmd} model=llama-3-8b hardware=h200 kv_cache.page_size=16
+  kvcore {cmd} model=deepseek-v3 hardware=h200 kv_cache.dtype=float8_e4m3fn
+  kvcore {cmd} my-engine.yaml memory.max_total_tokens=100000
+
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcore", description="KV-cache memory pools: plan, build and check.")
+    parser = argparse.ArgumentParser(prog="kvcore", description="KV-cache memory pools: plan, build and check.",
+                                     epilog="`kvcore COMMAND --help` says more of each command; `kvcore config` lists "
+                                     "every config key.")  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"kvcore {kvcore.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     help_overrides = "optional engine YAML, then overrides: model=NAME hardware=NAME key.path=value"
-    up = sub.add_parser("up", help="plan, allocate and self-check the pools (default: embedded CPU config)")
+    raw = argparse.RawDescriptionHelpFormatter
+    up = sub.add_parser("up", help="plan, allocate and self-check the pools (default: embedded CPU config)",
+                        description=UP_HELP, epilog=CONFIG_EXAMPLES.format(cmd="up") + _shipped(), formatter_class=raw)
     up.add_argument("overrides", nargs="*", help=help_overrides)
     up.add_argument("--explain", action="store_true", help="say why every other backend is not chosen")
     up.set_defaults(func=cmd_up)
-    plan = sub.add_parser("plan", help="size the pools without allocating (works for GPU profiles on a CPU)")
+    plan = sub.add_parser("plan", help="size the pools without allocating (works for GPU profiles on a CPU)",
+                          description=PLAN_HELP, formatter_class=raw,
+                          epilog=CONFIG_EXAMPLES.format(cmd="plan") + "  kvcore plan model=llama-3-70b hardware=h200 "
+                          "--sweep parallel.tp_size=2,4,8\n\n" + _shipped())  # fmt: skip
     plan.add_argument("overrides", nargs="*", help=help_overrides)
     plan.add_argument("--explain", action="store_true", help="when no backend serves the config, say why each does not")
     plan.add_argument("--sweep", action="append", metavar="KEY=V1,V2,...",
@@ -352,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: each value at least once)")
     check.set_defaults(func=cmd_check)
     config = sub.add_parser("config", help="every config key: type, default and meaning (plugins' sections and options too)")
-    config.add_argument("--markdown", action="store_true", help="as the markdown table of README.md")
+    config.add_argument("--markdown", action="store_true", help="as the markdown table of docs/configuration.md")
     config.set_defaults(func=cmd_config)
     return parser
 
