@@ -63,6 +63,7 @@ CASES = [
     (["memory=3"], ["memory='3'", "is a section of keys", "mem_fraction_static"]),
     (["kv_cache.page_size=100000"], ["kv_cache.page_size=100000 is larger than the model's whole context",
                                      "kv_cache.page_size=64"]),
+    (["model=tiny-swa", "memory.swa_full_tokens_ratio=-1"], ["memory.swa_full_tokens_ratio must be positive", "0.8"]),
 ]  # fmt: skip
 
 
@@ -216,3 +217,36 @@ def test_up_counts_the_backends_not_chosen_and_explain_lists_them(capsys):
     assert f"{others} other backends not chosen (`--explain` says why each is not)" in out and "skipped '" not in out
     assert main(["up", "memory.max_total_tokens=256", "--explain"]) == 0
     assert capsys.readouterr().out.count("skipped '") == others
+
+
+def test_more_tensor_ranks_than_kv_heads_says_the_heads_are_replicated():
+    plan = plan_memory(load_config("model=llama-3-8b", "hardware=h200", "parallel.tp_size=16"))
+    assert any("parallel.tp_size=16 exceeds model.num_key_value_heads=8" in w and "replicated on 2 ranks" in w
+               for w in plan.warnings)  # fmt: skip
+    assert not any("replicated" in w for w in plan_memory(load_config("model=llama-3-8b", "hardware=h200")).warnings)
+
+
+def test_a_pool_smaller_than_one_full_context_request_says_so():
+    plan = plan_memory(load_config("model=gemma-3-27b", "hardware=h100"))
+    assert plan.max_total_num_tokens < 131072
+    assert any(f"the pool holds {plan.max_total_num_tokens} tokens, fewer than one request at the model's full "
+               "context (model.context_length=131072)" in w for w in plan.warnings)  # fmt: skip
+
+
+def test_check_refuses_a_page_size_of_zero_as_an_argument(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["check", "mha", "--page-size", "0"])
+    assert done.value.code == 2 and "argument --page-size: '0': each value must be a positive int" in capsys.readouterr().err
+
+
+def test_a_request_table_larger_than_an_explicit_budget_is_reported_beside_it(capsys):
+    """SGLang's request table is outside the KV budget: the plan says what it adds, and warns (naming the keys
+    that shrink it) when it outweighs the budget."""
+    plan = plan_memory(load_config("memory.budget_gib=0.02"))
+    assert plan.req_to_token_bytes > plan.budget.kv_budget_bytes
+    assert any("the request table" in w and "memory.max_running_requests" in w for w in plan.warnings)
+    assert main(["plan", "memory.budget_gib=0.02"]) == 0
+    out = capsys.readouterr().out
+    assert f"the request table ({plan.req_to_token_bytes / 2**30:.2f} GiB) comes on top" in out
+    roomy = plan_memory(load_config("memory.budget_gib=1"))
+    assert not any("the request table" in w for w in roomy.warnings)

@@ -174,7 +174,8 @@ def test_user_cap_smaller_is_used(registry, caplog):
     with caplog.at_level(logging.WARNING):
         plan = kvcore.plan_memory(cfg, registry=registry)
     assert plan.max_total_num_tokens == 4096
-    assert plan.warnings == ()
+    # the cap is below one request at the model's full context (8192): said, and nothing else
+    assert len(plan.warnings) == 1 and "fewer than one request at the model's full context" in plan.warnings[0]
     assert not [r for r in caplog.records if "max_total_tokens" in r.getMessage()]
     assert plan.kv_cache_bytes == (4096 + 1) * 40960
     assert plan.max_running_requests == expected_requests(4096, 8192) == 2048
@@ -220,9 +221,11 @@ def test_user_max_running_requests_capped_at_half_the_tokens(registry):
     plan = kvcore.plan_memory(cfg, registry=registry)
     assert plan.max_total_num_tokens == 1000
     assert plan.max_running_requests == expected_requests(1000, 8192, user=4000, dp=2) == 500
-    assert len(plan.warnings) == 1
-    assert "memory.max_running_requests" in plan.warnings[0]
-    assert "2000" in plan.warnings[0] and "500" in plan.warnings[0]
+    reduced = [w for w in plan.warnings if "memory.max_running_requests reduced" in w]
+    assert len(reduced) == 1 and "2000" in reduced[0] and "500" in reduced[0]
+    # and the 1000-token cap is below one request at the full context (8192), which is said too
+    assert len(plan.warnings) == 2 and any("fewer than one request at the model's full context" in w
+                                           for w in plan.warnings)  # fmt: skip
 
 
 def test_max_running_requests_below_dp_size_names_the_right_keys(registry):

@@ -72,3 +72,48 @@ def test_cli_refuses_plot_without_sweep_and_a_key_twice(capsys):
     assert "--plot draws a sweep: add --sweep KEY=V1,V2" in capsys.readouterr().err
     assert main(["plan", *BASE, "--sweep", "parallel.tp_size=1,2", "--sweep", "parallel.tp_size=4"]) == 2
     assert "--sweep names a key twice: parallel.tp_size, parallel.tp_size" in capsys.readouterr().err
+
+
+def test_a_sweep_over_models_or_hardware_is_titled_by_what_is_fixed(capsys):
+    from kvcore.tools.sweep import title
+
+    assert title("llama-3-8b", "h200", [("parallel.tp_size", ["1"])]) == "llama-3-8b on h200: parallel.tp_size"
+    assert title("llama-3-8b", "h200", [("model", ["a"]), ("kv_cache.dtype", ["b"])]) == "on h200: model x kv_cache.dtype"
+    assert title("llama-3-8b", "h200", [("model", ["a"]), ("hardware", ["b"])]) == "model x hardware"
+    assert main(["plan", "--sweep", "model=llama-3-8b,qwen2.5-0.5b", "--sweep", "hardware=cpu,h200"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("sweep      model x hardware (4 plans")
+
+
+def test_a_long_reason_is_cut_at_a_word_end():
+    from kvcore.tools.sweep import ERROR_WIDTH, SweepPoint
+
+    reason = "word " * 100
+    row = table([SweepPoint((("model", "m"),), error=reason.strip())])[1]
+    shown = row.split("-", 4)[-1].strip()
+    assert shown.endswith(" ...") and len(shown) <= ERROR_WIDTH and shown[: -len(" ...")].split()[-1] == "word"
+
+
+def test_the_plot_draws_no_line_through_a_point_without_a_plan(tmp_path, monkeypatch):
+    """A combination without a plan breaks its series' line: the value drawn there is NaN, not the next point's."""
+    import math
+
+    import matplotlib.axes
+
+    from kvcore.tools.sweep import SweepPoint, plot
+
+    drawn = []
+    original = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, x, y, **kw: drawn.append((list(x), list(y))) or
+                        original(self, x, y, **kw))  # fmt: skip
+    points = [SweepPoint((("parallel.tp_size", v),), tokens=t, error="" if t else "no plan")
+              for v, t in (("1", 100), ("2", None), ("4", 400))]  # fmt: skip
+    plot(points, tmp_path / "p.png", "t")
+    (x, y), = drawn
+    assert x == [1.0, 2.0, 4.0] and y[0] == 100 and math.isnan(y[1]) and y[2] == 400
+
+
+def test_a_plot_into_a_missing_folder_is_one_error(tmp_path, capsys):
+    target = tmp_path / "no" / "such" / "x.png"
+    assert main(["plan", *BASE, "--sweep", "parallel.tp_size=1,2", "--plot", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--plot {target}: cannot write the plot there" in err

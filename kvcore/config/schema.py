@@ -129,6 +129,9 @@ class MemoryConfig:
     def __attrs_post_init__(self) -> None:
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if not self.swa_full_tokens_ratio > 0.0:
+            raise ValueError(f"swa_full_tokens_ratio must be positive (window-layer tokens per full-attention token; "
+                             f"SGLang's default 0.8), got {self.swa_full_tokens_ratio}")  # fmt: skip
 
 
 @attrs.define

@@ -197,6 +197,24 @@ def tokens_that_fit(layout: PoolLayout, budget_bytes: int, swa_full_tokens_ratio
     return _sizes(layout, tokens, ratio)
 
 
+def _context_warnings(cfg: EngineConfig, tokens: int) -> list[str]:
+    """What a plan that fits should still say: KV heads replicated over more tensor-parallel ranks than there are
+    heads, and a pool smaller than one request at the model's full context."""
+    warnings = []
+    heads, tp = cfg.model.num_key_value_heads, cfg.parallel.tp_size
+    if tp > heads:
+        warnings.append(f"parallel.tp_size={tp} exceeds model.num_key_value_heads={heads}: each KV head is replicated "
+                        f"on {tp // heads} ranks (every rank keeps {cfg.kv_heads_per_rank} head), so the cache takes "
+                        f"{tp // heads}x the memory of the heads it holds")  # fmt: skip
+    if tokens < cfg.model.context_length:
+        warnings.append(f"the pool holds {tokens} tokens, fewer than one request at the model's full context "
+                        f"(model.context_length={cfg.model.context_length}): such a request cannot be served; give "
+                        f"more memory, or lower model.context_length to what you serve")  # fmt: skip
+    for message in warnings:
+        logger.warning(message)
+    return warnings
+
+
 def resolve_max_running_requests(
     cfg: EngineConfig, max_total_num_tokens: int
 ) -> tuple[int, list[str]]:
@@ -286,6 +304,7 @@ def plan_from_layouts(
             f"kv_cache.page_size={page_size} ({layout.bytes_per_token} bytes per token): "
             f"{hint}or lower kv_cache.page_size, or choose a smaller kv_cache.dtype"
         )
+    warnings += _context_warnings(cfg, aligned)
     sizes = _sizes(layout, aligned, ratio)
     if "swa_tokens" in sizes:
         sizes["swa_tokens"] = sizes["swa_tokens"] // page_size * page_size
@@ -297,6 +316,14 @@ def plan_from_layouts(
         max_running_requests = _cap_by_state_slots(cfg, layout, slots, max_running_requests, warnings)
         if "running_requests" in layout.groups:
             sizes["running_requests"] = max_running_requests
+    table_bytes = req_to_token_bytes(max_running_requests, cfg.model.context_length)
+    if table_bytes > budget.kv_budget_bytes:  # SGLang's request table is not in the KV budget: say what it adds
+        message = (f"the request table ({table_bytes / GiB:.2f} GiB: {max_running_requests} requests x "
+                   f"{cfg.model.context_length} tokens of context) comes on top of the KV budget of "
+                   f"{budget.kv_budget_bytes / GiB:.2f} GiB and is larger than it: lower memory.max_running_requests "
+                   f"or model.context_length to shrink it")  # fmt: skip
+        logger.warning(message)
+        warnings.append(message)
     return MemoryPlan(
         backend=layout.backend,
         layout=layout,
@@ -308,7 +335,7 @@ def plan_from_layouts(
         context_length=cfg.model.context_length,
         sizes=sizes,
         kv_cache_bytes=layout.total_bytes({group: sizes[group] for group in layout.groups}),
-        req_to_token_bytes=req_to_token_bytes(max_running_requests, cfg.model.context_length),
+        req_to_token_bytes=table_bytes,
         limiting_pp_rank=limiting,
         pp_size=len(layouts),
         warnings=tuple(warnings),

@@ -66,7 +66,7 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
     lines = [
         f"budget     {b.source}",
         f"           - weights per rank {_gib(b.weight_bytes)} - runtime slack {_gib(b.slack_bytes)} "
-        f"= KV budget {_gib(b.kv_budget_bytes)}",
+        f"= KV budget {_gib(b.kv_budget_bytes)}; the request table ({_gib(plan.req_to_token_bytes)}) comes on top",
         f"backend    {plan.backend}",
         *(f"  buffer   {buf.describe()}" for buf in plan.layout.buffers),
         f"per token  {plan.bytes_per_token} bytes per token per rank"
@@ -138,20 +138,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_sweep(args: argparse.Namespace) -> int:
     """``kvcore plan ... --sweep KEY=V1,V2 [--sweep ...] [--plot FILE.png]``: one table over the product."""
-    from kvcore.tools.sweep import parse_sweep, plot, run_sweep, table
+    from kvcore.tools.sweep import parse_sweep, plot, run_sweep, table, title
 
     path, overrides = _split_args(args.overrides)
     sweeps = [parse_sweep(text) for text in args.sweep]
     cfg = kvcore.load_config(*overrides, path=path)
-    title = f"{cfg.model.name} on {cfg.hardware.name}: " + " x ".join(key for key, _ in sweeps)
+    heading = title(cfg.model.name, cfg.hardware.name, sweeps)
     total = 1
     for _, values in sweeps:
         total *= len(values)
-    print(f"sweep      {title} ({total} plans, nothing allocated)", flush=True)
+    print(f"sweep      {heading} ({total} plans, nothing allocated)", flush=True)
     points = run_sweep(overrides, sweeps, path=path)
     _print(table(points))
     if args.plot:
-        print(f"plot       {plot(points, args.plot, title)}")
+        print(f"plot       {plot(points, args.plot, heading)}")
     return 0 if any(not p.error for p in points) else 2
 
 
@@ -302,8 +302,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if run_check(plan, pytest_args=["--hypothesis-profile=long"] if args.long else ()) else 0
 
 
-def _comma_list(kind, choices: Sequence[str] | None = None):
-    """An argparse type: ``a,b`` -> ``[kind(a), kind(b)]`` (options repeat or take comma lists)."""
+def _comma_list(kind, choices: Sequence[str] | None = None, positive: bool = False):
+    """An argparse type: ``a,b`` -> ``[kind(a), kind(b)]`` (options repeat or take comma lists); ``positive``:
+    every value above 0."""
 
     def parse(text: str) -> list:
         try:
@@ -313,6 +314,10 @@ def _comma_list(kind, choices: Sequence[str] | None = None):
         bad = [v for v in values if choices is not None and v not in choices]
         if bad:
             raise argparse.ArgumentTypeError(f"invalid choice {bad[0]!r} (choose from {', '.join(choices)})")
+        if positive and any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: each value must be a positive {kind.__name__}")
+        if not values:
+            raise argparse.ArgumentTypeError("give at least one value")
         return values
 
     return parse
@@ -384,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "on cpu the Triton kernels run in the interpreter)")
     check.add_argument("--dtype", action="extend", type=_comma_list(str), metavar="DTYPE[,DTYPE]",
                        help="kv_cache.dtype values (default: every one it serves)")
-    check.add_argument("--page-size", action="extend", type=_comma_list(int), metavar="N[,N]",
+    check.add_argument("--page-size", action="extend", type=_comma_list(int, positive=True), metavar="N[,N]",
                        help="page sizes (default: every one it declares, or 1 and 16)")
     check.add_argument("--kernels", action="extend", type=_comma_list(str, ("auto", "triton", "native")), metavar="MODE[,MODE]",
                        help="hardware.kernels modes: auto, triton, native (default: triton,native on cpu, auto on cuda)")

@@ -9,6 +9,8 @@ line per combination of the others (matplotlib, the ``plot`` extra).
 from __future__ import annotations
 
 import itertools
+import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,7 +19,10 @@ import attrs
 from kvcore.errors import ConfigError, KVCoreError
 from kvcore.planning.planner import GiB
 
-__all__ = ["SweepPoint", "parse_sweep", "plot", "run_sweep", "table"]
+__all__ = ["SweepPoint", "parse_sweep", "plot", "run_sweep", "table", "title"]
+
+#: the most characters of a failed point's reason a table row shows
+ERROR_WIDTH = 160
 
 
 @attrs.frozen
@@ -77,6 +82,16 @@ def run_sweep(overrides: Sequence[str], sweeps: Sequence[tuple[str, Sequence[str
     return points
 
 
+def title(base_model: str, base_hardware: str, sweeps: Sequence[tuple[str, Sequence[str]]]) -> str:
+    """A sweep's title: the base config's model and hardware where they are not swept, then the swept keys
+    (``llama-3-8b on h200: parallel.tp_size``, ``on h200: model x kv_cache.dtype``)."""
+    keys = [key for key, _ in sweeps]
+    model = "" if "model" in keys else base_model
+    hardware = "" if "hardware" in keys else f"on {base_hardware}"
+    where = " ".join(part for part in (model, hardware) if part)
+    return f"{where + ': ' if where else ''}{' x '.join(keys)}"
+
+
 def table(points: Sequence[SweepPoint]) -> list[str]:
     """The points as an aligned text table, one row per point."""
     keys = [k for k, _ in points[0].values]
@@ -85,8 +100,9 @@ def table(points: Sequence[SweepPoint]) -> list[str]:
     lines = [f"{head}  {'tokens':>12} {'requests':>9} {'bytes/token':>12} {'KV GiB':>9}  backend"]
     for p in points:
         cells = "  ".join(f"{p.value(k):<{width[k]}}" for k in keys)
-        if p.error:
-            lines.append(f"{cells}  {'-':>12} {'-':>9} {'-':>12} {'-':>9}  {p.error[:160]}")
+        if p.error:  # the reason, shortened at a word's end
+            lines.append(f"{cells}  {'-':>12} {'-':>9} {'-':>12} {'-':>9}  "
+                         f"{textwrap.shorten(p.error, ERROR_WIDTH, placeholder=' ...')}")  # fmt: skip
         else:
             lines.append(f"{cells}  {p.tokens:>12} {p.requests:>9} {p.bytes_per_token:>12} {p.kv_gib:>9.2f}  {p.backend}")
     return lines
@@ -115,10 +131,9 @@ def plot(points: Sequence[SweepPoint], file: str | Path, title: str) -> Path:
     for p in points:
         series.setdefault(tuple(p.value(k) for k in series_keys), []).append(p)
     for label, members in series.items():
-        ok = [p for p in members if not p.error]
-        if ok:
-            ax.plot([position[p.value(x_key)] for p in ok], [p.tokens for p in ok], marker="o",
-                    label=", ".join(f"{k}={v}" for k, v in zip(series_keys, label)) or "tokens")  # fmt: skip
+        if any(not p.error for p in members):  # a point without a plan breaks the line (NaN): none is drawn through it
+            ax.plot([position[p.value(x_key)] for p in members], [math.nan if p.error else p.tokens for p in members],
+                    marker="o", label=", ".join(f"{k}={v}" for k, v in zip(series_keys, label)) or "tokens")  # fmt: skip
     if numeric:
         ax.set_xscale("log", base=2) if all(float(v) > 0 for v in x_values) else None
         ax.set_xticks([position[v] for v in x_values], x_values)
@@ -132,6 +147,12 @@ def plot(points: Sequence[SweepPoint], file: str | Path, title: str) -> Path:
         ax.legend(fontsize=8)
     fig.tight_layout()
     out = Path(file)
-    fig.savefig(out)
-    plt.close(fig)
+    try:
+        fig.savefig(out)
+    except (OSError, ValueError) as exc:  # a missing folder, no permission, an unknown file type
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"--plot {file}: cannot write the plot there ({reason}); give a file in an existing, "
+                          "writable folder, ending in .png, .pdf or .svg") from None
+    finally:
+        plt.close(fig)
     return out
