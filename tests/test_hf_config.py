@@ -381,3 +381,24 @@ def test_cli_reports_a_bad_checkpoint(tmp_path, capsys):
     path = write_config(tmp_path, {**raw("llama-3-8b"), "model_type": "gpt2"})
     assert main(["plan", f"model=hf:{path}"]) == 2
     assert "not supported" in capsys.readouterr().err
+
+
+def test_a_config_written_by_save_pretrained_plans_with_its_model_type_and_the_default_dtype(tmp_path, caplog):
+    """A bare config's ``save_pretrained`` writes ``architectures: [None]`` (or none) and no dtype: the model class
+    comes from ``model_type`` and the dtype is transformers' default, each said once."""
+    import logging
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                      num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048)  # fmt: skip
+    config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert not (written.get("architectures") or [None])[0] and written.get("dtype") is None
+    with caplog.at_level(logging.WARNING, logger="kvcore.config.hf"):
+        cfg = load_config(f"model=hf:{tmp_path}")
+        load_config(f"model=hf:{tmp_path}")
+    assert cfg.model.architecture == "LlamaForCausalLM" and cfg.model.dtype == "float32"
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("names no model class" in m and "model_type 'llama'" in m for m in said) == 1
+    assert sum("gives no dtype" in m and "float32" in m for m in said) == 1
+    assert plan_memory(cfg).bytes_per_token == 4 * 2 * 2 * 32 * 4  # layers x (K, V) x KV heads x head dim x fp32

@@ -13,6 +13,7 @@ import math
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,6 +140,28 @@ def test_past_key_values_keyword_works_too():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, past_key_values=cache)
     assert torch.equal(out, ref.sequences)
     assert cache.get_seq_length() == ids.shape[1] + 19
+
+
+def test_the_readme_keyword_takes_the_cache_without_a_warning():
+    """README.md passes ``cache=cache``, the name transformers 5.24 and later take (what the ``hf`` extra
+    installs): no deprecation warning, the same tokens as DynamicCache."""
+    import re
+
+    import transformers
+    from packaging.version import Version
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert re.search(r"model\.generate\(.*\bcache=cache\)", readme), "README.md no longer passes cache=cache"
+    if Version(transformers.__version__) < Version("5.24"):
+        pytest.skip(f"transformers {transformers.__version__} names it past_key_values (tested above)")
+    model = tiny_model("llama", torch.float32)
+    ref, _ = reference("llama", torch.float32, 20)
+    ids, mask = prompts()
+    cache = paged(model, page_size=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, cache=cache)
+    assert torch.equal(out, ref.sequences)
 
 
 # -- fp8 ------------------------------------------------------------------------------------------------------

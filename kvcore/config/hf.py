@@ -19,11 +19,14 @@ key; an unsupported ``model_type`` lists the supported ones.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvcore.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 #: the prefix of a ``model=`` option naming a Hugging Face checkpoint
 HF_PREFIX = "hf:"
@@ -32,6 +35,25 @@ HF_PREFIX = "hf:"
 _DTYPES = {"bfloat16": ("bfloat16", 2), "float16": ("float16", 2), "float32": ("float32", 4)}
 
 _MISSING = object()
+
+#: model_type -> the model class transformers builds for it: what a config.json without ``architectures`` (one a
+#: bare config's ``save_pretrained`` wrote: ``[None]`` or nothing) is taken to describe
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+}  # fmt: skip
+#: what a model built from a config.json without a dtype computes in: transformers' default
+_DEFAULT_DTYPE = "float32"
+_SAID: set[tuple[str, str]] = set()
+
+
+def _say_once(file: Path, what: str, message: str) -> None:
+    """Log ``message`` (a warning) the first time ``what`` is said of ``file`` in this process."""
+    if (str(file), what) not in _SAID:
+        _SAID.add((str(file), what))
+        logger.warning(message)
 
 
 def is_hf_option(option: str) -> bool:
@@ -149,10 +171,17 @@ class HFConfig:
 
     @property
     def architecture(self) -> str:
+        """The model class ``architectures`` names; for a file without one (``save_pretrained`` of a bare config
+        writes ``[None]``), the class transformers builds for its ``model_type`` (said once)."""
         architectures = self.root.get("architectures") or [None]
-        if not isinstance(architectures, list) or not architectures[0]:
+        if not isinstance(architectures, list):
             raise ConfigError(f"{self.file}: key 'architectures' must be a list naming the model class, got {architectures!r}")
-        return str(architectures[0])
+        if architectures[0]:
+            return str(architectures[0])
+        derived = _ARCHITECTURES[self.model_type]  # every converted model_type has one
+        _say_once(self.file, "architecture", f"{self.file} names no model class (architectures={architectures!r}): "
+                                             f"taking {derived}, transformers' class for model_type {self.model_type!r}")
+        return derived
 
     @property
     def dtype(self) -> str:
@@ -167,7 +196,9 @@ class HFConfig:
                     return _DTYPES[str(value)][0]
         if self.root.dtype_default is not None:
             return self.root.dtype_default
-        raise ConfigError(f"{self.file}: key 'torch_dtype' (or 'dtype') is missing; model=hf: needs the checkpoint's dtype")
+        _say_once(self.file, "dtype", f"{self.file} gives no dtype ('torch_dtype' or 'dtype'): taking {_DEFAULT_DTYPE}, "
+                                      "what transformers builds a model from it in (set model.dtype to override)")
+        return _DEFAULT_DTYPE
 
     def common(self, *, attention: str, num_attention_heads: int, num_key_value_heads: int, head_dim: int,
                parameters: int, v_head_dim: int | None = None, weights: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
