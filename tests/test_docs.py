@@ -93,3 +93,20 @@ def test_the_readme_engine_example_is_the_example_file_and_runs(capsys):
     runpy.run_path(str(program), run_name="__main__")
     printed = capsys.readouterr().out.strip()
     assert printed and f"`{printed}`" in section, f"the example printed {printed!r}, which the README does not show"
+
+
+def test_the_readme_engine_file_is_the_example_file_and_kvcore_up_runs_it(capsys):
+    """README.md shows examples/engine.yaml verbatim, and `kvcore up` on it plans, allocates and checks the pools
+    it describes (a group option named by value: `model: tiny-mla`)."""
+    from kvcore import load_config
+    from kvcore.tools.cli import main
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    shown = readme[readme.index("```yaml\n# An engine config") + len("```yaml\n"):]
+    shown = shown[: shown.index("```\n")]
+    engine = ROOT / "examples" / "engine.yaml"
+    assert shown == engine.read_text(encoding="utf-8"), "README.md's engine file differs from examples/engine.yaml"
+    cfg = load_config(path=engine)
+    assert (cfg.model.name, cfg.kv_cache.page_size, cfg.memory.max_total_tokens) == ("tiny-mla", 16, 4096)
+    assert main(["up", str(engine)]) == 0
+    assert "kvcore up: ready: 4096 tokens, 64 requests, backend mla" in capsys.readouterr().out
