@@ -8,8 +8,7 @@ import attrs
 import torch
 
 from kvcore.backend import BackendSpec, PoolRequest
-from kvcore.config import EngineConfig, ModelConfig
-from kvcore.config import loading
+from kvcore.config import EngineConfig, ModelConfig, loading
 from kvcore.errors import ConfigError, PluginError
 from kvcore.layout import PoolLayout
 from kvcore.planning.planner import MemoryPlan, memory_budget, plan_from_layouts

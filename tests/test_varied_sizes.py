@@ -23,6 +23,10 @@ from kvcore_mla.pool import MLATokenToKVPool
 DEVICE = test_device()
 SIZE = 128  # tokens of every pool
 COUNTS = [37, 5, 1, 20, 33, 6, 3, 2, 17, 64, 7, 40, 4, 63, 9, 2, 1, 48]  # a new count nearly every call
+#: fewer counts for the families whose kernels the interpreter runs slowest (still several counts sharing a size
+#: class: 37, 64 and 40; 5 and 6)
+SHORT_COUNTS = [37, 5, 1, 20, 3, 2, 64, 6, 40, 1]
+SLOW = {"nvfp4"}
 
 
 def _classes(counts) -> int:
@@ -106,7 +110,8 @@ def test_a_new_count_every_call_plans_once_per_size_class_and_matches_the_torch_
                                                       generator=torch.Generator().manual_seed(1)).to(DEVICE))
         if getattr(pool, "global_scale", None) is not None:
             pool.global_scale.fill_(1.0)
-    for step, n in enumerate(COUNTS):
+    counts = SHORT_COUNTS if family in SLOW else COUNTS
+    for step, n in enumerate(counts):
         layer = step % 2
         mine = _calls(family, fast, torch.Generator().manual_seed(step), n, layer)
         theirs = _calls(family, ref, torch.Generator().manual_seed(step), n, layer)
@@ -116,7 +121,7 @@ def test_a_new_count_every_call_plans_once_per_size_class_and_matches_the_torch_
                 assert all(bits_equal(a, b) for a, b in zip(got, want)), f"{what} at N={n} (call {step})"
             assert all(bits_equal(a, b) for a, b in zip(fast.buffers().values(), ref.buffers().values())), (
                 f"{what} at N={n} (call {step})")
-    classes, signatures = _classes(COUNTS), len(mine)  # each call has one signature a size class
+    classes, signatures = _classes(counts), len(mine)  # each call has one signature a size class
     for memo in _planners(fast):
         assert len(memo) <= signatures * classes, f"{len(memo)} plans for {classes} size classes: a plan per count"
 
