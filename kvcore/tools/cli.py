@@ -299,7 +299,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         kernels=args.kernels or (), overrides=args.overrides, plugins=args.plugin or (), exhaustive=args.exhaustive,
     )  # fmt: skip
     _print([f"kvcore check {args.backend}: the conformance kit, through the hooks engines use"] + plan.describe())
-    return 1 if run_check(plan, pytest_args=["--hypothesis-profile=long"] if args.long else ()) else 0
+    pytest_args = (["--hypothesis-profile=long"] if args.long else []) + (["-k", args.only] if args.only else [])
+    return 1 if run_check(plan, pytest_args=pytest_args) else 0
 
 
 def _comma_list(kind, choices: Sequence[str] | None = None, positive: bool = False):
@@ -396,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--plugin", action="append", metavar="MODULE", help="also register this module as a plugin (repeatable)")
     check.add_argument("--long", action="store_true", help="the allocator checks' long run (10,000 request "
                        "lifetimes per allocator: hypothesis profile 'long'; minutes)")
+    check.add_argument("--only", metavar="EXPR", help="run only the checks whose names match this pytest -k expression "
+                       "(e.g. --only padding_page_untouched, or 'round_trip or move')")
     check.add_argument("--exhaustive", action="store_true", help="every combination of dtype, kernels and page size "
                        "(default: each value at least once)")
     check.set_defaults(func=cmd_check)
