@@ -60,6 +60,12 @@ def locations(n: int, gen: torch.Generator, pool_tokens: int = POOL_TOKENS, devi
     return (torch.randperm(pool_tokens - 64, generator=gen)[:n] + 64).to(device)
 
 
+def at_loc(inputs) -> torch.Tensor:
+    """``BenchCase.written`` of a call that writes the rows of its inputs' ``loc`` (a plugin's inputs record with a
+    ``loc`` field, as :func:`locations` draws it)."""
+    return inputs.loc
+
+
 def into(pool, method: str, *args, shapes, dtype: torch.dtype = torch.bfloat16) -> Callable[[], object]:
     """``pool.method(*args, out=...)`` into outputs of ``shapes`` made now, on the pool's device: the call
     allocates nothing (a ``BenchCase.call`` of a gather with ``written=INTO``)."""

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from kvcore.hookspecs import GATHER, INTO, BenchCase, BenchCases, BenchPool
-from kvcore.tools.bench import POOL_TOKENS, into, locations, rand
+from kvcore.tools.bench import POOL_TOKENS, at_loc, into, locations, rand
 
 RANK, ROPE = 512, 64  # DeepSeek-V3.2
 INDEX_HEAD_DIM = 128
@@ -40,12 +40,9 @@ def _inputs(n: int, gen: torch.Generator) -> SimpleNamespace:
 
 
 def bench_cases() -> list[BenchCases]:
-    def loc(x):
-        return x.loc
-
     cases = (
         BenchCase(op="dsa set_mla_kv_buffer (fp8 quantize)", pool="dsa",
-                  call=lambda p, x: lambda: p.set_mla_kv_buffer(0, x.loc, x.nope, x.rope), written=loc,
+                  call=lambda p, x: lambda: p.set_mla_kv_buffer(0, x.loc, x.nope, x.rope), written=at_loc,
                   bytes_per_token=BF16_ROW_BYTES + FP8_ROW_BYTES),
         BenchCase(op="dsa get_mla_kv_buffer (dequantize)", pool="dsa",
                   call=lambda p, x: lambda: p.get_mla_kv_buffer(0, x.loc), written=GATHER,
@@ -54,7 +51,7 @@ def bench_cases() -> list[BenchCases]:
                   call=lambda p, x: into(p, "get_mla_kv_buffer", 0, x.loc, shapes=((x.n, 1, RANK), (x.n, 1, ROPE))),
                   written=INTO, bytes_per_token=FP8_ROW_BYTES + BF16_ROW_BYTES),
         BenchCase(op="dsa set_index_k_scale_buffer", pool="dsa",
-                  call=lambda p, x: lambda: p.set_index_k_scale_buffer(0, x.loc, x.keys, x.scales), written=loc),
+                  call=lambda p, x: lambda: p.set_index_k_scale_buffer(0, x.loc, x.keys, x.scales), written=at_loc),
         BenchCase(op="dsa get_index_k_scale_buffer", pool="dsa",
                   call=lambda p, x: lambda: p.get_index_k_scale_buffer(0, x.n, x.pages), written=GATHER),
         BenchCase(op="dsa get_index_k_scale_buffer (out=)", pool="dsa",

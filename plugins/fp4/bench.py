@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from kvcore.hookspecs import GATHER, INTO, BenchCase, BenchCases, BenchPool
-from kvcore.tools.bench import POOL_TOKENS, into, locations, rand
+from kvcore.tools.bench import POOL_TOKENS, at_loc, into, locations, rand
 
 HEADS, HEAD_DIM = 8, 128  # Llama-3-8B
 #: bytes per token: bf16 K and V (2 bytes a value) on one side, codes and scales (1/2 + 1/16 a value) on the other
@@ -41,7 +41,7 @@ def _inputs(n: int, gen: torch.Generator) -> SimpleNamespace:
 def bench_cases() -> list[BenchCases]:
     cases = (
         BenchCase(op="nvfp4 set_kv_buffer (quantize)", pool="nvfp4",
-                  call=lambda p, x: lambda: p.set_kv_buffer(0, x.loc, x.k, x.v), written=lambda x: x.loc,
+                  call=lambda p, x: lambda: p.set_kv_buffer(0, x.loc, x.k, x.v), written=at_loc,
                   bytes_per_token=NVFP4_BYTES),
         BenchCase(op="nvfp4 get_kv_buffer_by_loc", pool="nvfp4",
                   call=lambda p, x: lambda: p.get_kv_buffer_by_loc(0, x.loc), written=GATHER,

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from kvcore.hookspecs import BenchCase, BenchCases, BenchPool
-from kvcore.tools.bench import POOL_TOKENS, locations, rand
+from kvcore.tools.bench import POOL_TOKENS, at_loc, locations, rand
 
 HEADS, HEAD_DIM = 8, 128  # Llama-3-8B
 #: bytes a K/V store reads + writes per token (bf16 K and V in, the same out)
@@ -44,10 +44,6 @@ def _move(p, x):
     return lambda: p.move_kv_cache(x.tgt, x.src)
 
 
-def _loc(x):
-    return x.loc
-
-
 def _tgt(x):
     return x.tgt
 
@@ -60,12 +56,12 @@ def bench_cases() -> list[BenchCases]:
         BenchPool(name="mha_fp8", make=lambda kernels: _pool(kernels, dtype=torch.float8_e4m3fn, layer_num=2)),
     )
     cases = (
-        BenchCase(op="mha set_kv_buffer bf16", pool="mha", call=_store, written=_loc, bytes_per_token=KV_BYTES),
-        BenchCase(op="mha set_kv_buffer fp8<-bf16", pool="mha_fp8", call=_store, written=_loc),
+        BenchCase(op="mha set_kv_buffer bf16", pool="mha", call=_store, written=at_loc, bytes_per_token=KV_BYTES),
+        BenchCase(op="mha set_kv_buffer fp8<-bf16", pool="mha_fp8", call=_store, written=at_loc),
         BenchCase(op="move_kv_cache mha 32 layers", pool="mha", call=_move, written=_tgt, move=True),
-        BenchCase(op="mha set_kv_buffer bf16, page 16", pool="mha_page16", call=_store, written=_loc,
+        BenchCase(op="mha set_kv_buffer bf16, page 16", pool="mha_page16", call=_store, written=at_loc,
                   bytes_per_token=KV_BYTES),
-        BenchCase(op="page-major set_kv_buffer bf16, page 16", pool="mha_page_major", call=_store, written=_loc,
+        BenchCase(op="page-major set_kv_buffer bf16, page 16", pool="mha_page_major", call=_store, written=at_loc,
                   bytes_per_token=KV_BYTES + 8),  # + the token -> row map entry
         BenchCase(op="move_kv_cache mha 32 layers, page 16", pool="mha_page16", call=_move, written=_tgt, move=True),
         BenchCase(op="move_kv_cache page-major 32 layers, page 16", pool="mha_page_major", call=_move, written=_tgt,

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from kvcore.hookspecs import GATHER, INTO, BenchCase, BenchCases, BenchPool
-from kvcore.tools.bench import POOL_TOKENS, into, locations, rand
+from kvcore.tools.bench import POOL_TOKENS, at_loc, into, locations, rand
 
 RANK, ROPE = 512, 64  # DeepSeek-V3
 #: bytes a latent row store or gather reads + writes per token (bf16 in, bf16 out)
@@ -38,15 +38,12 @@ def latent_into(p, x):
 
 
 def bench_cases() -> list[BenchCases]:
-    def loc(x):
-        return x.loc
-
     cases = (
         BenchCase(op="mla set_mla_kv_buffer", pool="mla",
-                  call=lambda p, x: lambda: p.set_mla_kv_buffer(0, x.loc, x.nope, x.rope), written=loc,
+                  call=lambda p, x: lambda: p.set_mla_kv_buffer(0, x.loc, x.nope, x.rope), written=at_loc,
                   bytes_per_token=ROW_BYTES),
         BenchCase(op="mla set_kv_buffer (concatenated)", pool="mla",
-                  call=lambda p, x: lambda: p.set_kv_buffer(0, x.loc, x.latent, None), written=loc,
+                  call=lambda p, x: lambda: p.set_kv_buffer(0, x.loc, x.latent, None), written=at_loc,
                   bytes_per_token=ROW_BYTES),
         BenchCase(op="mla get_mla_kv_buffer", pool="mla", call=lambda p, x: lambda: p.get_mla_kv_buffer(0, x.loc),
                   written=GATHER, bytes_per_token=ROW_BYTES),

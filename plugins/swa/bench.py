@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from kvcore.hookspecs import BenchCase, BenchCases, BenchPool
-from kvcore.tools.bench import POOL_TOKENS, locations, rand
+from kvcore.tools.bench import POOL_TOKENS, at_loc, locations, rand
 
 HEADS, HEAD_DIM = 8, 64  # gpt-oss
 
@@ -41,6 +41,6 @@ def _inputs(n: int, gen: torch.Generator) -> SimpleNamespace:
 def bench_cases() -> list[BenchCases]:
     row_bytes = 2 * 2 * HEADS * HEAD_DIM * 2 + 8  # bf16 K and V in and out, + the map entry read
     case = BenchCase(op="swa set_kv_buffer (window, mapped)", pool="swa",
-                     call=lambda p, x: lambda: p.set_kv_buffer(0, x.loc, x.k, x.v), written=lambda x: x.loc,
+                     call=lambda p, x: lambda: p.set_kv_buffer(0, x.loc, x.k, x.v), written=at_loc,
                      bytes_per_token=row_bytes)  # fmt: skip
     return [BenchCases(pools=(BenchPool(name="swa", make=_pool),), inputs=_inputs, cases=(case,))]
