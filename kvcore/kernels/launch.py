@@ -429,7 +429,7 @@ class Launcher:
             a function returning them: it is called only when they are needed (a launch through the
             dispatcher, or a check), so views made only for the dispatcher cost nothing on other calls.
         """
-        tail = args[self._runtime :]
+        tail = args[self._runtime :]  # key_of, inlined: this runs on every launch
         full = (key, num_warps, tail if tail.__class__ is tuple else tuple(tail))
         entry = self._compiled.get(full)
         if entry is not None and not _launch_hooks_installed():
