@@ -74,6 +74,18 @@ def _check_decode_call(seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> None:
     _check_call(ALLOC_DECODE_ORDER, {"seq_lens": seq_lens, "last_loc": last_loc}, {"seq_lens_cpu": seq_lens_cpu})
 
 
+def _check_extend_call(prefix_lens: Any, prefix_lens_cpu: Any, seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> None:
+    """:func:`_check_call` for ``alloc_extend``, with a fast path for the usual call (it runs every prefill)."""
+    tensor = torch.Tensor
+    if isinstance(prefix_lens, tensor) and isinstance(seq_lens, tensor) and isinstance(last_loc, tensor):
+        if (prefix_lens_cpu is None or isinstance(prefix_lens_cpu, tensor)) and (
+            seq_lens_cpu is None or isinstance(seq_lens_cpu, tensor)
+        ):
+            return
+    _check_call(ALLOC_EXTEND_ORDER, {"prefix_lens": prefix_lens, "seq_lens": seq_lens, "last_loc": last_loc},
+                {"prefix_lens_cpu": prefix_lens_cpu, "seq_lens_cpu": seq_lens_cpu})  # fmt: skip
+
+
 def _given(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -386,8 +398,7 @@ class TokenToKVPoolAllocator(_DeviceListAllocator):
     ) -> Optional[torch.Tensor]:
         """With one-token pages an extend is ``alloc(extend_num_tokens)``; the lengths are only checked for
         presence (SGLang's order, see :data:`ALLOC_EXTEND_ORDER`)."""
-        _check_call(ALLOC_EXTEND_ORDER, {"prefix_lens": prefix_lens, "seq_lens": seq_lens, "last_loc": last_loc},
-                    {"prefix_lens_cpu": prefix_lens_cpu, "seq_lens_cpu": seq_lens_cpu})  # fmt: skip
+        _check_extend_call(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc)
         return self.alloc(_token_count(extend_num_tokens))
 
     def alloc_decode(
@@ -440,12 +451,10 @@ class PagedTokenToKVPoolAllocator(_DeviceListAllocator):
             raise ConfigError(
                 f"size={size} holds no whole page of page_size={page_size}; give a size of at least one page"
             )
-        if self._use_triton:
-            self._pages_impl, self._extend_impl = _k.alloc_pages_triton, _k.alloc_extend_triton
-        else:
-            self._pages_impl, self._extend_impl = _k.alloc_pages_native, _k.alloc_extend_native
+        self._pages_impl = _k.alloc_pages_triton if self._use_triton else _k.alloc_pages_native
         self._pages = None
         self.clear()
+        self._extend_step = _k.ExtendStep(self._pages, self.page_size, self._use_triton)
         self._decode_step = _k.DecodeStep(self._pages, self.page_size, self._use_triton)
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
@@ -486,9 +495,8 @@ class PagedTokenToKVPoolAllocator(_DeviceListAllocator):
         :param extend_num_tokens: ``sum(seq_lens - prefix_lens)``.
         :returns: int64 ``[extend_num_tokens]``, or ``None`` (nothing changed) when too few pages are free.
         """
-        _check_call(ALLOC_EXTEND_ORDER, {"prefix_lens": prefix_lens, "seq_lens": seq_lens, "last_loc": last_loc},
-                    {"prefix_lens_cpu": prefix_lens_cpu, "seq_lens_cpu": seq_lens_cpu})  # fmt: skip
-        extend_num_tokens = _token_count(extend_num_tokens)
+        _check_extend_call(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc)
+        extend_num_tokens = extend_num_tokens if type(extend_num_tokens) is int else _token_count(extend_num_tokens)
         if prefix_lens_cpu is not None and seq_lens_cpu is not None:
             # Cheap on the CPU, and the token count catches a mismatch that would otherwise write past the output.
             total, num_new_pages = _k.extend_counts(prefix_lens_cpu, seq_lens_cpu, self.page_size)
@@ -501,7 +509,7 @@ class PagedTokenToKVPoolAllocator(_DeviceListAllocator):
             num_new_pages = _k.num_new_pages_extend(prefix_lens, seq_lens, self.page_size)  # syncs with the device
         if not self._ensure_free_pages(num_new_pages):
             return None
-        out = self._extend_impl(prefix_lens, seq_lens, last_loc, self._source(), self.page_size, extend_num_tokens)
+        out = self._extend_step(prefix_lens, seq_lens, last_loc, extend_num_tokens)
         self._pages.took(num_new_pages)
         return out
 

@@ -607,7 +607,7 @@ def test_token_allocator_extend_and_decode_are_plain_alloc():
 def test_kernel_mode_auto_on_cpu_uses_reference():
     a = make("paged", 16, ps=4, kernels="auto")
     impl = "triton" if DEVICE == "cuda" else "native"
-    assert a._extend_impl is EXTEND_IMPLS[impl] and a._decode_step.use_triton == (impl == "triton")
+    assert a._extend_step.use_triton == a._decode_step.use_triton == (impl == "triton")
 
 
 # ------------------------------------------------------------------------------------------------------------

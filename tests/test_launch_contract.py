@@ -33,7 +33,7 @@ from triton.runtime.jit import KernelInterface
 
 from kvcore.kernels import launch
 from kvcore.kernels.launch import KernelArgs, LaunchContractError
-from kvcore.testing.tensors import compiled
+from kvcore.testing.tensors import compiled, test_device
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -182,8 +182,9 @@ def test_constexprs_and_runtime_arguments_are_built_by_name():
 def test_a_launch_with_another_argument_count_is_refused():
     """Whenever a launch goes through the dispatcher (under the interpreter: every launch) its count is checked."""
     binding = KernelArgs(_add_kernel, "dst_ptr src_ptr n", "BLOCK SCALE", register=False)
-    launcher = launch.Launcher(binding, "cpu")
-    src, dst = torch.arange(5, dtype=torch.float32), torch.zeros(5)
+    device = test_device()  # compiled runs launch on the GPU: a first launch of a key goes through the dispatcher
+    launcher = launch.Launcher(binding, device)
+    src, dst = torch.arange(5, dtype=torch.float32, device=device), torch.zeros(5, device=device)
     with pytest.raises(LaunchContractError, match="takes 5 arguments"):
         launcher("k", 1, 1, (dst, src, 5, 8), num_warps=1)
     launcher("k", 1, 1, (dst, src, 5, *binding.constexprs(BLOCK=8, SCALE=3.0)), num_warps=1)
@@ -400,6 +401,9 @@ def test_the_allocators_launch_directly_what_they_dispatched(direct, monkeypatch
     extend = (torch.tensor([0, 3]), torch.tensor([5, 4]), torch.tensor([-1, 10]))
     _same_launches(direct, lambda: K.alloc_extend_triton(*extend, pages.source(), 4, 6),
                    _binding("_alloc_extend_kernel"), vary=("out_ptr",))  # fmt: skip
+    # the allocators' own extend path (a list of another capacity: a key of its own, so dispatched first too)
+    extend_step = K.ExtendStep(FreePageList(13, 4, "cpu", use_triton=True, to_front=True, need_sort=False), 4, True)
+    _same_launches(direct, lambda: extend_step(*extend, 6), _binding("_alloc_extend_kernel"), vary=("out_ptr",))
 
     # a tuning constant changed between two calls: another key, so the dispatcher again, never the old kernel
     dispatched = len(direct["dispatched"])

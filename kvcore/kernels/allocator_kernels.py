@@ -45,6 +45,7 @@ __all__ = [
     "alloc_decode_native",
     "alloc_decode_triton",
     "DecodeStep",
+    "ExtendStep",
     "extend_counts",
     "num_new_pages_extend",
     "num_new_pages_decode",
@@ -353,6 +354,69 @@ def alloc_extend_native(
     page = _pages_native(pages, page_start[req] + t // page_size - pre_pages[req])
     _mark_allocated_native(pages, page, new_page & (t % page_size == 0))
     return torch.where(new_page, page * page_size + t % page_size, last[req] + 1 + j)
+
+
+class ExtendStep:
+    """``alloc_extend`` of one free list, as an allocator runs it for every prefill: :func:`alloc_extend_triton`
+    (``use_triton``) or :func:`alloc_extend_native` on the list's pages, the caller recording the pages taken
+    (:meth:`kvcore.kernels.free_list.FreePageList.took`).
+
+    Like :class:`DecodeStep`, the Triton path works out once what stays fixed (the launcher, the launch key's
+    fixed part) and reads the list's buffer addresses and the tuning constants per call: a call costs the input
+    checks, one allocation and one direct launch (:func:`alloc_extend_triton`, which builds its source and key
+    each call, is kept for tests and tools).
+
+    :param pages: the allocator's :class:`~kvcore.kernels.free_list.FreePageList` (kept: its buffers may be copied
+        after a snapshot, its object stays).
+    :param page_size: tokens per page.
+    """
+
+    __slots__ = ("pages", "page_size", "use_triton", "_launch", "_device_index", "_key")
+
+    def __init__(self, pages, page_size: int, use_triton: bool):
+        self.pages, self.page_size, self.use_triton = pages, page_size, use_triton
+        self._launch = launcher_for(_EXTEND_ARGS, pages.device) if use_triton else None
+        self._device_index = pages.ring.get_device()
+        self._key = (pages.capacity,)  # what Triton specializes on besides the inputs (the launcher adds the rest)
+
+    def __call__(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                 extend_num_tokens: int) -> torch.Tensor:  # fmt: skip
+        """The extend's locations (int64 ``[extend_num_tokens]``); the list must hold the pages the batch needs
+        (the caller checks, and records them as taken)."""
+        pages = self.pages
+        pages.before_write()
+        if not self.use_triton:
+            return alloc_extend_native(prefix_lens, seq_lens, last_loc, pages.source(), self.page_size,
+                                       extend_num_tokens)  # fmt: skip
+        bs = prefix_lens.numel()
+        if (prefix_lens.dim() != 1 or seq_lens.dim() != 1 or last_loc.dim() != 1 or seq_lens.numel() != bs
+                or last_loc.numel() != bs):  # fmt: skip
+            _check_extend_args(prefix_lens, seq_lens, last_loc)
+        device = self._device_index
+        if prefix_lens.get_device() != device or seq_lens.get_device() != device or last_loc.get_device() != device:
+            raise ValueError(
+                f"allocation inputs must be on the allocator's device {pages.device}, got prefix_lens on "
+                f"{prefix_lens.device}, seq_lens on {seq_lens.device} and last_loc on {last_loc.device}"
+            )
+        out = pages.ring.new_empty(extend_num_tokens)
+        if bs == 0 or extend_num_tokens == 0:
+            return out
+        if not prefix_lens.is_contiguous():
+            prefix_lens = prefix_lens.contiguous()
+        if not seq_lens.is_contiguous():
+            seq_lens = seq_lens.contiguous()
+        if not last_loc.is_contiguous():
+            last_loc = last_loc.contiguous()
+        pre, seq, last = prefix_lens.data_ptr(), seq_lens.data_ptr(), last_loc.data_ptr()
+        ring, _, _, ctl, state, _ = pages.pointers()
+        constexprs = _EXTEND_ARGS.constexprs(PAGE_SIZE=self.page_size, BIAS=TAKEN_BIAS, BS_BLOCK=_BS_BLOCK,
+                                             TOKEN_BLOCK=_TOKEN_BLOCK)  # fmt: skip
+        key = (*self._key, prefix_lens.dtype, pre % 16 == 0, seq_lens.dtype, seq % 16 == 0, last_loc.dtype,
+               last % 16 == 0)  # fmt: skip
+        self._launch(key, bs, 1, (
+            pre, seq, last, ring, ctl, state, out.data_ptr(), pages.taken + TAKEN_BIAS, pages.capacity, *constexprs,
+        ), lambda: (prefix_lens, seq_lens, last_loc, pages.ring, pages.ctl, pages.state, out))  # fmt: skip
+        return out
 
 
 # --------------------------------------------------------------------------------------------------------

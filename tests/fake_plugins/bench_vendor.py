@@ -1,5 +1,6 @@
-"""A vendor plugin with ``kvcore bench`` cases only (no backend): a small MHA pool on the CPU, so that the cases
-can be built and checked here (``kvcore bench`` itself builds them on the GPU)."""
+"""A vendor plugin with ``kvcore bench`` cases only (no backend): a small MHA pool on the tests' device (the CPU with
+the kernels interpreted, CUDA in compiled runs), so that the cases can be built and checked in the suite
+(``kvcore bench`` itself builds them on the GPU)."""
 
 from types import SimpleNamespace
 
@@ -7,6 +8,7 @@ import torch
 
 from kvcore import hookimpl
 from kvcore.hookspecs import API_VERSION, GATHER, BenchCase, BenchCases, BenchPool
+from kvcore.testing.tensors import test_device
 from kvcore.tools.bench import locations, rand
 
 KVCORE_API_VERSION = API_VERSION
@@ -17,12 +19,13 @@ def make(kernels):
     from kvcore_mha.pool import MHATokenToKVPool
 
     return MHATokenToKVPool(size=TOKENS, page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
-                            layer_num=2, device="cpu", enable_memory_saver=False, kernels=kernels)  # fmt: skip
+                            layer_num=2, device=test_device(), enable_memory_saver=False, kernels=kernels)  # fmt: skip
 
 
 def inputs(n, gen):
-    return SimpleNamespace(loc=locations(n, gen, TOKENS, device="cpu"), k=rand(gen, n, HEADS, HEAD_DIM, device="cpu"),
-                           v=rand(gen, n, HEADS, HEAD_DIM, device="cpu"))  # fmt: skip
+    device = test_device()
+    return SimpleNamespace(loc=locations(n, gen, TOKENS, device=device), k=rand(gen, n, HEADS, HEAD_DIM, device=device),
+                           v=rand(gen, n, HEADS, HEAD_DIM, device=device))  # fmt: skip
 
 
 #: set by a test to make the store write one row wrong (the check must catch it)
