@@ -28,6 +28,11 @@ INTRO = {
     "kv_cache": "What the pools store and which backend builds them.  `kv_cache.options.*` are the selected backend's "
                 "own options; each backend rejects options it does not declare.",
     "memory": "How much of the device the pools take, and caps.",
+    "speculative": "Speculative decoding: a draft model proposes tokens the target verifies.  `kvcore.build_pools` "
+                   "then also returns `pools.draft` (the draft's own KV pool, sharing the target's request table and "
+                   "allocator); the plan charges the draft's weights and bytes per token.",
+    "disaggregation": "Prefill/decode disaggregation: which worker this is.  Both workers sort freed slots; a decode "
+                      "worker keeps request rows for requests whose KV is still arriving (`kvcore.transfer`).",
 }  # fmt: skip
 
 

@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 #: public name -> the module defining it, imported on first use
 _PUBLIC = {
     **dict.fromkeys(("Pools", "build_pools", "load_config", "make_request", "plan_memory", "select"), "kvcore.api"),
-    **dict.fromkeys(("BackendSpec", "PoolRequest"), "kvcore.backend"),
+    **dict.fromkeys(("BackendSpec", "EngineMode", "PoolRequest"), "kvcore.backend"),
     "EngineConfig": "kvcore.config.schema",
     **dict.fromkeys(("ConfigError", "KVCoreError", "PlanningError", "PluginError", "SelectionError"), "kvcore.errors"),
     "hookimpl": "kvcore.hookspecs",

@@ -7,11 +7,11 @@ import logging
 import attrs
 import torch
 
-from kvcore.backend import BackendSpec, PoolRequest
+from kvcore.backend import BackendSpec, EngineMode, PoolRequest
 from kvcore.config import EngineConfig, ModelConfig, loading
 from kvcore.errors import ConfigError, PluginError
 from kvcore.layout import PoolLayout
-from kvcore.planning.planner import MemoryPlan, memory_budget, plan_from_layouts
+from kvcore.planning.planner import MemoryPlan, memory_budget, plan_from_layouts, pre_alloc_size
 from kvcore.plugins import Registry, get_registry
 from kvcore.plugins.selection import Selection, select_backend
 
@@ -30,7 +30,51 @@ def load_config(*overrides: str, path=None, registry: Registry | None = None) ->
     return loading.load_config(*overrides, path=path, registry=registry or get_registry())
 
 
-def _core_request(cfg: EngineConfig, pp_rank: int | None = None) -> PoolRequest:
+def engine_mode(cfg: EngineConfig, *, is_draft_worker: bool = False) -> EngineMode:
+    """The engine's disaggregation and speculative-decoding settings, as pools and allocators read them."""
+    spec = cfg.speculative
+    return EngineMode(
+        disaggregation=cfg.disaggregation.mode,
+        pre_alloc_size=pre_alloc_size(cfg),
+        speculative=spec.algorithm,
+        num_draft_tokens=spec.num_draft_tokens if spec.enabled else 0,
+        eagle_topk=spec.eagle_topk,
+        is_draft_worker=is_draft_worker,
+    )
+
+
+def draft_config(cfg: EngineConfig, *, registry: Registry | None = None) -> EngineConfig | None:
+    """The config of speculative decoding's draft worker, or None without one: the target's config with the
+    draft's model (``speculative.draft_model``, a shipped model or ``hf:PATH``; for ``nextn`` the target's own
+    ``num_nextn_predict_layers`` multi-token-prediction layers, of the target's dimensions), on one pipeline
+    stage.  A nextn draft's weights are estimated as the target's mean per layer (a DeepSeek-V3 MTP layer is
+    one MoE decoder layer plus a projection; its checkpoint's 685B count them, the 671B of the model file
+    does not).
+
+    :raises ConfigError: naming ``speculative.draft_model`` when the draft model cannot be read.
+    """
+    spec = cfg.speculative
+    if not spec.enabled:
+        return None
+    model = cfg.model
+    if spec.algorithm == "nextn":
+        layers = model.num_nextn_predict_layers
+        # an MTP layer is a full-attention layer, also in a hybrid linear-attention model
+        attention = {"mamba": "mha", "mamba_mla": "mla"}.get(model.attention, model.attention)
+        draft = attrs.evolve(
+            model, name=f"{model.name}-mtp", attention=attention, num_hidden_layers=layers, num_nextn_predict_layers=None,
+            num_parameters=model.num_parameters * layers // model.num_hidden_layers,
+            weight_bytes=None if model.weight_bytes is None else model.weight_bytes * layers // model.num_hidden_layers,
+        )  # fmt: skip
+    else:
+        try:
+            draft = loading.load_model(spec.draft_model, registry=registry or get_registry())
+        except ConfigError as exc:
+            raise ConfigError(f"speculative.draft_model={spec.draft_model!r}: {exc}") from None
+    return attrs.evolve(cfg, model=draft, parallel=attrs.evolve(cfg.parallel, pp_size=1, pp_rank=0))
+
+
+def _core_request(cfg: EngineConfig, pp_rank: int | None = None, *, is_draft_worker: bool = False) -> PoolRequest:
     """What the core knows of the request: every shared field, the raw ``kv_cache.options`` and every model
     section the config holds.  Selection works on this; the chosen backend then resolves it."""
     if pp_rank is not None:
@@ -58,6 +102,7 @@ def _core_request(cfg: EngineConfig, pp_rank: int | None = None) -> PoolRequest:
         layout=cfg.kv_cache.layout,
         options=cfg.kv_cache.options,
         sections={name: getattr(model, name) for name in _section_names(type(model))},
+        mode=engine_mode(cfg, is_draft_worker=is_draft_worker),
     )
 
 
@@ -122,8 +167,36 @@ def _plan(cfg: EngineConfig, registry: Registry, selection: Selection, free_memo
     for rank in range(cfg.parallel.pp_size):
         request = selection.backend.resolve(_core_request(cfg, pp_rank=rank))
         layouts.append(buffer_layout(selection.backend, registry, request))
-    budget = memory_budget(cfg, free_memory_bytes=free_memory_bytes, weights_loaded=weights_loaded)
-    return plan_from_layouts(cfg, layouts, budget)
+    draft = _draft(cfg, registry)
+    draft_layout = None if draft is None else buffer_layout(draft.backend, registry, draft.request)
+    draft_weights = 0 if draft is None else draft.cfg.weight_bytes_per_rank
+    budget = memory_budget(cfg, free_memory_bytes=free_memory_bytes, weights_loaded=weights_loaded,
+                           draft_weight_bytes=draft_weights)  # fmt: skip
+    plan = plan_from_layouts(cfg, layouts, budget, draft_layout)
+    return attrs.evolve(plan, draft_weight_bytes=0 if weights_loaded else draft_weights)
+
+
+@attrs.frozen
+class _Draft:
+    """The draft worker's config, backend selection and resolved request."""
+
+    cfg: EngineConfig
+    selection: Selection
+    request: PoolRequest
+
+    @property
+    def backend(self) -> BackendSpec:
+        return self.selection.backend
+
+
+def _draft(cfg: EngineConfig, registry: Registry) -> _Draft | None:
+    """The draft worker of ``cfg`` (None without speculative decoding)."""
+    draft_cfg = draft_config(cfg, registry=registry)
+    if draft_cfg is None:
+        return None
+    core = _core_request(draft_cfg, is_draft_worker=True)
+    selection = select_backend(registry, core)
+    return _Draft(draft_cfg, selection, selection.backend.resolve(core))
 
 
 @attrs.frozen(eq=False)
@@ -135,6 +208,10 @@ class Pools:
     token_to_kv_pool_allocator: object
     plan: MemoryPlan
     selection: Selection
+    #: speculative decoding's draft worker: its ``req_to_token_pool`` and ``token_to_kv_pool_allocator`` are the
+    #: target's own objects, its ``token_to_kv_pool`` holds the draft model's layers at the target's token count
+    #: (its ``plan`` is the target's); None without speculative decoding
+    draft: Pools | None = None
 
 
 def check_device_visible(cfg: EngineConfig) -> None:
@@ -186,7 +263,7 @@ def build_pools(
         backend=selection.backend, request=request, layout=plan.layout, sizes=plan.sizes
     )
     req_to_token_pool = hook.kvcore_create_req_to_token_pool(
-        backend=selection.backend, request=request, size=plan.max_running_requests, max_context_len=plan.context_length,
+        backend=selection.backend, request=request, size=plan.max_running_requests, max_context_len=plan.request_context_len,
         sizes=plan.sizes, pool=token_to_kv_pool,
     )
     allocator = hook.kvcore_choose_allocator(
@@ -197,6 +274,17 @@ def build_pools(
             raise PluginError(f"no plugin created the {what} for backend {selection.backend.name!r}")
     from kvcore.checked import CheckedAllocator, CheckedPool, checked_enabled
 
-    if checked_enabled(cfg):
+    checked = checked_enabled(cfg)
+    if checked:
         token_to_kv_pool, allocator = CheckedPool(token_to_kv_pool), CheckedAllocator(allocator)
-    return Pools(req_to_token_pool, token_to_kv_pool, allocator, plan, selection)
+    draft = _draft(cfg, registry)
+    draft_pools = None
+    if draft is not None:
+        draft_pool = hook.kvcore_create_pool(backend=draft.backend, request=draft.request, layout=plan.draft_layout,
+                                             sizes={"tokens": plan.sizes["tokens"]})  # fmt: skip
+        if draft_pool is None:
+            raise PluginError(f"no plugin created the draft pool for backend {draft.backend.name!r}")
+        if checked:
+            draft_pool = CheckedPool(draft_pool)
+        draft_pools = Pools(req_to_token_pool, draft_pool, allocator, plan, draft.selection)
+    return Pools(req_to_token_pool, token_to_kv_pool, allocator, plan, selection, draft_pools)

@@ -36,6 +36,40 @@ def _frozen_mapping(value) -> Mapping[str, Any]:
 
 
 @attrs.frozen(kw_only=True)
+class EngineMode:
+    """How the engine runs the pools, beyond the model's dimensions (SGLang's server arguments that change what
+    a pool or allocator is): disaggregation and speculative decoding.
+
+    :param disaggregation: ``null``, ``prefill`` or ``decode`` (``disaggregation.mode``).
+    :param pre_alloc_size: decode mode: request-table rows beyond the running requests, for requests whose KV
+        is still arriving (SGLang's ``DecodeReqToTokenPool``); 0 otherwise.
+    :param speculative: ``speculative.algorithm`` (``none`` without a draft).
+    :param num_draft_tokens: draft tokens per step when drafting (0 without a draft): recurrent families keep
+        as many intermediate states per running request.
+    :param eagle_topk: branches per draft step (SGLang's ``speculative_eagle_topk``).
+    :param is_draft_worker: the request is the draft model's (its pool shares the target's request table and
+        token slots).
+    """
+
+    disaggregation: str = "null"
+    pre_alloc_size: int = 0
+    speculative: str = "none"
+    num_draft_tokens: int = 0
+    eagle_topk: int = 1
+    is_draft_worker: bool = False
+
+    @property
+    def need_sort(self) -> bool:
+        """Allocators defer and sort freed slots in both disaggregation worker modes, as SGLang's do."""
+        return self.disaggregation in ("prefill", "decode")
+
+    @property
+    def enable_kv_cache_copy(self) -> bool:
+        """Pools move accepted draft tokens' rows (``move_kv_cache``) under speculative decoding."""
+        return self.speculative != "none"
+
+
+@attrs.frozen(kw_only=True)
 class PoolRequest:
     """What the engine asks a backend to hold, for one rank; a pure function of the config.
 
@@ -56,6 +90,7 @@ class PoolRequest:
         that backend's options object (None for a backend that takes no options).
     :param sections: the model's family sections by name (objects of the declaring plugin's schema); after
         resolution, exactly the backend's declared sections.
+    :param mode: the engine's disaggregation and speculative-decoding settings (:class:`EngineMode`).
     """
 
     attention: str
@@ -78,6 +113,7 @@ class PoolRequest:
     layout: str = "token_major"
     options: Any = attrs.field(factory=dict, converter=lambda v: _frozen_mapping(v) if isinstance(v, Mapping) else v)
     sections: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+    mode: EngineMode = attrs.field(factory=EngineMode)
 
     @property
     def device_type(self) -> str:

@@ -173,6 +173,28 @@ class ReqToTokenPool:
         return self.req_to_token.nbytes / GB
 
 
+class DecodeReqToTokenPool(ReqToTokenPool):
+    """The request table of a decode worker under prefill/decode disaggregation (SGLang's class of this name):
+    ``pre_alloc_size`` rows beyond ``size``, for requests whose KV is still arriving from a prefill worker, so
+    that ``size`` requests can run while others are received.  Rows ``1 .. size + pre_alloc_size`` are handed
+    out; row 0 is padding.
+
+    :param pre_alloc_size: the extra rows (``disaggregation.decode_extra_slots``), 0 or more.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str, enable_memory_saver: bool = False,
+                 pre_alloc_size: int = 0):  # fmt: skip
+        if pre_alloc_size < 0:
+            raise ValueError(f"pre_alloc_size must be 0 or more, got {pre_alloc_size}")
+        self.pre_alloc_size = int(pre_alloc_size)
+        super().__init__(size + self.pre_alloc_size, max_context_len, device, enable_memory_saver)
+        self.size = size  # the running requests; the table holds size + pre_alloc_size rows past the padding one
+
+    def clear(self) -> None:
+        """Every row but the padding row 0 free, the pre-allocation rows included."""
+        self.free_slots = list(range(1, self.req_to_token.shape[0]))
+
+
 class KVCache(abc.ABC):
     """Base of every token-to-KV pool: the bookkeeping and the paths shared by all families.
 

@@ -39,7 +39,7 @@ def suggested(message: str, key: str, overrides: list[str]) -> str:
 
 # (overrides, what the message must say); the key named first
 CASES = [
-    (["bogus.key=1"], ["bogus", "valid keys at the top level: hardware, kv_cache, memory, parallel, model"]),
+    (["bogus.key=1"], ["bogus", "valid keys at the top level: hardware, kv_cache, memory, parallel, speculative, disaggregation, model"]),
     (["memory.bogus=1"], ["memory.bogus", "valid keys at memory: mem_fraction_static"]),
     (["model=deepseek-v3", "model.mla.bogus=1"], ["model.mla.bogus", "valid keys at model.mla: kv_lora_rank"]),
     (["model=nope"], ["model='nope'", "valid options: deepseek-v3"]),

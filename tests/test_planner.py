@@ -78,7 +78,9 @@ def check_plan_consistency(plan):
     assert plan.kv_cache_bytes <= plan.budget.kv_budget_bytes
     assert plan.sizes["tokens"] == plan.max_total_num_tokens
     assert plan.max_total_num_tokens % plan.page_size == 0
-    assert plan.req_to_token_bytes == (plan.max_running_requests + 1) * plan.context_length * 4  # + padding row 0
+    # + padding row 0; each row holds the context and SGLang's headroom of 4 tokens (no speculative decoding here)
+    assert plan.extra_context_len == 4 and plan.request_context_len == plan.context_length + 4
+    assert plan.req_to_token_bytes == (plan.max_running_requests + 1) * (plan.context_length + 4) * 4
 
 
 # -- the headline number ---------------------------------------------------------------------------------------

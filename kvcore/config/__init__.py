@@ -19,9 +19,9 @@ from kvcore.plugins.lazy import lazy_getattr
 _PUBLIC = {
     **dict.fromkeys(("KeyDoc", "all_keys", "describe_keys", "keys_markdown"), "kvcore.config.keys"),
     **dict.fromkeys(("GROUPS", "available_options", "packaged_configs"), "kvcore.config.files"),
-    **dict.fromkeys(("load_config", "to_yaml"), "kvcore.config.loading"),
+    **dict.fromkeys(("load_config", "load_model", "to_yaml"), "kvcore.config.loading"),
     **dict.fromkeys(("DTYPE_ALIASES", "EngineConfig", "HardwareConfig", "KVCacheConfig", "MemoryConfig", "ModelConfig",
-                     "ParallelConfig", "engine_schema", "key", "parse_dtype", "positive", "structured_options",
+                     "ParallelConfig", "SpeculativeConfig", "DisaggregationConfig", "engine_schema", "key", "parse_dtype", "positive", "structured_options",
                      "validate"), "kvcore.config.schema"),
 }  # fmt: skip
 __all__ = sorted(_PUBLIC)

@@ -218,6 +218,9 @@ class HFConfig:
         }
         if v_head_dim is not None and v_head_dim != head_dim:
             spec["v_head_dim"] = v_head_dim
+        nextn = self.data.get("num_nextn_predict_layers")
+        if isinstance(nextn, int) and nextn > 0:  # the draft layers of speculative.algorithm=nextn
+            spec["num_nextn_predict_layers"] = nextn
         spec.update(self.weights(parameters, weights or {}))
         return spec
 
@@ -448,7 +451,8 @@ def _gpt_oss(cfg: HFConfig) -> dict[str, Any]:
 def _deepseek(cfg: HFConfig) -> dict[str, Any]:
     """DeepSeek-V3 (and R1): multi-head latent attention (``model.mla``), ``first_k_dense_replace`` dense
     layers then MoE layers every ``moe_layer_freq``; deepseek_v32 adds the lightning indexer (``model.dsa``).
-    The multi-token-prediction layers (``num_nextn_predict_layers``) are not served and not counted; block-fp8
+    The multi-token-prediction layers (``num_nextn_predict_layers``) are recorded (the draft of
+    ``speculative.algorithm=nextn``) but not counted in the parameters; block-fp8
     weights (``quant_method: fp8``) are charged at one byte (their scales are not counted)."""
     heads = cfg.integer("num_attention_heads")
     hidden, layers = cfg.integer("hidden_size"), cfg.integer("num_hidden_layers")

@@ -140,6 +140,30 @@ def load_config(*overrides: str, path: str | Path | None = None, registry) -> En
     return cfg
 
 
+def load_model(option: str, *, registry, engine_file: str | Path | None = None) -> Any:
+    """The model section a ``model=`` option names (a shipped model file, or ``hf:PATH``), validated against the
+    schema with the registry's model sections: what a draft model of speculative decoding is read with.  A
+    global-package model file's other sections (its page size, parallel layout) are not taken.
+
+    :raises ConfigError: naming the option and what is wrong.
+    """
+    schema = engine_schema(registry.model_sections)
+    engine_file = Path(engine_file) if engine_file is not None else packaged_configs() / "engine.yaml"
+    try:
+        merged = OmegaConf.structured(schema)
+        if option.startswith("hf:"):
+            from kvcore.config.hf import hf_model_config
+
+            merged = OmegaConf.merge(merged, {"model": hf_model_config(option)})
+        else:
+            path = group_file("model", option, engine_file)
+            group_cfg = _load_yaml(path)
+            merged = OmegaConf.merge(merged, {"model": group_cfg.model} if _is_global_package(path) else {"model": group_cfg})
+        return _to_object(merged["model"], "model")
+    except OmegaConfBaseException as exc:
+        raise ConfigError(describe_error(exc, schema)) from None
+
+
 def _check_not_a_section(schema: type, key: str, value: Any, where: str = "") -> None:
     """A section (``kv_cache``, ``memory``, ...) given one value instead of its keys: say which keys it has.  (The
     ``model`` and ``hardware`` groups take an option's name and never get here.)"""

@@ -89,6 +89,7 @@ class ModelConfig:
     dtype: str = key("bfloat16", doc="compute dtype; kv_cache.dtype=auto follows it")
     weight_dtype: Optional[str] = key(None, doc="the checkpoint's weight dtype when it differs from dtype (DeepSeek-V3 ships fp8 weights)")
     weight_bytes: Optional[int] = key(None, validator=positive, doc="the checkpoint's weight bytes, for mixed-precision checkpoints (gpt-oss's MXFP4 experts); replaces num_parameters x the weight dtype's bytes")
+    num_nextn_predict_layers: Optional[int] = key(None, doc="multi-token-prediction (MTP) layers the checkpoint ships (config.json num_nextn_predict_layers): the draft of speculative.algorithm=nextn")
 
 
 @attrs.define
@@ -144,6 +145,38 @@ class ParallelConfig:
     dp_size: int = key(1, validator=positive, doc="data-parallel workers sharing memory.max_running_requests")
 
 
+SPECULATIVE_ALGORITHMS = ("none", "eagle", "eagle3", "nextn", "standalone")
+
+
+@attrs.define
+class SpeculativeConfig:
+    """Speculative decoding (SGLang's ``--speculative-*`` arguments): a draft model proposes tokens the target
+    verifies.  The draft worker shares the target's request table and token slots and keeps its own KV pool for
+    its own layers; the target's pools reserve what drafting needs (extra context per request, per-draft-token
+    recurrent states, the draft's bytes per token in the budget)."""
+
+    algorithm: str = key("none", validator=_one_of(*SPECULATIVE_ALGORITHMS), doc="none, eagle, eagle3, standalone (a draft model: speculative.draft_model) or nextn (the target's own multi-token-prediction layers, model.num_nextn_predict_layers)")
+    num_draft_tokens: int = key(4, validator=positive, doc="tokens the draft proposes per step (SGLang's speculative_num_draft_tokens): extra context per request, and per running request the intermediate states of recurrent layers")
+    eagle_topk: int = key(1, validator=positive, doc="branches kept per draft step (SGLang's speculative_eagle_topk)")
+    draft_model: Optional[str] = key(None, doc="the draft's model: a shipped model name (configs/model/) or hf:PATH; for eagle, eagle3 and standalone")
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "none"
+
+
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+
+
+@attrs.define
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (SGLang's ``--disaggregation-*`` arguments): a prefill worker computes the
+    KV of a prompt and a decode worker receives it (:mod:`kvcore.transfer`)."""
+
+    mode: str = key("null", validator=_one_of(*DISAGGREGATION_MODES), doc="null (one worker does both), prefill or decode; both worker modes keep freed slots sorted (the allocators' need_sort)")
+    decode_extra_slots: Optional[int] = key(None, doc="decode mode: request-table rows beyond memory.max_running_requests for requests whose KV is still arriving (SGLang's disaggregation_decode_extra_slots; unset: twice the requests of a worker serving at most 32, else 0)")
+
+
 @attrs.define
 class EngineConfig:
     """The whole configuration: one section per concern."""
@@ -153,6 +186,8 @@ class EngineConfig:
     kv_cache: KVCacheConfig = key(factory=KVCacheConfig, doc="the cache")
     memory: MemoryConfig = key(factory=MemoryConfig, doc="the memory budget")
     parallel: ParallelConfig = key(factory=ParallelConfig, doc="the parallel layout")
+    speculative: SpeculativeConfig = key(factory=SpeculativeConfig, doc="speculative decoding (a draft worker beside the target)")
+    disaggregation: DisaggregationConfig = key(factory=DisaggregationConfig, doc="prefill/decode disaggregation")
 
     # -- derived, per-rank quantities (pure functions of the config) -------------------------------------
 
@@ -247,6 +282,25 @@ def validate(cfg: EngineConfig) -> EngineConfig:
     if cfg.hardware.device not in ("cpu", "cuda"):
         raise ConfigError(f"hardware.device={cfg.hardware.device!r} is not one of: cpu, cuda")
     _ = cfg.model_dtype, cfg.kv_dtype, cfg.weight_bytes_per_rank  # names errors for unknown dtypes
+    spec = cfg.speculative
+    if spec.algorithm == "nextn":
+        if not m.num_nextn_predict_layers:
+            raise ConfigError(
+                f"speculative.algorithm=nextn drafts with the model's own multi-token-prediction layers, and model "
+                f"{m.name!r} declares none (model.num_nextn_predict_layers={m.num_nextn_predict_layers}): set it from "
+                "config.json's num_nextn_predict_layers, or use speculative.algorithm=eagle3 with speculative.draft_model"
+            )
+        if spec.draft_model is not None:
+            raise ConfigError(f"speculative.draft_model={spec.draft_model!r} is not used by speculative.algorithm=nextn "
+                              "(the draft is the target's own MTP layers): leave it unset")  # fmt: skip
+    elif spec.enabled and not spec.draft_model:
+        raise ConfigError(
+            f"speculative.algorithm={spec.algorithm} needs a draft model: set speculative.draft_model to a shipped "
+            "model (e.g. llama-3-8b-eagle3, `kvcore config` lists them) or hf:PATH"
+        )
+    extra = cfg.disaggregation.decode_extra_slots
+    if extra is not None and extra < 0:
+        raise ConfigError(f"disaggregation.decode_extra_slots must be 0 or more, got {extra}")
     return cfg
 
 

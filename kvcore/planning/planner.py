@@ -74,6 +74,28 @@ class MemoryPlan:
     limiting_pp_rank: int = 0
     pp_size: int = 1
     warnings: tuple[str, ...] = ()
+    extra_context_len: int = 0
+    pre_alloc_size: int = 0
+    draft_layout: PoolLayout | None = None
+    draft_kv_cache_bytes: int = 0
+    draft_weight_bytes: int = 0
+
+    @property
+    def request_context_len(self) -> int:
+        """The request table's row length: the model's context plus the headroom drafting and over-allocation
+        need (SGLang's ``context_len + get_req_to_token_extra_context_len()``)."""
+        return self.context_length + self.extra_context_len
+
+    @property
+    def draft_bytes_per_token(self) -> int:
+        """Bytes per token of the draft model's pool (0 without speculative decoding)."""
+        return 0 if self.draft_layout is None else self.draft_layout.bytes_per_token
+
+    @property
+    def cell_bytes_per_token(self) -> int:
+        """What one token costs the budget: the target's bytes per token plus the draft's (SGLang's cell size
+        under speculative decoding)."""
+        return self.bytes_per_token + self.draft_bytes_per_token
 
     @property
     def swa_max_total_num_tokens(self) -> int | None:
@@ -93,13 +115,16 @@ class MemoryPlan:
 
 
 def memory_budget(
-    cfg: EngineConfig, *, free_memory_bytes: int | None = None, weights_loaded: bool = False
+    cfg: EngineConfig, *, free_memory_bytes: int | None = None, weights_loaded: bool = False,
+    draft_weight_bytes: int = 0,
 ) -> MemoryBudget:
     """The KV byte budget of one rank.
 
     :param free_memory_bytes: device memory free before the model loads, as profiled by an engine; default:
         the hardware profile's ``memory_gib``.
     :param weights_loaded: the profile was taken after loading the weights, so they are not charged again.
+    :param draft_weight_bytes: a speculative draft model's weights per rank, charged with the target's (as
+        SGLang's profile after loading both does).
     :raises PlanningError: when weights and slack leave nothing, naming the value that would fit.
     """
     if cfg.memory.budget_gib is not None:
@@ -112,7 +137,7 @@ def memory_budget(
     else:
         pre = int(free_memory_bytes)
         source = f"profiled free memory ({pre / GiB:.2f} GiB)"
-    weights = 0 if weights_loaded else cfg.weight_bytes_per_rank
+    weights = 0 if weights_loaded else cfg.weight_bytes_per_rank + draft_weight_bytes
     mfs = cfg.memory.mem_fraction_static
     slack = int(pre * (1 - mfs))
     available = pre - weights
@@ -120,8 +145,9 @@ def memory_budget(
     if available <= 0 or rest <= 0:
         fixes = _fixes_for_weights(cfg, free_memory_bytes is None, weights_loaded)
         if available <= 0:
+            draft = " (with its speculative draft)" if draft_weight_bytes else ""
             raise PlanningError(
-                f"model {cfg.model.name} needs {weights / GiB:.2f} GiB of weights per rank but {source} has "
+                f"model {cfg.model.name}{draft} needs {weights / GiB:.2f} GiB of weights per rank but {source} has "
                 f"{pre / GiB:.2f} GiB: {fixes}"
             )
         minimum = 1 - available / pre
@@ -249,14 +275,67 @@ def resolve_max_running_requests(
     return result, warnings
 
 
+def extra_context_len(cfg: EngineConfig) -> int:
+    """The request table's headroom beyond the model's context, as SGLang sizes it
+    (``get_req_to_token_extra_context_len``): 4 tokens, plus the draft tokens under speculative decoding; with
+    pages larger than one token, at least twice what one decode step may allocate plus a page less one token
+    (a draft step of ``num_draft_tokens - 1`` chained steps, each of ``eagle_topk`` branches)."""
+    spec = cfg.speculative
+    if not spec.enabled:
+        return 4
+    draft, topk, page = spec.num_draft_tokens, spec.eagle_topk, cfg.kv_cache.page_size
+    extra = 4 + draft
+    if page > 1:
+        steps = max(1, draft - 1)
+        if topk == 1:
+            per_decode = max(steps * topk, draft)
+        else:  # each branch may open its own pages
+            per_decode = max((page - 1 + steps + page - 1) // page * page * topk, draft)
+        extra = max(extra, 2 * per_decode + page - 1)
+    return extra
+
+
+def pre_alloc_size(cfg: EngineConfig) -> int:
+    """Request-table rows a decode worker keeps beyond its running requests for requests whose KV is still
+    arriving (SGLang's ``disaggregation_decode_extra_slots``): the configured value or, unset, twice a worker's
+    share of ``memory.max_running_requests`` when that share is at most 32 (0 for larger shares, or with no
+    cap set); 0 outside decode mode."""
+    dis = cfg.disaggregation
+    if dis.mode != "decode":
+        return 0
+    if dis.decode_extra_slots is not None:
+        return dis.decode_extra_slots
+    running = cfg.memory.max_running_requests
+    if running is None:
+        return 0
+    per_worker = max(1, running // cfg.parallel.dp_size)
+    return 2 * per_worker if per_worker <= 32 else 0
+
+
+def with_draft(layout: PoolLayout, draft: PoolLayout | None) -> PoolLayout:
+    """``layout`` plus the draft model's token buffers (named ``draft.<name>``): what one token costs when the
+    draft's pool holds as many tokens as the target's (SGLang's cell size under speculative decoding)."""
+    if draft is None:
+        return layout
+    extra = [attrs.evolve(b, name=f"draft.{b.name}") for b in draft.buffers if b.sized_by == "tokens"]
+    return attrs.evolve(layout, buffers=(*layout.buffers, *extra))
+
+
 def plan_from_layouts(
     cfg: EngineConfig,
     layouts: Sequence[PoolLayout],
     budget: MemoryBudget,
+    draft_layout: PoolLayout | None = None,
 ) -> MemoryPlan:
-    """Size the pools of this rank from the layouts of every pipeline rank (index = pp rank)."""
+    """Size the pools of this rank from the layouts of every pipeline rank (index = pp rank).
+
+    :param draft_layout: under speculative decoding, the draft model's pool layout: its token buffers are
+        sized with the target's tokens and charged to the same budget.
+    """
     if len(layouts) != cfg.parallel.pp_size:
         raise ValueError(f"expected {cfg.parallel.pp_size} layouts (one per pipeline rank), got {len(layouts)}")
+    target = layouts[cfg.parallel.pp_rank]
+    layouts = [with_draft(layout, draft_layout) for layout in layouts]
     warnings: list[str] = []
     page_size = cfg.kv_cache.page_size
     ratio = cfg.memory.swa_full_tokens_ratio
@@ -311,12 +390,16 @@ def plan_from_layouts(
     _check_min_sizes(cfg, layouts, budget, sizes)
     max_running_requests, request_warnings = resolve_max_running_requests(cfg, aligned)
     warnings.extend(request_warnings)
+    pre_alloc = pre_alloc_size(cfg)
     if slots is not None:
         sizes["requests"] = slots
         max_running_requests = _cap_by_state_slots(cfg, layout, slots, max_running_requests, warnings)
         if "running_requests" in layout.groups:
             sizes["running_requests"] = max_running_requests
-    table_bytes = req_to_token_bytes(max_running_requests, cfg.model.context_length)
+        if pre_alloc:
+            sizes["requests"] = _with_pre_allocated(layout, slots, max_running_requests, pre_alloc, warnings)
+    extra_context = extra_context_len(cfg)
+    table_bytes = req_to_token_bytes(max_running_requests + pre_alloc, cfg.model.context_length + extra_context)
     if table_bytes > budget.kv_budget_bytes:  # SGLang's request table is not in the KV budget: say what it adds
         message = (f"the request table ({table_bytes / GiB:.2f} GiB: {max_running_requests} requests x "
                    f"{cfg.model.context_length} tokens of context) comes on top of the KV budget of "
@@ -325,20 +408,24 @@ def plan_from_layouts(
         logger.warning(message)
         warnings.append(message)
     return MemoryPlan(
-        backend=layout.backend,
-        layout=layout,
+        backend=target.backend,
+        layout=target,
         budget=budget,
         page_size=page_size,
-        bytes_per_token=layout.bytes_per_token,
+        bytes_per_token=target.bytes_per_token,
         max_total_num_tokens=aligned,
         max_running_requests=max_running_requests,
         context_length=cfg.model.context_length,
         sizes=sizes,
-        kv_cache_bytes=layout.total_bytes({group: sizes[group] for group in layout.groups}),
+        kv_cache_bytes=target.total_bytes({group: sizes[group] for group in target.groups}),
         req_to_token_bytes=table_bytes,
         limiting_pp_rank=limiting,
         pp_size=len(layouts),
         warnings=tuple(warnings),
+        extra_context_len=extra_context,
+        pre_alloc_size=pre_alloc,
+        draft_layout=draft_layout,
+        draft_kv_cache_bytes=0 if draft_layout is None else draft_layout.total_bytes({"tokens": aligned}),
     )
 
 
@@ -418,6 +505,22 @@ def _request_slots(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget_byte
             "(parallel.tp_size)"
         )
     return slots, [budget_bytes - state for state in state_bytes]
+
+
+def _with_pre_allocated(layout: PoolLayout, slots: int, requests: int, pre_alloc: int, warnings: list[str]) -> int:
+    """The state slots of a decode worker: enough for the running and the pre-allocated requests (SGLang's
+    ``HybridMambaDecodeReqToTokenPool`` raises its state pool to ``(requests + pre_alloc) x`` the slots a request
+    holds, beyond the budget's share, and says so)."""
+    per_request = max(1, (layout.request_state or RequestStateSizing()).slots_per_request)
+    needed = (requests + pre_alloc) * per_request
+    if needed <= slots:
+        return slots
+    message = (f"state slots raised from {slots} to {needed} for {requests} running and {pre_alloc} pre-allocated "
+               f"requests (disaggregation.decode_extra_slots) at {per_request} slots each: "
+               f"{(needed - slots) * layout.bytes_per_unit('requests') / GiB:.3f} GiB beyond the KV budget")  # fmt: skip
+    logger.warning(message)
+    warnings.append(message)
+    return needed
 
 
 def _cap_by_state_slots(cfg: EngineConfig, layout: PoolLayout, slots: int, requests: int, warnings: list[str]) -> int:

@@ -17,8 +17,11 @@ def kvcore_create_pool(backend, request, layout, sizes):
 
 @hookimpl(trylast=True)
 def kvcore_create_req_to_token_pool(request, size, max_context_len):
-    from kvcore.pools import ReqToTokenPool
+    from kvcore.pools import DecodeReqToTokenPool, ReqToTokenPool
 
+    if request.mode.disaggregation == "decode":
+        return DecodeReqToTokenPool(size=size, max_context_len=max_context_len, device=request.device,
+                                    enable_memory_saver=False, pre_alloc_size=request.mode.pre_alloc_size)  # fmt: skip
     return ReqToTokenPool(size=size, max_context_len=max_context_len, device=request.device, enable_memory_saver=False)
 
 
@@ -29,7 +32,7 @@ def kvcore_choose_allocator(request, pool, sizes):
     size = sizes["tokens"]
     if request.page_size == 1:
         return TokenToKVPoolAllocator(
-            size, dtype=request.kv_dtype, device=request.device, kvcache=pool, need_sort=False, kernels=request.kernels
+            size, dtype=request.kv_dtype, device=request.device, kvcache=pool, need_sort=request.mode.need_sort, kernels=request.kernels
         )
     return PagedTokenToKVPoolAllocator(
         size,
@@ -37,6 +40,6 @@ def kvcore_choose_allocator(request, pool, sizes):
         dtype=request.kv_dtype,
         device=request.device,
         kvcache=pool,
-        need_sort=False,
+        need_sort=request.mode.need_sort,
         kernels=request.kernels,
     )

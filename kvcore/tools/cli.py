@@ -58,7 +58,22 @@ def _describe_config(cfg: EngineConfig) -> list[str]:
         f"parallel   tp={cfg.parallel.tp_size} pp={cfg.parallel.pp_size} (this rank: layers {start}..{end - 1})",
         f"kv cache   dtype={cfg.kv_format or str(cfg.kv_dtype).removeprefix('torch.')} page_size={cfg.kv_cache.page_size} "
         f"backend={cfg.kv_cache.backend}",
+        *_describe_modes(cfg),
     ]
+
+
+def _describe_modes(cfg: EngineConfig) -> list[str]:
+    """The engine modes, when one is on: speculative decoding and disaggregation."""
+    lines = []
+    spec, dis = cfg.speculative, cfg.disaggregation
+    if spec.enabled:
+        draft = (f"the model's {cfg.model.num_nextn_predict_layers} MTP layer(s)" if spec.algorithm == "nextn"
+                 else spec.draft_model)  # fmt: skip
+        lines.append(f"speculative {spec.algorithm}: draft {draft}, {spec.num_draft_tokens} draft tokens, "
+                     f"topk {spec.eagle_topk}")  # fmt: skip
+    if dis.mode != "null":
+        lines.append(f"disaggregation {dis.mode} worker: allocators keep freed slots sorted (need_sort)")
+    return lines
 
 
 def _describe_plan(plan: MemoryPlan) -> list[str]:
@@ -86,9 +101,22 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
                     if b.sized_by in ("requests", "running_requests"))  # fmt: skip
         lines.append(f"state      max_mamba_cache_size = {plan.max_mamba_cache_size} slots of per-request state, "
                      f"{_gib(state)} (reserved before the KV tokens: {_gib(plan.kv_cache_bytes - state)})")
+    if plan.draft_layout is not None:
+        lines += [
+            f"draft      {plan.draft_layout.backend}: the draft model's pool, at the target's tokens",
+            *(f"  buffer   {buf.describe()}" for buf in plan.draft_layout.buffers),
+            f"per token  {plan.bytes_per_token} target + {plan.draft_bytes_per_token} draft = "
+            f"{plan.cell_bytes_per_token} bytes per token per rank (the cell size the tokens are solved with)",
+            f"           draft weights {_gib(plan.draft_weight_bytes)} charged with the target's; draft pool "
+            f"{_gib(plan.draft_kv_cache_bytes)}",
+        ]
+    rows = plan.max_running_requests + plan.pre_alloc_size
+    table = f"{rows} rows" + (f", {plan.pre_alloc_size} pre-allocated for arriving requests" if plan.pre_alloc_size else "")
     lines += [
-        f"requests   max_running_requests = {plan.max_running_requests} (context {plan.context_length})",
-        f"memory     KV pools {_gib(plan.kv_cache_bytes)} + request table {_gib(plan.req_to_token_bytes)}",
+        f"requests   max_running_requests = {plan.max_running_requests} (context {plan.context_length}; request "
+        f"table rows of {plan.request_context_len} tokens, {table})",
+        f"memory     KV pools {_gib(plan.kv_cache_bytes + plan.draft_kv_cache_bytes)} + request table "
+        f"{_gib(plan.req_to_token_bytes)}",
     ]
     lines += [f"warning    {w}" for w in plan.warnings]
     lines += [f"note       {n}" for n in plan.layout.notes]
@@ -119,7 +147,7 @@ def _compare_dtypes(cfg: EngineConfig) -> list[str]:
         except KVCoreError as exc:
             lines.append(f"           {name:<14} {'-':>12} {'-':>12} {'-':>9}  {str(exc).splitlines()[0][:100]}")
             continue
-        lines.append(f"           {name:<14} {plan.bytes_per_token:>12} {plan.max_total_num_tokens:>12} "
+        lines.append(f"           {name:<14} {plan.cell_bytes_per_token:>12} {plan.max_total_num_tokens:>12} "
                      f"{plan.max_running_requests:>9}  {plan.backend}")  # fmt: skip
     return lines
 
@@ -200,7 +228,8 @@ def _up(cfg: EngineConfig, rank: str, report, explain: bool = False) -> int:
     if rank:
         plan = distributed.agree(plan)
     report(["[3/4] plan (nothing allocated yet)"] + ["  " + line for line in _describe_plan(plan)])
-    report([f"[4/4] allocating {_gib(plan.kv_cache_bytes + plan.req_to_token_bytes)} on {cfg.hardware.device} ..."])
+    total = plan.kv_cache_bytes + plan.draft_kv_cache_bytes + plan.req_to_token_bytes
+    report([f"[4/4] allocating {_gib(total)} on {cfg.hardware.device} ..."])
     started = time.perf_counter()
     pools = kvcore.api.build_pools(cfg, registry=registry, plan=plan)
     allocated = sum(buf.nbytes for buf in pools.token_to_kv_pool.buffers().values())
@@ -210,8 +239,19 @@ def _up(cfg: EngineConfig, rank: str, report, explain: bool = False) -> int:
         print(f"  {rank}FAIL layout declared {plan.kv_cache_bytes} bytes, pool allocated {allocated}")
         return 1
     results = run_self_check(pools)
+    if pools.draft is not None:
+        draft_pool = pools.draft.token_to_kv_pool
+        draft_bytes = sum(buf.nbytes for buf in draft_pool.buffers().values())
+        print(f"  {rank}allocated {_gib(draft_bytes)} of the draft's pool ({type(draft_pool).__name__}, "
+              f"{draft_pool.layer_num} layer(s)), sharing the target's request table and allocator")  # fmt: skip
+        if draft_bytes != plan.draft_kv_cache_bytes:
+            print(f"  {rank}FAIL the draft's layout declared {plan.draft_kv_cache_bytes} bytes, its pool allocated "
+                  f"{draft_bytes}")  # fmt: skip
+            return 1
+        results += [attrs.evolve(r, name=f"draft {r.name}") for r in run_self_check(pools.draft)]
+    width = max(12, *(len(r.name) for r in results))
     for r in results:
-        print(f"  {rank}{'ok  ' if r.ok else 'FAIL'} {r.name:<12} {r.detail}")
+        print(f"  {rank}{'ok  ' if r.ok else 'FAIL'} {r.name:<{width}} {r.detail}")
     failed = [r for r in results if not r.ok]
     print(f"{rank}kvcore up: {'FAILED' if failed else 'ready'}: {plan.max_total_num_tokens} tokens, "
           f"{plan.max_running_requests} requests, backend {plan.backend}", flush=True)

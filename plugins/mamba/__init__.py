@@ -16,6 +16,7 @@ _PUBLIC = {
     "MambaPool": "kvcore_mamba.pool",
     "HybridReqToTokenPool": "kvcore_mamba.pool",
     "HybridLinearKVPool": "kvcore_mamba.pool",
+    "HybridMambaDecodeReqToTokenPool": "kvcore_mamba.decode",
     "LinearAttentionDims": "kvcore_mamba.layout",
     "LinearStateParams": "kvcore_mamba.layout",
 }

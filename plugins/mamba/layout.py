@@ -136,16 +136,29 @@ def rank_state_params(request: PoolRequest) -> LinearStateParams:
     return state_params(request.section("mamba"), request.model_dtype, request.tp_size, rank_layers(request)[1])
 
 
-def request_state_sizing(options: MambaOptions | None) -> RequestStateSizing:
-    """SGLang's rules for the state slots, from the backend's options."""
+def draft_tokens(request: PoolRequest) -> int:
+    """Speculative decoding's draft tokens per running request: ``kv_cache.options.speculative_num_draft_tokens``
+    when set, else ``speculative.num_draft_tokens`` of a target worker under speculative decoding (a draft
+    worker keeps no states of its own), else 0."""
+    options = request.options if isinstance(request.options, MambaOptions) else None
+    if options is not None and options.speculative_num_draft_tokens:
+        return options.speculative_num_draft_tokens
+    mode = request.mode
+    return 0 if mode.is_draft_worker else mode.num_draft_tokens
+
+
+def request_state_sizing(options: MambaOptions | None, draft: int = 0) -> RequestStateSizing:
+    """SGLang's rules for the state slots, from the backend's options and the draft tokens
+    (:func:`draft_tokens`)."""
     options = options or MambaOptions()
     per_request = 1 if options.disable_radix_cache else SLOTS_PER_REQUEST + EXTRA_SLOTS[options.mamba_extra_buffer]
     return RequestStateSizing(
         slots=options.max_mamba_cache_size, from_running_requests=options.disable_radix_cache,
         memory_ratio=options.mamba_full_memory_ratio, slots_per_request=per_request,
-        draft_tokens=options.speculative_num_draft_tokens or 0,
+        draft_tokens=draft,
         keys=("kv_cache.options.max_mamba_cache_size", "kv_cache.options.mamba_full_memory_ratio",
-              "kv_cache.options.speculative_num_draft_tokens"),
+              "speculative.num_draft_tokens" if draft and not options.speculative_num_draft_tokens
+              else "kv_cache.options.speculative_num_draft_tokens"),
     )  # fmt: skip
 
 
@@ -157,7 +170,7 @@ def mamba_layout(*, backend: str, request: PoolRequest) -> PoolLayout:
     full, linear = rank_layers(request)
     params = rank_state_params(request)
     options = request.options if isinstance(request.options, MambaOptions) else None
-    draft = (options.speculative_num_draft_tokens or 0) if options else 0
+    draft = draft_tokens(request)
     buffers, notes = [], []
     if full:
         common = dict(backend=backend, page_size=request.page_size, dtype=request.kv_dtype, layer_num=len(full))
@@ -184,4 +197,4 @@ def mamba_layout(*, backend: str, request: PoolRequest) -> PoolLayout:
     notes.append(f"{len(full)} full-attention and {len(linear)} linear-attention layers; "
                  f"{params.mamba_cache_per_req / 2**20:.2f} MiB of state per request")  # fmt: skip
     return PoolLayout(backend=backend, buffers=buffers, notes=notes,
-                      request_state=request_state_sizing(options) if linear else None)  # fmt: skip
+                      request_state=request_state_sizing(options, draft) if linear else None)  # fmt: skip

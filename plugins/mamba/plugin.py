@@ -22,13 +22,13 @@ def layout(request: PoolRequest) -> PoolLayout:
 
 
 def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
-    from kvcore_mamba.layout import rank_layers, rank_state_params
+    from kvcore_mamba.layout import draft_tokens, rank_layers, rank_state_params
     from kvcore_mamba.pool import HybridLinearKVPool, MambaPool
 
     full, _ = rank_layers(request)
     mamba_pool = MambaPool(size=sizes["requests"], spec_state_size=sizes.get("running_requests", 0),
                            cache_params=rank_state_params(request), device=request.device, kernels=request.kernels,
-                           speculative_num_draft_tokens=request.options.speculative_num_draft_tokens)  # fmt: skip
+                           speculative_num_draft_tokens=draft_tokens(request) or None)  # fmt: skip
     mla = request.sections.get("mla")
     return HybridLinearKVPool(
         size=sizes["tokens"], dtype=request.kv_dtype, page_size=request.page_size, head_num=request.head_num,
@@ -71,21 +71,25 @@ def kvcore_create_req_to_token_pool(backend, request, size, max_context_len, siz
     """The request table with state slots, sharing the KV pool's :class:`MambaPool`."""
     if backend.name not in (BACKEND, MLA_BACKEND):
         return None
-    from kvcore_mamba.layout import rank_state_params
+    from kvcore_mamba.layout import draft_tokens, rank_state_params
+    from kvcore_mamba.decode import HybridMambaDecodeReqToTokenPool
     from kvcore_mamba.pool import HybridReqToTokenPool
 
     options: MambaOptions = request.options
     extra = options.mamba_extra_buffer
-    return HybridReqToTokenPool(
-        size=size, mamba_size=sizes["requests"], max_context_len=max_context_len, device=request.device,
-        cache_params=rank_state_params(request), enable_mamba_extra_buffer=extra != "off",
-        enable_mamba_extra_buffer_lazy=extra == "overlap_lazy", start_layer=request.start_layer,
+    common = dict(
+        size=size, max_context_len=max_context_len, device=request.device, cache_params=rank_state_params(request),
+        enable_mamba_extra_buffer=extra != "off", start_layer=request.start_layer,
         # the track slots the planner reserved (layout.EXTRA_SLOTS): 2 with the overlap schedule, 1 without
         enable_overlap_schedule=None if extra == "off" else extra != "no_overlap",
-        mamba_spec_state_size=sizes.get("running_requests", 0),
-        speculative_num_draft_tokens=options.speculative_num_draft_tokens, mamba_pool=pool.mamba_pool,
+        speculative_num_draft_tokens=draft_tokens(request) or None, mamba_pool=pool.mamba_pool,
         kernels=request.kernels,
     )  # fmt: skip
+    if request.mode.disaggregation == "decode":
+        return HybridMambaDecodeReqToTokenPool(mamba_size=sizes["requests"], pre_alloc_size=request.mode.pre_alloc_size,
+                                               **common)  # fmt: skip
+    return HybridReqToTokenPool(mamba_size=sizes["requests"], mamba_spec_state_size=sizes.get("running_requests", 0),
+                                enable_mamba_extra_buffer_lazy=extra == "overlap_lazy", **common)  # fmt: skip
 
 
 @hookimpl

@@ -69,7 +69,7 @@ def kvcore_choose_allocator(backend, request, pool, sizes):
 
     return SWATokenToKVPoolAllocator(
         sizes["tokens"], sizes["swa_tokens"], page_size=request.page_size, dtype=request.kv_dtype,
-        device=request.device, kvcache=pool, need_sort=False, kernels=request.kernels,
+        device=request.device, kvcache=pool, need_sort=request.mode.need_sort, kernels=request.kernels,
     )  # fmt: skip
 
 
