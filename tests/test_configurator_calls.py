@@ -569,6 +569,34 @@ def test_req_to_token_pool_and_allocator_calls():
     assert paged.alloc(8).numel() == 8
 
 
+def test_decode_worker_calls():
+    """The configurator's calls under disaggregation_mode=decode: DecodeReqToTokenPool, and
+    HybridMambaDecodeReqToTokenPool for linear-attention hybrids, with its keywords (pre_alloc_size is
+    disaggregation_decode_extra_slots, 0 by default for a large batch, here 3)."""
+    from kvcore.pools import DecodeReqToTokenPool
+    from kvcore_mamba.decode import HybridMambaDecodeReqToTokenPool
+
+    pre_alloc_size = 3
+    reqs = DecodeReqToTokenPool(size=REQS, max_context_len=CONTEXT, device=DEVICE,
+                                enable_memory_saver=SERVER_ARGS.enable_memory_saver, pre_alloc_size=pre_alloc_size)  # fmt: skip
+    assert reqs.alloc(REQS + pre_alloc_size) == list(range(1, REQS + pre_alloc_size + 1)) and reqs.alloc(1) is None
+    start_layer, end_layer = 0, HYBRID_LAYERS
+    hybrid = HybridMambaDecodeReqToTokenPool(
+        size=REQS, max_context_len=CONTEXT, device=DEVICE, enable_memory_saver=SERVER_ARGS.enable_memory_saver,
+        cache_params=CACHE_PARAMS, mamba_layer_ids=[i for i in CACHE_PARAMS.layers if start_layer <= i < end_layer],
+        speculative_num_draft_tokens=SERVER_ARGS.max_speculative_num_draft_tokens,
+        speculative_eagle_topk=SERVER_ARGS.speculative_eagle_topk, enable_mamba_extra_buffer=ENABLE_MAMBA_EXTRA_BUFFER,
+        pre_alloc_size=pre_alloc_size, enable_overlap_schedule=ENABLE_OVERLAP_SCHEDULE,
+        mamba_size=SERVER_ARGS.max_mamba_cache_size, start_layer=start_layer,
+    )  # fmt: skip
+    # max_mamba_cache_size 6 is raised to the 7 requests' slots, as SGLang does
+    assert hybrid.mamba_pool.size == REQS + pre_alloc_size
+    slots = hybrid.alloc(REQS + pre_alloc_size, [_req(i) for i in range(REQS + pre_alloc_size)])
+    assert slots == list(range(1, REQS + pre_alloc_size + 1))
+    pool = hybrid_kv_call(hybrid)
+    assert pool.mamba_pool is hybrid.mamba_pool
+
+
 # -- get_kv_size_bytes of the other families ---------------------------------------------------------------------
 
 
