@@ -219,3 +219,26 @@ def test_no_module_is_too_long_to_read():
             if lines > MODULE_LINES_MAX:
                 long.append(f"{path.relative_to(ROOT)} ({lines} lines)")
     assert not long, f"modules over {MODULE_LINES_MAX} lines: {', '.join(long)}"
+
+
+def test_every_package_is_in_the_distribution():
+    """Each package under kvcore/ and plugins/ is listed in pyproject.toml's packages, so a wheel (not only an
+    editable install) holds it."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    where = {Path(path): name for name, path in setuptools["package-dir"].items()}
+    missing = []
+    for init in sorted([*CORE.rglob("__init__.py"), *(ROOT / "plugins").rglob("__init__.py")]):
+        folder = init.parent.relative_to(ROOT)
+        for base, name in where.items():
+            if folder == base or base in folder.parents:
+                dotted = ".".join([name, *folder.relative_to(base).parts])
+                break
+        else:
+            missing.append(str(folder))
+            continue
+        if dotted not in listed:
+            missing.append(dotted)
+    assert not missing, f"packages missing from pyproject.toml's [tool.setuptools] packages: {missing}"
