@@ -1,0 +1,142 @@
+"""MultiEndedAllocator: the two ends share the bytes, virtual ids stay valid across compaction, and what a unit
+holds moves with it byte for byte (a byte arena stands in for the pool, its mover copies envelopes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvcore_unified.allocator import HIGH, LOW, MultiEndedAllocator
+
+
+class Arena:
+    """A byte range and the mover a pool would give the allocator: envelopes copied in one batch."""
+
+    def __init__(self, capacity: int):
+        self.bytes = np.zeros(capacity, dtype=np.uint8)
+        self.allocator: MultiEndedAllocator | None = None
+        self.calls: list[tuple[str, int]] = []
+
+    def move(self, side: str, src: np.ndarray, dst: np.ndarray) -> None:
+        a = self.allocator
+        unit = a._sides[side].unit
+        assert not set(src.tolist()) & set(dst.tolist()), "a batch move must not overlap"
+        blocks = [self.bytes[o : o + unit].copy() for o in a.byte_offset(side, src)]
+        for o, block in zip(a.byte_offset(side, dst), blocks):
+            self.bytes[o : o + unit] = block
+        self.calls.append((side, len(src)))
+
+    def write(self, side: str, ids: np.ndarray, tag: int) -> None:
+        a = self.allocator
+        unit = a._sides[side].unit
+        for i, o in zip(ids, a.byte_offset(side, a.physical(side, ids))):
+            self.bytes[o : o + unit] = pattern(side, int(i), tag, unit)
+
+    def read(self, side: str, i: int) -> np.ndarray:
+        a = self.allocator
+        unit = a._sides[side].unit
+        o = int(a.byte_offset(side, a.physical(side, [i]))[0])
+        return self.bytes[o : o + unit]
+
+
+def pattern(side: str, i: int, tag: int, unit: int) -> np.ndarray:
+    return ((np.arange(unit) * 7 + i * 13 + tag * 31 + (side == HIGH) * 101) % 251).astype(np.uint8)
+
+
+def make(capacity=1000, low=40, high=90, **kw):
+    arena = Arena(capacity)
+    arena.allocator = MultiEndedAllocator(capacity, low, high, mover=arena.move, **kw)
+    return arena, arena.allocator
+
+
+def test_the_two_ends_share_the_bytes():
+    _, a = make()
+    assert (a.available(LOW), a.available(HIGH)) == (25, 11)
+    low = a.alloc(LOW, 20)  # 800 bytes from the bottom
+    assert a.available(HIGH) == 2 and a.alloc(HIGH, 3) is None and a.used(HIGH) == 0
+    high = a.alloc(HIGH, 2)  # 180 from the top
+    assert a.free_bytes() == 20 and a.available(LOW) == 0
+    a.free(LOW, low[:5])  # 200 bytes back, usable by the other end
+    assert a.available(HIGH) == 2 and a.alloc(HIGH, 2) is not None
+    assert list(a.byte_offset(HIGH, np.array([0, 1]))) == [910, 820]
+    a.check()
+    assert high.tolist() == [1, 2]
+
+
+def test_a_free_compacts_its_side_and_ids_stay_valid():
+    arena, a = make()
+    ids = a.alloc(LOW, 6)
+    arena.write(LOW, ids, tag=1)
+    a.free(LOW, [ids[1], ids[3]])  # holes at 1 and 3; units 4 and 5 move down into them
+    assert arena.calls == [(LOW, 2)] and a.used(LOW) == 4 and a.moved_units == 2
+    assert sorted(a.physical(LOW, [ids[0], ids[2], ids[4], ids[5]]).tolist()) == [0, 1, 2, 3]
+    for i in (ids[0], ids[2], ids[4], ids[5]):
+        assert np.array_equal(arena.read(LOW, int(i)), pattern(LOW, int(i), 1, 40))
+    a.free(LOW, [ids[5]] * 3 + [0, 99, ids[1]])  # repeats, padding, unknown and already freed ids are ignored
+    assert a.used(LOW) == 3
+    a.check()
+
+
+def test_freeing_the_top_moves_nothing():
+    arena, a = make()
+    ids = a.alloc(HIGH, 4)
+    a.free(HIGH, ids[2:])
+    assert arena.calls == [] and a.used(HIGH) == 2
+
+
+def test_device_tables_follow_the_host():
+    _, a = make(device="cpu")
+    ids = a.alloc(LOW, 5)
+    a.free(LOW, ids[:2])
+    table = a.device_table(LOW)
+    assert table[ids[2:]].tolist() == a.physical(LOW, ids[2:]).tolist() and table[ids[0]].item() == -1
+    a.check()
+    with pytest.raises(RuntimeError, match="device="):
+        make()[1].device_table(LOW)
+
+
+class TwoEnds(RuleBasedStateMachine):
+    """Interleaved allocations and frees of both ends; after every step the tables agree, the ends do not overlap,
+    and every live unit still holds what was written into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.arena, self.a = make(capacity=2000, low=48, high=112, device="cpu")
+        self.live: dict[str, dict[int, int]] = {LOW: {}, HIGH: {}}
+        self.tag = 0
+
+    @rule(side=st.sampled_from([LOW, HIGH]), count=st.integers(0, 12))
+    def alloc(self, side, count):
+        fits = count <= self.a.available(side)
+        ids = self.a.alloc(side, count)
+        assert (ids is not None) == fits
+        if ids is not None:
+            self.tag += 1
+            self.arena.write(side, ids, self.tag)
+            self.live[side].update((int(i), self.tag) for i in ids)
+
+    @precondition(lambda self: self.live[LOW] or self.live[HIGH])
+    @rule(side=st.sampled_from([LOW, HIGH]), data=st.data())
+    def free(self, side, data):
+        live = sorted(self.live[side])
+        chosen = data.draw(st.lists(st.sampled_from(live), max_size=len(live))) if live else []
+        self.a.free(side, chosen + [0])
+        for i in chosen:
+            self.live[side].pop(i, None)
+
+    @invariant()
+    def consistent(self):
+        self.a.check()
+        for side, live in self.live.items():
+            assert self.a.used(side) == len(live)
+            unit = self.a._sides[side].unit
+            for i, tag in live.items():
+                assert np.array_equal(self.arena.read(side, i), pattern(side, i, tag, unit)), f"{side} id {i} lost"
+
+
+TestTwoEnds = TwoEnds.TestCase
+TestTwoEnds.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
