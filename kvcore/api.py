@@ -252,6 +252,9 @@ def build_pools(
             selection = select_backend(registry, _core_request(cfg))
             plan = distributed.agree(_plan(cfg, registry, selection, free_memory_bytes, weights_loaded), group)
     check_device_visible(cfg)
+    if cfg.memory.unified:
+        raise ConfigError("memory.unified=true: kvcore plans the unified memory (`kvcore plan` prints what it holds) but "
+                          "does not build its pools yet; set memory.unified=false to build the split pools")  # fmt: skip
     core = _core_request(cfg)
     if selection is None:
         selection = select_backend(registry, core)

@@ -38,6 +38,7 @@ import attrs
 from kvcore.config import EngineConfig
 from kvcore.errors import PlanningError
 from kvcore.layout import PoolLayout, RequestStateSizing
+from kvcore.planning.unified import UnifiedFigures, unified_figures
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class MemoryPlan:
     draft_layout: PoolLayout | None = None
     draft_kv_cache_bytes: int = 0
     draft_weight_bytes: int = 0
+    unified: UnifiedFigures | None = None
 
     @property
     def request_context_len(self) -> int:
@@ -407,7 +409,11 @@ def plan_from_layouts(
                    f"or model.context_length to shrink it")  # fmt: skip
         logger.warning(message)
         warnings.append(message)
+    unified = None
+    if cfg.memory.unified:
+        unified = unified_figures(target, budget.kv_budget_bytes, page_size, sizes)
     return MemoryPlan(
+        unified=unified,
         backend=target.backend,
         layout=target,
         budget=budget,

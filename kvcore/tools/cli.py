@@ -118,6 +118,8 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
         f"memory     KV pools {_gib(plan.kv_cache_bytes + plan.draft_kv_cache_bytes)} + request table "
         f"{_gib(plan.req_to_token_bytes)}",
     ]
+    if plan.unified is not None:
+        lines += plan.unified.describe()
     lines += [f"warning    {w}" for w in plan.warnings]
     lines += [f"note       {n}" for n in plan.layout.notes]
     return lines
