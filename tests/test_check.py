@@ -69,6 +69,21 @@ def test_a_short_hybrid_model_is_preferred_to_cutting_a_long_one(registry):
     assert target.config[:2] == ("model=deepseek-v3.2", "model.num_hidden_layers=4")
 
 
+def test_the_mla_hybrid_is_checked_on_tiny_kimi_linear(registry):
+    (target,) = plan_check(registry, "mamba_mla").targets
+    assert target.config[0] == "model=tiny-kimi-linear" and target.attention == "mamba_mla"
+
+
+def test_a_backend_no_shipped_model_uses_is_refused(registry, monkeypatch):
+    import kvcore.config
+
+    monkeypatch.setattr(kvcore.config, "available_options", lambda group, *args: ["qwen2.5-0.5b", "tiny-qwen3-next"],
+                        raising=False)  # fmt: skip
+    with pytest.raises(ConfigError, match="no shipped model has attention=mamba_mla; name a small one of yours: "
+                                          "kvcore check BACKEND model="):  # fmt: skip
+        plan_check(registry, "mamba_mla")
+
+
 def test_a_model_named_on_the_command_line_replaces_the_probe(registry):
     plan = plan_check(registry, "mamba_mla", overrides=["model=tiny-qwen3-next", "model.attention=mamba_mla",
                                                         "model.mla.kv_lora_rank=48", "model.mla.qk_rope_head_dim=16"])  # fmt: skip
@@ -81,7 +96,6 @@ def test_a_model_named_on_the_command_line_replaces_the_probe(registry):
     (dict(backend="nope"), "no installed backend is named 'nope'; installed: dsa, fp4"),
     (dict(backend="fp4", dtypes=["bfloat16"]), "does not serve kv_cache.dtype bfloat16 (it serves fp4_e2m1, nvfp4, mxfp8)"),
     (dict(backend="dsa", page_sizes=[16]), "does not serve page size 16 (it serves 64); drop --page-size"),
-    (dict(backend="mamba_mla"), "no shipped model has attention=mamba_mla; name a small one of yours: kvcore check BACKEND model="),
 ])  # fmt: skip
 def test_refusals_say_what_to_do(registry, kwargs, says):
     with pytest.raises(ConfigError) as err:

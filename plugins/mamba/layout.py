@@ -11,7 +11,7 @@ before the tokens, by SGLang's rules (:class:`~kvcore.layout.RequestStateSizing`
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional
 
 import attrs
 import torch
@@ -21,7 +21,7 @@ from kvcore.config import key, parse_dtype, positive
 from kvcore.layout import BufferLayout, PoolLayout, RequestStateSizing
 from kvcore_mha.layout import mha_layout
 
-KINDS = ("gated_delta_net", "mamba2")
+KINDS = ("gated_delta_net", "mamba2", "kimi_delta_attention")
 EXTRA_BUFFERS = ("off", "overlap", "overlap_lazy", "no_overlap")
 #: SGLang's state slots per running request (a finished request's state kept for its prefix, plus ping-pong
 #: track buffers with the extra buffer on: 2 with the overlap schedule, 1 lazily or without overlap).
@@ -43,13 +43,14 @@ def _extra(instance, attribute, value) -> None:
 class LinearAttentionDims:
     """Linear-attention (Mamba2 / gated DeltaNet) dimensions (model.mamba), from the model's config.json."""
 
-    kind: str = key("gated_delta_net", validator=_kind, doc="gated_delta_net (Qwen3-Next) or mamba2 (NemotronH, Falcon-H1): which state layout")
+    kind: str = key("gated_delta_net", validator=_kind, doc="gated_delta_net (Qwen3-Next), mamba2 (NemotronH, Falcon-H1) or kimi_delta_attention (Kimi-Linear: num_groups = num_heads, state_size = head_dim, the convolution window stored [conv_kernel - 1, channels]): which state layout")
     num_heads: int = key(validator=positive, doc="value heads (config.json linear_num_value_heads / mamba_n_heads)")
     head_dim: int = key(validator=positive, doc="value head width (linear_value_head_dim / mamba_head_dim)")
     state_size: int = key(validator=positive, doc="key head width of a DeltaNet (linear_key_head_dim), the SSM state of Mamba2 (ssm_state_size)")
     num_groups: int = key(validator=positive, doc="key heads of a DeltaNet (linear_num_key_heads), groups of Mamba2 (n_groups)")
     conv_kernel: int = key(validator=positive, doc="short-convolution width (linear_conv_kernel_dim / conv_kernel); the state keeps conv_kernel - 1 inputs")
     full_attention_interval: int = key(validator=positive, doc="layer i (from 0) is full attention when (i + 1) % n == 0 (config.json full_attention_interval; 4 for Qwen3-Next)")
+    full_attention_layers: Optional[List[int]] = key(None, doc="the full-attention layers (ids from 0) when no interval says them (Kimi-Linear: linear_attn_config.full_attn_layers, which count from 1); replaces full_attention_interval")
     state_dtype: str = key("float32", doc="dtype of the temporal (SSM) state; the convolution window keeps the model dtype")
 
 
@@ -99,8 +100,13 @@ def _split(total: int, tp: int, what: str) -> int:
     return total // tp
 
 
-def layer_kinds(num_layers: int, full_attention_interval: int) -> tuple[list[int], list[int]]:
-    """``(full_attention_layer_ids, linear_layer_ids)`` of a model, global ids in order."""
+def layer_kinds(num_layers: int, full_attention_interval: int,
+                full_attention_layers: list[int] | None = None) -> tuple[list[int], list[int]]:  # fmt: skip
+    """``(full_attention_layer_ids, linear_layer_ids)`` of a model, global ids in order: ``full_attention_layers``
+    when given, else every ``full_attention_interval``-th layer."""
+    if full_attention_layers is not None:
+        listed = set(full_attention_layers)
+        return [i for i in range(num_layers) if i in listed], [i for i in range(num_layers) if i not in listed]
     n = full_attention_interval
     full = [i for i in range(num_layers) if (i + 1) % n == 0]
     return full, [i for i in range(num_layers) if (i + 1) % n != 0]
@@ -110,12 +116,16 @@ def state_params(dims: LinearAttentionDims, model_dtype: torch.dtype, tp_size: i
     """The state of ``layers`` on one tensor-parallel rank (heads and the convolution channels split over tp).
 
     Convolution channels: ``num_heads x head_dim + 2 x num_groups x state_size`` (values, keys and queries of
-    a DeltaNet; x, B and C of Mamba2), ``conv_kernel - 1`` inputs each.  Temporal state per head:
-    ``[state_size, head_dim]`` for a DeltaNet (keys x values), ``[head_dim, state_size]`` for Mamba2."""
+    a DeltaNet or of Kimi Delta Attention; x, B and C of Mamba2), ``conv_kernel - 1`` inputs each, the window
+    stored ``[channels, conv_kernel - 1]`` (``[conv_kernel - 1, channels]`` for Kimi Delta Attention, as SGLang's
+    KimiLinearStateShape keeps it).  Temporal state per head: ``[state_size, head_dim]`` for a DeltaNet and Kimi
+    Delta Attention (keys x values), ``[head_dim, state_size]`` for Mamba2."""
     channels = dims.num_heads * dims.head_dim + 2 * dims.num_groups * dims.state_size
     conv = (_split(channels, tp_size, "model.mamba conv channels"), dims.conv_kernel - 1)
     heads = _split(dims.num_heads, tp_size, "model.mamba.num_heads")
-    if dims.kind == "gated_delta_net":
+    if dims.kind == "kimi_delta_attention":  # SGLang's KimiLinearStateShape: [conv_kernel - 1, q + k + v channels]
+        conv = conv[::-1]
+    if dims.kind in ("gated_delta_net", "kimi_delta_attention"):
         temporal = (heads, dims.state_size, dims.head_dim)
     else:
         temporal = (heads, dims.head_dim, dims.state_size)
@@ -127,7 +137,7 @@ def state_params(dims: LinearAttentionDims, model_dtype: torch.dtype, tp_size: i
 def rank_layers(request: PoolRequest) -> tuple[list[int], list[int]]:
     """This rank's ``(full-attention, linear)`` global layer ids."""
     dims: LinearAttentionDims = request.section("mamba")
-    full, linear = layer_kinds(request.end_layer + 1, dims.full_attention_interval)
+    full, linear = layer_kinds(request.end_layer + 1, dims.full_attention_interval, dims.full_attention_layers)
     mine = range(request.start_layer, request.end_layer + 1)
     return [i for i in full if i in mine], [i for i in linear if i in mine]
 
