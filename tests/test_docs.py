@@ -84,13 +84,10 @@ def test_the_readme_engine_example_is_the_example_file_and_runs(capsys):
     CPU default, printing what the README says it prints."""
     import runpy
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("## From engine code"):]
-    shown = section[section.index("```python\n") + len("```python\n"):]
-    shown = shown[: shown.index("```\n")]
-    program = ROOT / "examples" / "engine_loop.py"
-    assert shown == program.read_text(encoding="utf-8"), "README.md's engine example differs from examples/engine_loop.py"
-    runpy.run_path(str(program), run_name="__main__")
+    from readme_examples import shown_example
+
+    section = shown_example("## From engine code", "engine_loop.py")
+    runpy.run_path(str(ROOT / "examples" / "engine_loop.py"), run_name="__main__")
     printed = capsys.readouterr().out.strip()
     assert printed and f"`{printed}`" in section, f"the example printed {printed!r}, which the README does not show"
 

@@ -362,13 +362,9 @@ def test_the_readme_disaggregation_example_is_the_example_file_and_runs(capsys):
     says it prints (the KV of 37 tokens of every layer moved, identical)."""
     import runpy
 
-    root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("### Speculative decoding and disaggregation"):]
-    shown = section[section.index("```python\n") + len("```python\n"):]
-    shown = shown[: shown.index("```\n")]
-    program = root / "examples" / "disaggregation.py"
-    assert shown == program.read_text(encoding="utf-8"), "README.md's example differs from examples/disaggregation.py"
-    runpy.run_path(str(program), run_name="__main__")
+    from readme_examples import ROOT, shown_example
+
+    section = shown_example("### Speculative decoding and disaggregation", "disaggregation.py")
+    runpy.run_path(str(ROOT / "examples" / "disaggregation.py"), run_name="__main__")
     printed = capsys.readouterr().out.strip().splitlines()[-1]
     assert printed.endswith("identical True") and f"`{printed}`" in section

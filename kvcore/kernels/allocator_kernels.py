@@ -356,7 +356,21 @@ def alloc_extend_native(
     return torch.where(new_page, page * page_size + t % page_size, last[req] + 1 + j)
 
 
-class ExtendStep:
+class _ListStep:
+    """What :class:`ExtendStep` and :class:`DecodeStep` keep of one free list: the list, its page size, the kernel
+    mode, and (Triton) the launcher of the subclass's ``_binding`` and the launch key's fixed part."""
+
+    __slots__ = ("pages", "page_size", "use_triton", "_launch", "_device_index", "_key")
+    _binding: KernelArgs
+
+    def __init__(self, pages, page_size: int, use_triton: bool):
+        self.pages, self.page_size, self.use_triton = pages, page_size, use_triton
+        self._launch = launcher_for(self._binding, pages.device) if use_triton else None
+        self._device_index = pages.ring.get_device()
+        self._key = (pages.capacity,)  # what Triton specializes on besides the inputs (the launcher adds the rest)
+
+
+class ExtendStep(_ListStep):
     """``alloc_extend`` of one free list, as an allocator runs it for every prefill: :func:`alloc_extend_triton`
     (``use_triton``) or :func:`alloc_extend_native` on the list's pages, the caller recording the pages taken
     (:meth:`kvcore.kernels.free_list.FreePageList.took`).
@@ -371,13 +385,8 @@ class ExtendStep:
     :param page_size: tokens per page.
     """
 
-    __slots__ = ("pages", "page_size", "use_triton", "_launch", "_device_index", "_key")
-
-    def __init__(self, pages, page_size: int, use_triton: bool):
-        self.pages, self.page_size, self.use_triton = pages, page_size, use_triton
-        self._launch = launcher_for(_EXTEND_ARGS, pages.device) if use_triton else None
-        self._device_index = pages.ring.get_device()
-        self._key = (pages.capacity,)  # what Triton specializes on besides the inputs (the launcher adds the rest)
+    __slots__ = ()
+    _binding = _EXTEND_ARGS
 
     def __call__(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
                  extend_num_tokens: int) -> torch.Tensor:  # fmt: skip
@@ -534,7 +543,7 @@ def alloc_decode_native(
     return torch.where(need_page, page * page_size, last + 1)
 
 
-class DecodeStep:
+class DecodeStep(_ListStep):
     """``alloc_decode`` of one free list, as an allocator runs it every decode step: numbers the launch
     (:meth:`kvcore.kernels.free_list.FreePageList.decode_bits`) and runs :func:`alloc_decode_triton` (``use_triton``)
     or :func:`alloc_decode_native` on the list's pages.
@@ -549,13 +558,8 @@ class DecodeStep:
     :param page_size: tokens per page.
     """
 
-    __slots__ = ("pages", "page_size", "use_triton", "_launch", "_device_index", "_key")
-
-    def __init__(self, pages, page_size: int, use_triton: bool):
-        self.pages, self.page_size, self.use_triton = pages, page_size, use_triton
-        self._launch = launcher_for(_DECODE_ARGS, pages.device) if use_triton else None
-        self._device_index = pages.ring.get_device()
-        self._key = (pages.capacity,)  # what Triton specializes on besides the inputs (the launcher adds the rest)
+    __slots__ = ()
+    _binding = _DECODE_ARGS
 
     def __call__(self, seq_lens: torch.Tensor, last_loc: torch.Tensor, most: int) -> torch.Tensor:
         """The step's locations (int64 ``[bs]``); ``most`` bounds the pages it takes and must be at most the
