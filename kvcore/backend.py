@@ -63,11 +63,6 @@ class EngineMode:
         """Allocators defer and sort freed slots in both disaggregation worker modes, as SGLang's do."""
         return self.disaggregation in ("prefill", "decode")
 
-    @property
-    def enable_kv_cache_copy(self) -> bool:
-        """Pools move accepted draft tokens' rows (``move_kv_cache``) under speculative decoding."""
-        return self.speculative != "none"
-
 
 @attrs.frozen(kw_only=True)
 class PoolRequest:

@@ -403,8 +403,8 @@ def plan_from_layouts(
     extra_context = extra_context_len(cfg)
     table_bytes = req_to_token_bytes(max_running_requests + pre_alloc, cfg.model.context_length + extra_context)
     if table_bytes > budget.kv_budget_bytes:  # SGLang's request table is not in the KV budget: say what it adds
-        message = (f"the request table ({table_bytes / GiB:.2f} GiB: {max_running_requests} requests x "
-                   f"{cfg.model.context_length} tokens of context) comes on top of the KV budget of "
+        message = (f"the request table ({table_bytes / GiB:.2f} GiB: {max_running_requests + pre_alloc} requests x "
+                   f"{cfg.model.context_length + extra_context} tokens of context) comes on top of the KV budget of "
                    f"{budget.kv_budget_bytes / GiB:.2f} GiB and is larger than it: lower memory.max_running_requests "
                    f"or model.context_length to shrink it")  # fmt: skip
         logger.warning(message)
