@@ -456,3 +456,22 @@ def test_import_kvcore_loads_no_transformers():
         "assert 'transformers' not in sys.modules, 'kvcore imported transformers'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_one_launch_gather_keeps_every_logit(dtype, page_size):
+    """The cache's Triton path (the store, and the gather into attention's [batch, heads, seq, dim] in one launch):
+    interpreted on the CPU, compiled on a GPU in compiled runs; the logits are DynamicCache's, bit for bit."""
+    import copy
+
+    from kvcore.testing.tensors import test_device
+
+    device = test_device()
+    model = copy.deepcopy(tiny_model("llama", dtype)).to(device)
+    ids, mask = (t.to(device) for t in prompts())
+    ref = generate(model, DynamicCache(config=model.config), 12, ids, mask)
+    cache = paged(model, page_size=page_size, kernels="triton", device=device)
+    assert cache._triton_gather
+    out = generate(model, cache, 12, ids, mask)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))

@@ -43,8 +43,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     ) from exc
 
 from kvcore.config import parse_dtype
-from kvcore.kernels.dtypes import is_fp8_dtype
 from kvcore.errors import ConfigError, KVCoreError
+from kvcore.kernels.dtypes import is_fp8_dtype
+from kvcore.kernels.head_gather import gather_heads
+from kvcore.kernels.kernel_mode import use_triton
 
 __all__ = ["SUPPORTED_DTYPES", "KVCacheFullError", "PagedKVCache", "PagedKVLayer", "config_overrides", "model_dimensions"]
 
@@ -335,6 +337,8 @@ class PagedKVCache(Cache):
         self.v_scale = None if v_scale is None else float(v_scale)
         self.page_size = int(allocator.page_size)
         self.device = torch.device(pool.device)
+        # the gather into attention's layout follows the pool's kernels mode (one launch on a GPU)
+        self._triton_gather = use_triton(getattr(_unwrap(pool), "kernels", "auto"), self.device)
         self._initial_available = allocator.available_size()
         self._slots: list[int] = []  # request slot of each batch row; 0 once the row is freed
         self._slot_t = torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -569,23 +573,11 @@ class PagedKVCache(Cache):
                 self.k_scale,
                 self.v_scale,
             )
-        return (
-            self._gather(layer.layer_id, "k", locs, key_states.dtype),
-            self._gather(layer.layer_id, "v", locs, value_states.dtype),
-        )
+        return gather_heads(self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id),
+                            locs, key_states.dtype, self.k_scale, self.v_scale, use_triton=self._triton_gather)  # fmt: skip
 
     def _buffer(self, layer_id: int, which: str) -> torch.Tensor:
         return self.pool.get_key_buffer(layer_id) if which == "k" else self.pool.get_value_buffer(layer_id)
-
-    def _gather(self, layer_id: int, which: str, locs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """Rows at ``locs`` ``[batch, seq]`` as ``[batch, heads, seq, dim]`` in ``out_dtype``, contiguous (the
-        layout ``DynamicCache`` returns, so attention runs the same kernels on the same bits)."""
-        rows = _take(self._buffer(layer_id, which), locs)
-        scale = self.k_scale if which == "k" else self.v_scale
-        if rows.dtype != out_dtype:
-            # set_kv_buffer divided by the scale exactly when it converted, so undo it on the same condition
-            rows = (rows.to(torch.float32) * scale).to(out_dtype) if scale is not None else rows.to(out_dtype)
-        return rows.transpose(1, 2).contiguous()
 
     def _read(self, layer_id: int, which: str, length: int) -> torch.Tensor:
         """What is stored for layer ``layer_id``, in the cache dtype (``layers[i].keys`` / ``.values``)."""

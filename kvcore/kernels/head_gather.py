@@ -1,0 +1,209 @@
+"""Gathering the keys and values of a batch's tokens into ``[batch, heads, seq, dim]``, in one launch
+(:func:`gather_heads`): what an attention implementation that takes dense per-row K/V (transformers' SDPA and
+eager attention) reads from a paged cache.
+
+Sources are a layer's K and V rows as a pool hands them out: token rows ``[rows, heads, dim]`` (a token-major
+pool's ``get_key_buffer``) or a paged view ``[pages, page_size, heads, dim]`` (a page-major pool's), any strides
+with the head dim packed.  ``locs[b, t]`` is the location of token ``t`` of batch row ``b``.  The outputs are
+contiguous, in ``out_dtype``: the rows as stored when the dtypes agree, else converted through float32 and, when a
+scale is given, multiplied by it (what the torch reference, ``rows.to(float32) * scale`` then ``.to(out_dtype)``,
+computes: fp8 widens exactly, float32 -> bf16/fp16 rounds to nearest even on both paths), so the two agree bit for
+bit.  One launch replaces an index gather and a ``transpose().contiguous()`` copy per tensor: half the bytes moved
+and a quarter of the launches of the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore.kernels import dtypes
+from kvcore.kernels.dtypes import is_fp8_dtype
+from kvcore.kernels.fp8 import e4m3fn_bits_to_f32_hw, e5m2_bits_to_f32, f32_to_bf16_bits
+from kvcore.kernels.kernel_mode import triton_interpreting
+from kvcore.kernels.launch import KernelArgs, cdiv, launcher_for
+from kvcore.kernels.row_move import next_pow2
+
+__all__ = ["gather_heads", "gather_heads_native", "gather_heads_triton"]
+
+#: elements a program moves per head (tokens x dim); the token block is this over the padded head width
+_TILE_ELEMS = 4096
+_NUM_WARPS = 4
+
+
+_F32, _F16, _BF16 = tl.constexpr(dtypes.F32), tl.constexpr(dtypes.F16), tl.constexpr(dtypes.BF16)
+_E4M3FN, _E5M2 = tl.constexpr(dtypes.E4M3FN), tl.constexpr(dtypes.E5M2)
+
+
+@triton.jit
+def _widen(x, IN: tl.constexpr, HW_CVT: tl.constexpr):
+    """Loaded values of code ``IN`` (fp8 as their bytes) -> float32, exactly (bf16 by a bit shift: the
+    interpreter's cast mangles bf16 subnormals)."""
+    if IN == _BF16:
+        xf = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif IN == _E4M3FN:
+        xf = e4m3fn_bits_to_f32_hw(x, HW_CVT)
+    elif IN == _E5M2:
+        xf = e5m2_bits_to_f32(x)
+    else:
+        xf = x.to(tl.float32)
+    return xf
+
+
+@triton.jit
+def _narrow(xf, OUT: tl.constexpr, HW_CVT: tl.constexpr):
+    """float32 -> the output dtype, rounding to nearest even as torch does (bf16 by bits under the interpreter,
+    whose cast truncates)."""
+    if OUT == _BF16:
+        if HW_CVT:
+            y = xf.to(tl.bfloat16)
+        else:
+            y = f32_to_bf16_bits(xf).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif OUT == _F16:
+        y = xf.to(tl.float16)
+    else:
+        y = xf
+    return y
+
+
+@triton.jit
+def _gather_tile(src, out, loc, mask_t, b, t, seq, page_stride, row_stride, head_stride, scale,
+                 HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                 IN: tl.constexpr, OUT: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
+    d = tl.arange(0, BLOCK_D)
+    mask = mask_t[:, None] & (d < D)[None, :]
+    row = (loc // PAGE) * page_stride + (loc % PAGE) * row_stride
+    for h in range(HEADS):
+        x = tl.load(src + row[:, None] + h * head_stride + d[None, :], mask=mask, other=0)
+        if IN != OUT:
+            xf = _widen(x, IN, HW_CVT)
+            if SCALED:
+                xf = xf * scale
+            x = _narrow(xf, OUT, HW_CVT)
+        dst = out + ((b * HEADS + h) * seq + t)[:, None] * D + d[None, :]
+        tl.store(dst, x, mask=mask)
+
+
+@triton.jit(do_not_specialize=["seq", "loc_stride", "k_scale", "v_scale"])
+def _gather_heads_kernel(
+    k_ptr, v_ptr, k_out, v_out, loc_ptr, seq, loc_stride,
+    k_page_stride, k_row_stride, k_head_stride, v_page_stride, v_row_stride, v_head_stride, k_scale, v_scale,
+    HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_T: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, SCALED: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):  # fmt: skip
+    # grid: (token blocks, batch rows, 2: keys then values)
+    pid_t = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = t < seq
+    loc = tl.load(loc_ptr + b * loc_stride + t, mask=mask_t, other=0).to(tl.int64)
+    if tl.program_id(2) == 0:
+        _gather_tile(k_ptr, k_out, loc, mask_t, b, t, seq, k_page_stride, k_row_stride, k_head_stride, k_scale,
+                     HEADS, DK, BLOCK_DK, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
+    else:
+        _gather_tile(v_ptr, v_out, loc, mask_t, b, t, seq, v_page_stride, v_row_stride, v_head_stride, v_scale,
+                     HEADS, DV, BLOCK_DV, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
+
+
+#: the kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`); its tensors go as tensors (a gather
+#: runs once per layer and step: the dispatcher's key is the launcher's)
+_GATHER_ARGS = KernelArgs(
+    _gather_heads_kernel,
+    "k_ptr v_ptr k_out v_out loc_ptr seq loc_stride k_page_stride k_row_stride k_head_stride v_page_stride "
+    "v_row_stride v_head_stride k_scale v_scale",
+    "HEADS DK DV BLOCK_DK BLOCK_DV PAGE BLOCK_T IN OUT SCALED HW_CVT",
+)
+
+
+def _paged(buffer: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(page size, page stride, row stride, head stride)`` of a token-row ``[rows, heads, dim]`` buffer (one
+    token a page) or a paged ``[pages, page_size, heads, dim]`` view, in elements."""
+    if buffer.stride(-1) != 1:
+        raise ValueError(f"gather_heads needs the head dim packed (stride 1), got strides {buffer.stride()}")
+    if buffer.dim() == 3:
+        return 1, buffer.stride(0), buffer.stride(0), buffer.stride(1)
+    if buffer.dim() == 4:
+        return buffer.shape[1], buffer.stride(0), buffer.stride(1), buffer.stride(2)
+    raise ValueError(f"gather_heads takes [rows, heads, dim] or [pages, page_size, heads, dim], got {tuple(buffer.shape)}")
+
+
+def _outputs(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: torch.dtype):
+    batch, seq = locs.shape
+    heads = k.shape[-2]
+    return (torch.empty((batch, heads, seq, k.shape[-1]), dtype=out_dtype, device=k.device),
+            torch.empty((batch, heads, seq, v.shape[-1]), dtype=out_dtype, device=k.device))  # fmt: skip
+
+
+def gather_heads_triton(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: torch.dtype,
+                        k_scale: float | None = None, v_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Keys and values of tokens ``locs`` (``[batch, seq]``) as two contiguous ``[batch, heads, seq, dim]`` tensors
+    of ``out_dtype``, in one launch (see the module docstring).  ``k_scale`` / ``v_scale`` multiply rows that are
+    converted (another dtype than ``out_dtype``) and are ignored otherwise."""
+    if locs.dim() != 2 or k.shape[-2] != v.shape[-2] or k.dtype != v.dtype:
+        raise ValueError(f"gather_heads takes locs [batch, seq] and K/V of one dtype and head count, got locs "
+                         f"{tuple(locs.shape)}, K {tuple(k.shape)} {k.dtype}, V {tuple(v.shape)} {v.dtype}")  # fmt: skip
+    k_out, v_out = _outputs(k, v, locs, out_dtype)
+    source_dtype = k.dtype
+    batch, seq = locs.shape
+    if not batch or not seq:
+        return k_out, v_out
+    if locs.stride(1) != 1:
+        locs = locs.contiguous()
+    (page, kps, krs, khs), (vpage, vps, vrs, vhs) = _paged(k), _paged(v)
+    if page != vpage:
+        raise ValueError(f"K and V views of another page size: {page} and {vpage}")
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"gather_heads writes float32, float16 or bfloat16, not {out_dtype}")
+    convert = k.dtype != out_dtype
+    if is_fp8_dtype(k.dtype):  # fp8 reaches the kernel as its bytes; its code says how to decode them
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    heads, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
+    block_dk, block_dv = next_pow2(dk), next_pow2(dv)
+    block_t = max(1, min(_TILE_ELEMS // max(block_dk, block_dv), next_pow2(seq)))
+    scaled = convert and (k_scale is not None or v_scale is not None)
+    code_in = dtypes.dtype_code(source_dtype, "the cache")
+    code_out = dtypes.dtype_code(out_dtype, "out_dtype") if convert else code_in
+    constexprs = _GATHER_ARGS.constexprs(HEADS=heads, DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, PAGE=page,
+                                         BLOCK_T=block_t, IN=code_in, OUT=code_out, SCALED=scaled,
+                                         HW_CVT=not triton_interpreting())  # fmt: skip
+    args = (k, v, k_out, v_out, locs, seq, locs.stride(0), kps, krs, khs, vps, vrs, vhs,
+            1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale), *constexprs)  # fmt: skip
+    key = (k.dtype, out_dtype, locs.dtype, locs.stride(1), kps, krs, khs, vps, vrs, vhs,
+           *(t.data_ptr() % 16 == 0 for t in (k, v, k_out, v_out, locs)))  # fmt: skip
+    launcher_for(_GATHER_ARGS, k.device)(key, cdiv(seq, block_t), batch, args, num_warps=_NUM_WARPS, grid_z=2)
+    return k_out, v_out
+
+
+def _rows(buffer: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
+    """``[*locs.shape, heads, dim]`` rows of ``buffer`` (token rows or a paged view); fp8 gathered as bytes."""
+    dtype = buffer.dtype
+    if dtype.itemsize == 1 and dtype != torch.uint8:
+        buffer = buffer.view(torch.uint8)
+    if buffer.dim() == 4:
+        rows = buffer[locs // buffer.shape[1], locs % buffer.shape[1]]
+    else:
+        rows = buffer[locs]
+    return rows.view(dtype) if rows.dtype != dtype else rows
+
+
+def gather_heads_native(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: torch.dtype,
+                        k_scale: float | None = None, v_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Torch reference of :func:`gather_heads_triton` (an index gather, a conversion and a transposing copy per
+    tensor)."""
+    outs = []
+    for buffer, scale in ((k, k_scale), (v, v_scale)):
+        rows = _rows(buffer, locs.to(torch.int64))
+        if rows.dtype != out_dtype:
+            rows = rows.to(torch.float32)
+            rows = (rows * scale if scale is not None else rows).to(out_dtype)
+        outs.append(rows.transpose(1, 2).contiguous())
+    return outs[0], outs[1]
+
+
+def gather_heads(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: torch.dtype,
+                 k_scale: float | None = None, v_scale: float | None = None, *, use_triton: bool):  # fmt: skip
+    """:func:`gather_heads_triton` or :func:`gather_heads_native`."""
+    impl = gather_heads_triton if use_triton else gather_heads_native
+    return impl(k, v, locs, out_dtype, k_scale, v_scale)
