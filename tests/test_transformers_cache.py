@@ -475,3 +475,59 @@ def test_the_one_launch_gather_keeps_every_logit(dtype, page_size):
     assert cache._triton_gather
     out = generate(model, cache, 12, ids, mask)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+
+
+# -- contiguous rows: one reserved run per row, strided views for attention -------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_contiguous_rows_keep_every_logit(kind, dtype, page_size):
+    model = tiny_model(kind, dtype)
+    ref, _ = reference(kind, dtype)
+    cache = paged(model, page_size=page_size, contiguous_rows=True)
+    start = cache.available_tokens
+    out = generate(model, cache)
+    assert cache._row_base is not None  # the views were read, not gathered copies
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    cap = min(start // len(PROMPT_LENS), model.config.max_position_embeddings) // page_size * page_size
+    assert cache._row_cap == cap and start - cache.available_tokens == cap * len(PROMPT_LENS)  # reserved whole
+    row = cache.token_locations(1)
+    assert torch.equal(row, row[0] + torch.arange(row.numel()))  # one run per row
+    cache.free(0)
+    assert start - cache.available_tokens == cap * (len(PROMPT_LENS) - 1)
+    cache.free_all()
+    assert cache.available_tokens == start
+
+
+def test_contiguous_rows_fall_back_on_a_fragmented_pool():
+    model = tiny_model("llama", torch.float32)
+    ref, _ = reference("llama", torch.float32)
+    cache = paged(model, page_size=16, contiguous_rows=True)
+    hole = cache.allocator.alloc(64)  # slots taken out of the middle of the free list: no single run is left
+    rest = cache.allocator.alloc(cache.available_tokens - 64)
+    cache.allocator.free(hole)
+    cache.allocator.free(rest[: rest.numel() // 2])
+    out = generate(model, cache)
+    assert cache._row_base is None  # allocated as the rows grew, gathered for attention
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+
+
+def test_contiguous_rows_cap_each_row():
+    model = tiny_model("llama", torch.float32)
+    cache = paged(model, page_size=16, contiguous_rows=True, max_total_tokens=3 * 64)
+    with pytest.raises(KVCacheFullError, match="exceed the 64 reserved for each of the batch's 3 rows"):
+        generate(model, cache, new_tokens=80)
+
+
+def test_contiguous_rows_with_an_fp8_cache_gather_and_convert():
+    """A cache in another dtype than the model's cannot be viewed: its reserved rows are gathered and converted,
+    as without reservation."""
+    model = tiny_model("llama", torch.bfloat16)
+    plain = generate(model, paged(model, page_size=16, dtype="float8_e4m3fn"), 20)
+    reserved = paged(model, page_size=16, dtype="float8_e4m3fn", contiguous_rows=True)
+    out = generate(model, reserved, 20)
+    assert reserved._row_base is not None
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, plain.logits))

@@ -308,6 +308,13 @@ class PagedKVCache(Cache):
     :param req_to_token_pool: the request table (``max_context_len`` bounds a row's tokens).
     :param k_scale: fp8 caches: keys are stored divided by it and multiplied back when read (float32).
     :param v_scale: the same for values.
+    :param contiguous_rows: at a batch's first forward, reserve each row one run of slots (the pool's free slots
+        over the batch's rows, at most ``max_context_len``, in whole pages: what rows growing in step, as
+        ``generate``'s do, can reach anyway)
+        and write every later token there without calling the allocator; attention then reads strided views of
+        the pool (no copy) when the cache keeps the model's dtype in token-major rows.  Needs the allocator to
+        hand out one contiguous run (checked once per batch: a fragmented pool falls back to allocating as rows
+        grow); ``available_tokens`` counts the reserved slots as taken.
     """
 
     def __init__(
@@ -318,6 +325,7 @@ class PagedKVCache(Cache):
         *,
         k_scale: float | None = None,
         v_scale: float | None = None,
+        contiguous_rows: bool = False,
     ):
         start = getattr(pool, "start_layer", 0) or 0
         if start != 0:
@@ -345,6 +353,9 @@ class PagedKVCache(Cache):
         self._live_t = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._allocated = 0  # positions of every live row that have a location
         self._locs: tuple[int, torch.Tensor] | None = None  # (length, [batch, length] int64 locations)
+        self.contiguous_rows = bool(contiguous_rows)
+        self._row_base: int | None = None  # first slot of row 0 while the batch runs on reserved contiguous rows
+        self._row_cap = 0  # tokens reserved per row then
         super().__init__(layers=[PagedKVLayer(self, i) for i in range(pool.layer_num)])
 
     # -- construction -------------------------------------------------------------------------------------
@@ -365,6 +376,7 @@ class PagedKVCache(Cache):
         k_scale: float | None = None,
         v_scale: float | None = None,
         registry: Any = None,
+        contiguous_rows: bool = False,
     ) -> PagedKVCache:
         """A cache sized for ``model`` (a transformers ``PreTrainedModel``, or anything with ``.config``).
 
@@ -384,6 +396,8 @@ class PagedKVCache(Cache):
         :param need_sort: the core's allocator defers frees and hands out sorted slots (built directly then: the
             allocator hook takes no such argument).
         :param registry: the plugins (default: the installed ones); one of them must register the ``mha`` backend.
+        :param contiguous_rows: reserve each row one run of slots per batch and read strided views (see the
+            class docstring).
         """
         import kvcore
 
@@ -409,7 +423,7 @@ class PagedKVCache(Cache):
             request, size=size, requests=int(max_batch_size), max_context_len=int(max_context_len),
             need_sort=need_sort, registry=registry,
         )  # fmt: skip
-        return cls(pool, allocator, req_to_token_pool, k_scale=k_scale, v_scale=v_scale)
+        return cls(pool, allocator, req_to_token_pool, k_scale=k_scale, v_scale=v_scale, contiguous_rows=contiguous_rows)
 
     @classmethod
     def from_config(
@@ -420,6 +434,7 @@ class PagedKVCache(Cache):
         registry: Any = None,
         k_scale: float | None = None,
         v_scale: float | None = None,
+        contiguous_rows: bool = False,
         **build_kwargs: Any,
     ) -> PagedKVCache:
         """A cache from a kvcore :class:`~kvcore.config.EngineConfig`: :func:`kvcore.build_pools` plans and
@@ -442,7 +457,7 @@ class PagedKVCache(Cache):
         pools = kvcore.build_pools(cfg, registry=registry, **build_kwargs)
         return cls(
             pools.token_to_kv_pool, pools.token_to_kv_pool_allocator, pools.req_to_token_pool,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, contiguous_rows=contiguous_rows,
         )
 
     # -- what callers look at -----------------------------------------------------------------------------
@@ -497,6 +512,24 @@ class PagedKVCache(Cache):
                 f"{self.req_to_token_pool.available_size()} are free (raise max_batch_size / memory.max_running_requests)"
             )
         self._set_slots([int(s) for s in slots])
+        if self.contiguous_rows:
+            self._reserve_rows(batch)
+
+    def _reserve_rows(self, batch: int) -> None:
+        """Give each row of a new batch its run of slots (see ``contiguous_rows``), or leave the batch to allocate
+        as it grows when the allocator's free slots are not one run."""
+        page = self.page_size
+        cap = min(self.available_tokens // batch, self.req_to_token_pool.max_context_len) // page * page
+        locs = self.allocator.alloc(batch * cap) if cap else None
+        if locs is None:  # not a page a row: the rows allocate as they grow (and say so when the pool is full)
+            return
+        first = int(locs[0])  # one read of the device per batch
+        if not torch.equal(locs, torch.arange(first, first + batch * cap, device=locs.device, dtype=locs.dtype)):
+            self.allocator.free(locs)
+            return
+        table = self.req_to_token_pool.req_to_token
+        table[self._slot_t, :cap] = locs.view(batch, cap).to(table.dtype)
+        self._row_base, self._row_cap = first, cap
 
     def _set_slots(self, slots: list[int]) -> None:
         self._slots = slots
@@ -506,6 +539,16 @@ class PagedKVCache(Cache):
 
     def _extend(self, end: int) -> None:
         """Give every live row a location for positions ``self._allocated .. end - 1``."""
+        if self._row_base is not None:  # reserved runs: the locations are in the table already
+            if end > self._row_cap:
+                raise KVCacheFullError(
+                    f"rows of {end} tokens exceed the {self._row_cap} reserved for each of the batch's "
+                    f"{len(self._slots)} rows (contiguous_rows: the pool's free slots over the rows, at most "
+                    f"max_context_len={self.req_to_token_pool.max_context_len}); raise max_total_tokens"
+                )
+            self._allocated = end
+            self._locs = None
+            return
         max_len = self.req_to_token_pool.max_context_len
         if end > max_len:
             raise KVCacheFullError(
@@ -573,8 +616,19 @@ class PagedKVCache(Cache):
                 self.k_scale,
                 self.v_scale,
             )
-        return gather_heads(self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id),
-                            locs, key_states.dtype, self.k_scale, self.v_scale, use_triton=self._triton_gather)  # fmt: skip
+        k_buf, v_buf = self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)
+        if self._row_base is not None and k_buf.dtype == key_states.dtype and k_buf.dim() == 3:
+            return self._row_view(k_buf, batch, end), self._row_view(v_buf, batch, end)
+        return gather_heads(k_buf, v_buf, locs, key_states.dtype, self.k_scale, self.v_scale,
+                            use_triton=self._triton_gather)  # fmt: skip
+
+    def _row_view(self, buffer: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+        """The first ``length`` tokens of every row, ``[batch, heads, length, dim]``, as a strided view of a layer's
+        token rows ``[rows, heads, dim]`` (reserved runs: row ``b``'s token ``t`` is slot ``base + b * cap + t``)."""
+        row, head, elem = buffer.stride()
+        return buffer.as_strided((batch, buffer.shape[1], length, buffer.shape[2]),
+                                 (self._row_cap * row, head, row, elem),
+                                 buffer.storage_offset() + self._row_base * row)  # fmt: skip
 
     def _buffer(self, layer_id: int, which: str) -> torch.Tensor:
         return self.pool.get_key_buffer(layer_id) if which == "k" else self.pool.get_value_buffer(layer_id)
@@ -602,8 +656,9 @@ class PagedKVCache(Cache):
         slots = list(self._slots)
         for i in indices:
             slot = slots[i]
-            if self._allocated:
-                self.allocator.free(self.req_to_token_pool.req_to_token[slot, : self._allocated].to(torch.int64))
+            held = self._row_cap if self._row_base is not None else self._allocated  # a reserved run goes back whole
+            if held:
+                self.allocator.free(self.req_to_token_pool.req_to_token[slot, :held].to(torch.int64))
             self.req_to_token_pool.free(slot)
             slots[i] = 0
         if any(slots):
@@ -622,6 +677,7 @@ class PagedKVCache(Cache):
     def _clear_state(self) -> None:
         self._set_slots([])
         self._allocated = 0
+        self._row_base, self._row_cap = None, 0
         for layer in self.layers:
             layer.reset()
 
@@ -643,7 +699,7 @@ class PagedKVCache(Cache):
         for layer in self.layers:
             layer.seq_len = min(layer.seq_len, new_len)
         keep = -(-new_len // self.page_size) * self.page_size
-        if self._allocated > keep and len(self._live_t):
+        if self._allocated > keep and len(self._live_t) and self._row_base is None:  # reserved runs stay whole
             live_slots = self._slot_t[self._live_t]
             dropped = self.req_to_token_pool.req_to_token[live_slots, keep : self._allocated]
             self.allocator.free(dropped.reshape(-1).to(torch.int64))
