@@ -3,7 +3,6 @@ extreme, beside the split pools, computed here from the layouts' declared bytes;
 
 from __future__ import annotations
 
-import math
 
 import pytest
 

@@ -42,39 +42,18 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         'kvcore.integrations.transformers needs transformers; install it with: pip install "kvcore[hf]"'
     ) from exc
 
-from kvcore.config import parse_dtype
 from kvcore.errors import ConfigError, KVCoreError
+from kvcore.integrations.hf_model import (BACKEND, SUPPORTED_DTYPES, build_pools_at, config_overrides, model_dimensions,
+                                          resolve_dtype)  # fmt: skip
 from kvcore.kernels.dtypes import is_fp8_dtype
 from kvcore.kernels.head_gather import gather_heads
 from kvcore.kernels.kernel_mode import use_triton
 
 __all__ = ["SUPPORTED_DTYPES", "KVCacheFullError", "PagedKVCache", "PagedKVLayer", "config_overrides", "model_dimensions"]
 
-#: cache dtypes :class:`PagedKVCache` accepts (fp8 is stored as uint8 by the pool).
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-
-#: transformers layer types the cache can serve.
-_FULL_ATTENTION = ("full_attention",)
-
-#: the backend :meth:`PagedKVCache.from_model` builds (by name: its pools hand out per-layer K and V buffers)
-BACKEND = "mha"
-
 
 class KVCacheFullError(KVCoreError, RuntimeError):
     """The pool (or the request table) has no room for the tokens or rows a forward brings."""
-
-
-def _resolve_dtype(dtype: Any, model_dtype: torch.dtype) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        resolved = model_dtype
-    elif isinstance(dtype, torch.dtype):
-        resolved = dtype
-    else:
-        resolved = parse_dtype(dtype, "dtype")
-    if resolved not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-        raise ConfigError(f"dtype={resolved} is not a supported cache dtype; use one of: {names}")
-    return resolved
 
 
 def _take(buffer: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
@@ -95,111 +74,6 @@ def _take(buffer: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
 def _unwrap(obj: Any) -> Any:
     """A pool behind kvcore's checked proxy (``hardware.checked``), or the object itself."""
     return getattr(obj, "unchecked", obj)
-
-
-def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if callable(get) else config
-
-
-def model_dimensions(config: Any) -> dict[str, int]:
-    """The KV dimensions of a transformers model config: ``layers``, ``kv_heads``, ``head_dim``,
-    ``context_length`` (``max_position_embeddings``, 0 when absent).
-
-    :raises ConfigError: for layers the cache cannot serve (sliding-window, linear attention, shared KV).
-    """
-    cfg = _text_config(config)
-    layers = int(cfg.num_hidden_layers)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    layer_types = getattr(cfg, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t not in _FULL_ATTENTION})
-    if other or getattr(cfg, "kv_sharing_modes", None):
-        what = ", ".join(other) if other else "shared-KV layers"
-        raise ConfigError(
-            f"PagedKVCache serves full-attention layers only; this model also has {what} "
-            "(use transformers' DynamicCache for it)"
-        )
-    return {
-        "layers": layers,
-        "kv_heads": kv_heads,
-        "head_dim": int(head_dim),
-        "context_length": int(getattr(cfg, "max_position_embeddings", 0) or 0),
-    }
-
-
-def config_overrides(model: Any) -> list[str]:
-    """``load_config`` overrides that describe a transformers ``model`` to kvcore (its ``model.*`` keys), so
-    :meth:`PagedKVCache.from_config` can plan for it::
-
-        cfg = kvcore.load_config(*config_overrides(model), "kv_cache.page_size=16", "memory.max_total_tokens=8192")
-        cache = PagedKVCache.from_config(cfg, model=model)
-    """
-    dims = model_dimensions(model.config)
-    cfg = _text_config(model.config)
-    architectures = getattr(model.config, "architectures", None) or [type(model).__name__]
-    dtype = str(getattr(model, "dtype", torch.float32)).removeprefix("torch.")
-    name = getattr(model.config, "name_or_path", "") or getattr(cfg, "model_type", "") or type(model).__name__
-    return [
-        f"model.name={name}",
-        f"model.architecture={architectures[0]}",
-        "model.attention=mha",
-        f"model.num_hidden_layers={dims['layers']}",
-        f"model.num_attention_heads={int(cfg.num_attention_heads)}",
-        f"model.num_key_value_heads={dims['kv_heads']}",
-        f"model.head_dim={dims['head_dim']}",
-        "model.v_head_dim=null",
-        f"model.hidden_size={int(cfg.hidden_size)}",
-        f"model.context_length={dims['context_length'] or 4096}",
-        f"model.num_parameters={int(model.num_parameters())}",
-        f"model.dtype={dtype}",
-        "model.weight_dtype=null",
-        "model.weight_bytes=null",
-    ]
-
-
-def _build_pools(request: Any, *, size: int, requests: int, max_context_len: int, need_sort: bool, registry: Any):
-    """``(pool, allocator, request table)`` for ``request`` (which names the backend), built through the hooks
-    :func:`kvcore.build_pools` calls, with ``size`` tokens and ``requests`` request slots (no memory planning)."""
-    from kvcore.errors import PluginError
-    from kvcore.layout import PoolLayout
-    from kvcore.plugins import get_registry
-    from kvcore.plugins.selection import select_backend
-
-    registry = registry or get_registry()
-    try:
-        backend = select_backend(registry, request).backend
-    except KVCoreError as exc:
-        raise type(exc)(f"PagedKVCache builds kvcore's {request.backend!r} backend: {exc}") from exc
-    request = backend.resolve(request)
-    hook = registry.hook
-    layout = hook.kvcore_buffer_layout(backend=backend, request=request)
-    if not isinstance(layout, PoolLayout):
-        raise PluginError(f"plugin {backend.plugin!r}: the buffer layout of backend {backend.name!r} is "
-                          f"{type(layout).__name__}, expected kvcore.layout.PoolLayout")  # fmt: skip
-    other = sorted(set(layout.groups) - {"tokens"})
-    if other:
-        raise ConfigError(f"backend {backend.name!r} sizes buffers by {', '.join(other)}; PagedKVCache sizes tokens only")
-    sizes = {"tokens": size}
-    pool = hook.kvcore_create_pool(backend=backend, request=request, layout=layout, sizes=sizes)
-    req_to_token_pool = hook.kvcore_create_req_to_token_pool(
-        backend=backend, request=request, size=requests, max_context_len=max_context_len, sizes=sizes, pool=pool
-    )
-    if need_sort:
-        from kvcore.allocators import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-
-        if request.page_size == 1:
-            allocator = TokenToKVPoolAllocator(size, request.kv_dtype, request.device, pool, True, request.kernels)
-        else:
-            allocator = PagedTokenToKVPoolAllocator(size, request.page_size, request.kv_dtype, request.device, pool,
-                                                    True, request.kernels)  # fmt: skip
-    else:
-        allocator = hook.kvcore_choose_allocator(backend=backend, request=request, pool=pool, sizes=sizes)
-    for what, value in (("pool", pool), ("allocator", allocator), ("request pool", req_to_token_pool)):
-        if value is None:
-            raise PluginError(f"no plugin created the {what} for backend {backend.name!r}")
-    return pool, allocator, req_to_token_pool
 
 
 class PagedKVLayer(CacheLayerMixin):
@@ -403,7 +277,7 @@ class PagedKVCache(Cache):
 
         dims = model_dimensions(model.config)
         model_dtype = getattr(model, "dtype", None) or torch.float32
-        cache_dtype = _resolve_dtype(dtype, model_dtype)
+        cache_dtype = resolve_dtype(dtype, model_dtype)
         device = torch.device(device if device is not None else getattr(model, "device", "cpu"))
         page_size = int(page_size)
         if page_size <= 0:
@@ -419,7 +293,7 @@ class PagedKVCache(Cache):
             head_num=dims["kv_heads"], head_dim=dims["head_dim"], v_head_dim=dims["head_dim"], kernels=kernels,
             backend=BACKEND, model_name=getattr(model.config, "name_or_path", "") or type(model).__name__,
         )  # fmt: skip
-        pool, allocator, req_to_token_pool = _build_pools(
+        pool, allocator, req_to_token_pool = build_pools_at(
             request, size=size, requests=int(max_batch_size), max_context_len=int(max_context_len),
             need_sort=need_sort, registry=registry,
         )  # fmt: skip

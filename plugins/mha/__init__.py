@@ -14,7 +14,8 @@ docs/writing-a-backend.md):
 - ``RowStore``: the one-launch store of one, two or three per-token buffers of MHA rows (``kvcore_k_only``,
   ``kvcore_double_sparse``); ``KVStore``: the MHA pool's own K/V store, bound to its buffers.
 
-Families that build on it: ``swa``, ``mamba``, ``k_only``, ``double_sparse`` (and the example vendor ``zeta``).
+Families that build on it: ``swa``, ``mamba``, ``k_only``, ``double_sparse``, ``minimax_sparse`` (and the example
+vendor ``zeta``).
 """
 
 from __future__ import annotations
