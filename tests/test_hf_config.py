@@ -402,3 +402,37 @@ def test_a_config_written_by_save_pretrained_plans_with_its_model_type_and_the_d
     assert sum("names no model class" in m and "model_type 'llama'" in m for m in said) == 1
     assert sum("gives no dtype" in m and "float32" in m for m in said) == 1
     assert plan_memory(cfg).bytes_per_token == 4 * 2 * 2 * 32 * 4  # layers x (K, V) x KV heads x head dim x fp32
+
+
+# -- Kimi-Linear (no verbatim config.json is stored: its keys as public conversion code reproduces them) ------------
+
+KIMI_LINEAR = {
+    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "torch_dtype": "bfloat16",
+    "vocab_size": 163840, "hidden_size": 2304, "num_hidden_layers": 27, "num_attention_heads": 32,
+    "num_key_value_heads": 32, "head_dim": 72, "intermediate_size": 9216, "model_max_length": 1048576,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1,
+    "moe_intermediate_size": 1024, "first_k_dense_replace": 1, "moe_layer_freq": 1, "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 0,
+    "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+                           "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "num_heads": 32, "head_dim": 128,
+                           "short_conv_kernel_size": 4},
+}  # fmt: skip
+
+
+def test_kimi_linear_config_gives_the_shipped_yaml(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_LINEAR))
+    ours = load_config(f"model=hf:{tmp_path}", "hardware=h200")
+    shipped = load_config("model=kimi-linear-48b", "hardware=h200")
+    assert {k: getattr(ours.model, k) for k in DIMENSIONS} == {k: getattr(shipped.model, k) for k in DIMENSIONS}
+    assert ours.model.v_head_dim == shipped.model.v_head_dim == 128
+    assert {s: getattr(ours.model, s) for s in SECTIONS} == {s: getattr(shipped.model, s) for s in SECTIONS}
+    assert ours.model.num_parameters == shipped.model.num_parameters
+    assert plan_summary(plan_memory(ours)) == plan_summary(plan_memory(shipped))
+
+
+def test_kimi_linear_full_layers_out_of_range_name_the_key(tmp_path):
+    bad = dict(KIMI_LINEAR, linear_attn_config=dict(KIMI_LINEAR["linear_attn_config"], full_attn_layers=[0, 28]))
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="linear_attn_config.full_attn_layers"):
+        load_config(f"model=hf:{tmp_path}")

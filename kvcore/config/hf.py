@@ -42,7 +42,7 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
     "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-    "deepseek_v32": "DeepseekV32ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
 }  # fmt: skip
 #: what a model built from a config.json without a dtype computes in: transformers' default
 _DEFAULT_DTYPE = "float32"
@@ -213,7 +213,8 @@ class HFConfig:
             "num_key_value_heads": num_key_value_heads,
             "head_dim": head_dim,
             "hidden_size": self.integer("hidden_size"),
-            "context_length": self.integer("max_position_embeddings"),
+            "context_length": self.integer("max_position_embeddings") if "model_max_length" not in self.data
+            else self.integer("model_max_length"),
             "dtype": self.dtype,
         }
         if v_head_dim is not None and v_head_dim != head_dim:
@@ -457,10 +458,7 @@ def _deepseek(cfg: HFConfig) -> dict[str, Any]:
     heads = cfg.integer("num_attention_heads")
     hidden, layers = cfg.integer("hidden_size"), cfg.integer("num_hidden_layers")
     kv_rank, rope, nope, v_dim = (cfg.integer(k) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
-    q_rank = cfg.get("q_lora_rank")
-    q_dim = heads * (nope + rope)
-    q = hidden * q_dim if q_rank is None else hidden * cfg.integer("q_lora_rank") + cfg.integer("q_lora_rank") + cfg.integer("q_lora_rank") * q_dim
-    attention = q + hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
+    attention = _mla_attention(cfg, heads)
     is_dsa = cfg.model_type == "deepseek_v32"
     if is_dsa:  # the lightning indexer: wq_b, wk, its LayerNorm (weight and bias), weights_proj
         index_heads, index_dim = cfg.integer("index_n_heads"), cfg.integer("index_head_dim")
@@ -524,6 +522,54 @@ def _qwen3_next(cfg: HFConfig) -> dict[str, Any]:
     return spec
 
 
+def _mla_attention(cfg: HFConfig, heads: int) -> int:
+    """DeepSeek-style latent attention: q (through q_lora_rank when set), the latent KV projection and its norm,
+    the per-head up projection, the output projection."""
+    hidden = cfg.integer("hidden_size")
+    kv_rank, rope, nope, v_dim = (cfg.integer(k) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    q_dim = heads * (nope + rope)
+    q_rank = cfg.get("q_lora_rank")
+    q = hidden * q_dim if q_rank is None else hidden * cfg.integer("q_lora_rank") + cfg.integer("q_lora_rank") + cfg.integer("q_lora_rank") * q_dim
+    return q + hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
+
+
+def _kimi_linear(cfg: HFConfig) -> dict[str, Any]:
+    """Kimi-Linear: latent attention (``model.mla``) in the layers ``linear_attn_config.full_attn_layers`` lists
+    (counted from 1), Kimi Delta Attention elsewhere (``model.mamba`` of kind ``kimi_delta_attention``: a state of
+    ``num_heads x head_dim x head_dim`` and q/k/v convolution windows per request); ``first_k_dense_replace`` dense
+    MLPs then MoE with shared experts.  The context is ``model_max_length``.  KDA's small gate projections
+    (``f_a``/``f_b``, ``g_a``/``g_b``, ``b_proj``, ``A_log``, ``dt_bias``) are not counted."""
+    heads = cfg.integer("num_attention_heads")
+    kv_heads = cfg.integer("num_key_value_heads", heads)
+    hidden, layers = cfg.integer("hidden_size"), cfg.integer("num_hidden_layers")
+    linear = cfg.sub("linear_attn_config")
+    full = sorted(int(i) - 1 for i in linear["full_attn_layers"])
+    if not full or full[0] < 0 or full[-1] >= layers:
+        raise ConfigError(f"{cfg.file}: key 'linear_attn_config.full_attn_layers' must list layers 1..{layers}, got "
+                          f"{linear['full_attn_layers']!r}")  # fmt: skip
+    kda_heads, kda_dim, conv = linear.integer("num_heads"), linear.integer("head_dim"), linear.integer("short_conv_kernel_size")
+    width = kda_heads * kda_dim
+    kda = 3 * hidden * width + width * hidden + 3 * width * conv  # q, k, v and o projections, three short convolutions
+    experts, shared = cfg.integer("num_experts"), cfg.integer("num_shared_experts", 0, minimum=0)
+    moe = (experts + shared) * _gated_mlp(hidden, cfg.integer("moe_intermediate_size")) + hidden * experts + experts
+    dense = _gated_mlp(hidden, cfg.integer("intermediate_size"))
+    first_dense, freq = cfg.integer("first_k_dense_replace", 0, minimum=0), cfg.integer("moe_layer_freq", 1)
+    mla = _mla_attention(cfg, heads)
+    count = _embeddings(cfg) + sum(
+        (mla if i in full else kda) + 2 * hidden + (moe if i >= first_dense and i % freq == 0 else dense)
+        for i in range(layers)
+    )
+    nope, rope = cfg.integer("qk_nope_head_dim"), cfg.integer("qk_rope_head_dim")
+    spec = cfg.common(attention="mamba_mla", num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=nope + rope, v_head_dim=cfg.integer("v_head_dim"), parameters=count,
+                      weights=_plain_weights(cfg))  # fmt: skip
+    spec["mla"] = {"kv_lora_rank": cfg.integer("kv_lora_rank"), "qk_rope_head_dim": rope, "qk_nope_head_dim": nope}
+    spec["mamba"] = {"kind": "kimi_delta_attention", "num_heads": kda_heads, "head_dim": kda_dim, "state_size": kda_dim,
+                     "num_groups": kda_heads, "conv_kernel": conv, "full_attention_interval": 4,
+                     "full_attention_layers": full}  # fmt: skip
+    return spec
+
+
 #: model_type -> converter (config.json -> the ``model`` section a YAML under configs/model/ would hold)
 CONVERTERS: dict[str, Callable[[HFConfig], dict[str, Any]]] = {
     "llama": _dense,
@@ -537,4 +583,5 @@ CONVERTERS: dict[str, Callable[[HFConfig], dict[str, Any]]] = {
     "deepseek_v3": _deepseek,
     "deepseek_v32": _deepseek,
     "qwen3_next": _qwen3_next,
+    "kimi_linear": _kimi_linear,
 }
