@@ -184,11 +184,11 @@ class PagedKVCache(Cache):
     :param v_scale: the same for values.
     :param contiguous_rows: at a batch's first forward, reserve each row one run of slots (the pool's free slots
         over the batch's rows, at most ``max_context_len``, in whole pages: what rows growing in step, as
-        ``generate``'s do, can reach anyway)
-        and write every later token there without calling the allocator; attention then reads strided views of
-        the pool (no copy) when the cache keeps the model's dtype in token-major rows.  Needs the allocator to
-        hand out one contiguous run (checked once per batch: a fragmented pool falls back to allocating as rows
-        grow); ``available_tokens`` counts the reserved slots as taken.
+        ``generate``'s do, can reach anyway) and write every later token there without calling the allocator;
+        attention then reads strided views of the pool (no copy) when the cache keeps the model's dtype in
+        token-major rows.  Needs the allocator to hand out one contiguous run (checked once per batch: a
+        fragmented pool falls back to allocating as rows grow); ``available_tokens`` counts the reserved slots as
+        taken.
     """
 
     def __init__(
