@@ -226,6 +226,14 @@ def check_device_visible(cfg: EngineConfig) -> None:
         )
 
 
+def check_buildable(cfg: EngineConfig) -> None:
+    """Raise one :class:`ConfigError` line for a config kvcore can plan but not build: ``memory.unified=true``, whose
+    pools do not exist yet (``kvcore plan`` prints what its shared range would hold)."""
+    if cfg.memory.unified:
+        raise ConfigError("memory.unified=true: kvcore plans the unified memory (`kvcore plan` prints what it holds) but "
+                          "does not build its pools yet; set memory.unified=false to build the split pools")  # fmt: skip
+
+
 def build_pools(
     cfg: EngineConfig,
     *,
@@ -252,9 +260,7 @@ def build_pools(
             selection = select_backend(registry, _core_request(cfg))
             plan = distributed.agree(_plan(cfg, registry, selection, free_memory_bytes, weights_loaded), group)
     check_device_visible(cfg)
-    if cfg.memory.unified:
-        raise ConfigError("memory.unified=true: kvcore plans the unified memory (`kvcore plan` prints what it holds) but "
-                          "does not build its pools yet; set memory.unified=false to build the split pools")  # fmt: skip
+    check_buildable(cfg)
     core = _core_request(cfg)
     if selection is None:
         selection = select_backend(registry, core)

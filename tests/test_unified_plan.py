@@ -67,3 +67,10 @@ def test_kvcore_plan_prints_the_unified_figures(capsys):
     assert main(["plan", "model=tiny-qwen3-next", "memory.unified=true"]) == 0
     out = capsys.readouterr().out
     assert "unified   one range of" in out and "full-attention tokens (no state slots)" in out
+
+
+def test_kvcore_up_plans_then_refuses_before_allocating(capsys):
+    assert main(["up", "model=tiny-swa", "memory.unified=true"]) == 2
+    captured = capsys.readouterr()
+    assert "unified   one range of" in captured.out and "[4/4]" not in captured.out
+    assert "does not build its pools yet" in captured.err

@@ -230,6 +230,7 @@ def _up(cfg: EngineConfig, rank: str, report, explain: bool = False) -> int:
     if rank:
         plan = distributed.agree(plan)
     report(["[3/4] plan (nothing allocated yet)"] + ["  " + line for line in _describe_plan(plan)])
+    kvcore.api.check_buildable(cfg)  # after the plan, which says what a config kvcore cannot build yet would hold
     total = plan.kv_cache_bytes + plan.draft_kv_cache_bytes + plan.req_to_token_bytes
     report([f"[4/4] allocating {_gib(total)} on {cfg.hardware.device} ..."])
     started = time.perf_counter()
