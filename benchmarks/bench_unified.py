@@ -95,7 +95,7 @@ class Unified(Pools):
 
     def take(self, needs):
         low, high = needs
-        if low * self.a._sides[LOW].unit + high * self.a._sides[HIGH].unit > self.a.free_bytes():
+        if low * self.a.unit_bytes(LOW) + high * self.a.unit_bytes(HIGH) > self.a.free_bytes():
             return None
         return self.a.alloc(LOW, low), self.a.alloc(HIGH, high)
 
@@ -107,8 +107,7 @@ class Unified(Pools):
         return self.budget - self.a.free_bytes()
 
 
-def serve(pools: Pools, reqs: list[tuple[int, int]], needs: Callable[[int, int], tuple[int, int]],
-          tokens_of: Callable[[int, int], int]) -> dict:  # fmt: skip
+def serve(pools: Pools, reqs: list[tuple[int, int]], needs: Callable[[int, int], tuple[int, int]]) -> dict:
     """Run the requests through the pools, one decode step at a time; every step the queue's head is admitted
     while it fits.  Returns peak requests, peak tokens held, and the budget share in use at the first wait."""
     queue = list(reqs)
@@ -181,7 +180,7 @@ def main() -> None:
         for mix in MIXES:
             reqs = requests(mix, args.requests if mix == "chats" else args.requests // 10, args.seed)
             for name, make in (("split", split), ("unified", unified)):
-                r = serve(make(), reqs, needs, lambda p, o: p + o)
+                r = serve(make(), reqs, needs)
                 share = "never waited" if r["in use at first wait"] is None else f"{r['in use at first wait']:.1%}"
                 print(f"  {mix:<32} {name:<8} {r['peak requests']:>14} {r['peak tokens']:>12} {share:>21}", flush=True)
 

@@ -156,18 +156,18 @@ def plan_memory(
     :param weights_loaded: the profile was taken after the weights loaded; do not charge them again.
     """
     registry = registry or get_registry()
-    return _plan(cfg, registry, select_backend(registry, _core_request(cfg)), free_memory_bytes, weights_loaded)
+    selection = select_backend(registry, _core_request(cfg))
+    return _plan(cfg, registry, selection, free_memory_bytes, weights_loaded, _draft(cfg, registry))
 
 
 def _plan(cfg: EngineConfig, registry: Registry, selection: Selection, free_memory_bytes: int | None,
-          weights_loaded: bool) -> MemoryPlan:  # fmt: skip
-    """:func:`plan_memory` with the backend already selected (``selection``, of ``cfg``'s core request): the
-    layout of every pipeline rank, then the sizes."""
+          weights_loaded: bool, draft: _Draft | None) -> MemoryPlan:  # fmt: skip
+    """:func:`plan_memory` with the backend already selected (``selection``, of ``cfg``'s core request) and the
+    draft worker resolved (:func:`_draft`): the layout of every pipeline rank, then the sizes."""
     layouts = []
     for rank in range(cfg.parallel.pp_size):
         request = selection.backend.resolve(_core_request(cfg, pp_rank=rank))
         layouts.append(buffer_layout(selection.backend, registry, request))
-    draft = _draft(cfg, registry)
     draft_layout = None if draft is None else buffer_layout(draft.backend, registry, draft.request)
     draft_weights = 0 if draft is None else draft.cfg.weight_bytes_per_rank
     budget = memory_budget(cfg, free_memory_bytes=free_memory_bytes, weights_loaded=weights_loaded,
@@ -254,11 +254,13 @@ def build_pools(
 
     registry = registry or get_registry()
     selection = None  # selected once, here, and passed to the planning below
-    if distributed.active(group):
+    collective = distributed.active(group)
+    if collective:
         cfg, _ = distributed.rank_config(cfg, group)
-        if plan is None:
-            selection = select_backend(registry, _core_request(cfg))
-            plan = distributed.agree(_plan(cfg, registry, selection, free_memory_bytes, weights_loaded), group)
+    draft = _draft(cfg, registry)  # resolved once, for the plan and the draft's pool
+    if collective and plan is None:
+        selection = select_backend(registry, _core_request(cfg))
+        plan = distributed.agree(_plan(cfg, registry, selection, free_memory_bytes, weights_loaded, draft), group)
     check_device_visible(cfg)
     check_buildable(cfg)
     core = _core_request(cfg)
@@ -266,7 +268,7 @@ def build_pools(
         selection = select_backend(registry, core)
     request = selection.backend.resolve(core)
     if plan is None:
-        plan = _plan(cfg, registry, selection, free_memory_bytes, weights_loaded)
+        plan = _plan(cfg, registry, selection, free_memory_bytes, weights_loaded, draft)
     hook = registry.hook
     token_to_kv_pool = hook.kvcore_create_pool(
         backend=selection.backend, request=request, layout=plan.layout, sizes=plan.sizes
@@ -286,7 +288,6 @@ def build_pools(
     checked = checked_enabled(cfg)
     if checked:
         token_to_kv_pool, allocator = CheckedPool(token_to_kv_pool), CheckedAllocator(allocator)
-    draft = _draft(cfg, registry)
     draft_pools = None
     if draft is not None:
         draft_pool = hook.kvcore_create_pool(backend=draft.backend, request=draft.request, layout=plan.draft_layout,

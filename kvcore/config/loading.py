@@ -117,15 +117,8 @@ def load_config(*overrides: str, path: str | Path | None = None, registry) -> En
     try:
         merged = OmegaConf.structured(schema)
         for group in GROUPS:
-            if group == "model" and chosen.get(group, "").startswith("hf:"):
-                # a Hugging Face checkpoint's config.json, converted to a model file's keys (kvcore/config/hf.py)
-                from kvcore.config.hf import hf_model_config
-
-                merged = OmegaConf.merge(merged, {group: hf_model_config(chosen[group])})
-            elif group in chosen:
-                path = group_file(group, chosen[group], engine_file)
-                group_cfg = _load_yaml(path)
-                merged = OmegaConf.merge(merged, group_cfg if _is_global_package(path) else {group: group_cfg})
+            if group in chosen:
+                merged = OmegaConf.merge(merged, _group_keys(group, chosen[group], engine_file))
         merged = OmegaConf.merge(merged, body, OmegaConf.from_dotlist(dotlist))
         sections = {field.name: _to_object(merged[field.name], field.name) for field in attrs.fields(schema)}
     except OmegaConfBaseException as exc:
@@ -150,18 +143,24 @@ def load_model(option: str, *, registry, engine_file: str | Path | None = None) 
     schema = engine_schema(registry.model_sections)
     engine_file = Path(engine_file) if engine_file is not None else packaged_configs() / "engine.yaml"
     try:
-        merged = OmegaConf.structured(schema)
-        if option.startswith("hf:"):
-            from kvcore.config.hf import hf_model_config
-
-            merged = OmegaConf.merge(merged, {"model": hf_model_config(option)})
-        else:
-            path = group_file("model", option, engine_file)
-            group_cfg = _load_yaml(path)
-            merged = OmegaConf.merge(merged, {"model": group_cfg.model} if _is_global_package(path) else {"model": group_cfg})
+        keys = _group_keys("model", option, engine_file)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), {"model": keys["model"]})
         return _to_object(merged["model"], "model")
     except OmegaConfBaseException as exc:
         raise ConfigError(describe_error(exc, schema)) from None
+
+
+def _group_keys(group: str, option: str, engine_file: Path) -> Any:
+    """The config keys a ``group=option`` choice sets, rooted at the top level: a group file's keys under
+    ``group`` (a global-package file's as they are: it may set other sections too), or, for ``model=hf:PATH``, a
+    Hugging Face checkpoint's config.json converted to a model file's keys (:mod:`kvcore.config.hf`)."""
+    if group == "model" and option.startswith("hf:"):
+        from kvcore.config.hf import hf_model_config
+
+        return {group: hf_model_config(option)}
+    path = group_file(group, option, engine_file)
+    group_cfg = _load_yaml(path)
+    return group_cfg if _is_global_package(path) else {group: group_cfg}
 
 
 def _check_not_a_section(schema: type, key: str, value: Any, where: str = "") -> None:

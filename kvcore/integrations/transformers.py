@@ -45,8 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from kvcore.errors import ConfigError, KVCoreError
 from kvcore.integrations.hf_model import (BACKEND, SUPPORTED_DTYPES, build_pools_at, config_overrides, model_dimensions,
                                           resolve_dtype)  # fmt: skip
-from kvcore.kernels.dtypes import is_fp8_dtype
-from kvcore.kernels.head_gather import gather_heads
+from kvcore.kernels.head_gather import gather_heads, take_rows
 from kvcore.kernels.kernel_mode import use_triton
 
 __all__ = ["SUPPORTED_DTYPES", "KVCacheFullError", "PagedKVCache", "PagedKVLayer", "config_overrides", "model_dimensions"]
@@ -54,21 +53,6 @@ __all__ = ["SUPPORTED_DTYPES", "KVCacheFullError", "PagedKVCache", "PagedKVLayer
 
 class KVCacheFullError(KVCoreError, RuntimeError):
     """The pool (or the request table) has no room for the tokens or rows a forward brings."""
-
-
-def _take(buffer: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
-    """The rows of tokens ``locs`` (a copy, ``[*locs.shape, heads, dim]``) from a layer's buffer: token rows
-    ``[tokens, heads, dim]``, or the paged view ``[pages, page_size, heads, dim]`` a page-major pool hands out.
-    fp8 rows are gathered as their uint8 bytes (fp8 indexing kernels are not on every device) and viewed back."""
-    dtype = buffer.dtype
-    if is_fp8_dtype(dtype):
-        buffer = buffer.view(torch.uint8)
-    if buffer.dim() == 4:
-        page_size = buffer.shape[1]
-        rows = buffer[locs // page_size, locs % page_size]
-    else:
-        rows = buffer[locs]
-    return rows.view(dtype) if rows.dtype != dtype else rows
 
 
 def _unwrap(obj: Any) -> Any:
@@ -509,7 +493,7 @@ class PagedKVCache(Cache):
 
     def _read(self, layer_id: int, which: str, length: int) -> torch.Tensor:
         """What is stored for layer ``layer_id``, in the cache dtype (``layers[i].keys`` / ``.values``)."""
-        return _take(self._buffer(layer_id, which), self._locations(length)).transpose(1, 2).contiguous()
+        return take_rows(self._buffer(layer_id, which), self._locations(length)).transpose(1, 2).contiguous()
 
     # -- giving slots back --------------------------------------------------------------------------------
 
@@ -593,8 +577,8 @@ class PagedKVCache(Cache):
             src, dst = src[self._live_t], dst[self._live_t]
         src, dst = src.reshape(-1), dst.reshape(-1)
         for layer in self.layers:
-            k = _take(self.pool.get_key_buffer(layer.layer_id), src)  # copies, so overlapping rows are safe
-            v = _take(self.pool.get_value_buffer(layer.layer_id), src)
+            k = take_rows(self.pool.get_key_buffer(layer.layer_id), src)  # copies, so overlapping rows are safe
+            v = take_rows(self.pool.get_value_buffer(layer.layer_id), src)
             self.pool.set_kv_buffer(layer.layer_id, dst, k, v)
 
     def batch_repeat_interleave(self, repeats: int) -> None:

@@ -25,7 +25,7 @@ from kvcore.kernels.kernel_mode import triton_interpreting
 from kvcore.kernels.launch import KernelArgs, cdiv, launcher_for
 from kvcore.kernels.row_move import next_pow2
 
-__all__ = ["gather_heads", "gather_heads_native", "gather_heads_triton"]
+__all__ = ["gather_heads", "gather_heads_native", "gather_heads_triton", "take_rows"]
 
 #: elements a program moves per head (tokens x dim); the token block is this over the padded head width
 _TILE_ELEMS = 4096
@@ -176,10 +176,12 @@ def gather_heads_triton(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, ou
     return k_out, v_out
 
 
-def _rows(buffer: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
-    """``[*locs.shape, heads, dim]`` rows of ``buffer`` (token rows or a paged view); fp8 gathered as bytes."""
+def take_rows(buffer: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
+    """The rows of tokens ``locs`` (a copy, ``[*locs.shape, heads, dim]``) of a layer's token rows ``[rows, heads,
+    dim]`` or paged view ``[pages, page_size, heads, dim]``; fp8 rows are gathered as their bytes (fp8 indexing
+    kernels are not on every device) and viewed back."""
     dtype = buffer.dtype
-    if dtype.itemsize == 1 and dtype != torch.uint8:
+    if is_fp8_dtype(dtype):
         buffer = buffer.view(torch.uint8)
     if buffer.dim() == 4:
         rows = buffer[locs // buffer.shape[1], locs % buffer.shape[1]]
@@ -194,7 +196,7 @@ def gather_heads_native(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, ou
     tensor)."""
     outs = []
     for buffer, scale in ((k, k_scale), (v, v_scale)):
-        rows = _rows(buffer, locs.to(torch.int64))
+        rows = take_rows(buffer, locs.to(torch.int64))
         if rows.dtype != out_dtype:
             rows = rows.to(torch.float32)
             rows = (rows * scale if scale is not None else rows).to(out_dtype)

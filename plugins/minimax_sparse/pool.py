@@ -161,13 +161,20 @@ class MiniMaxSparseKVPool(KVCache):
         self._read_layer(layer_id)
         return self.main_pool.get_value_buffer(layer_id)
 
-    def get_index_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index keys and values of a sparse layer with index values, ``[size + page_size, 1, idx_head_dim]`` each."""
-        self._read_layer(layer_id)
+    def _index_kv_local(self, layer_id: int) -> int:
+        """Where a sparse layer with index values sits in ``index_k`` / ``index_v``.
+
+        :raises ValueError: for a dense layer, or one whose index keeps keys only."""
         local = self.index_kv_layer_id_mapping.get(layer_id)
         if local is None:
             raise ValueError(f"layer {layer_id} has no index values (it is dense, or its index keeps keys only); index "
                              f"layers with values: {list(self.index_kv_layer_id_mapping)}")  # fmt: skip
+        return local
+
+    def get_index_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index keys and values of a sparse layer with index values, ``[size + page_size, 1, idx_head_dim]`` each."""
+        self._read_layer(layer_id)
+        local = self._index_kv_local(layer_id)
         return self._index_view("index_k", local), self._index_view("index_v", local)
 
     def get_index_k_buffer(self, layer_id: int) -> torch.Tensor:
@@ -198,11 +205,7 @@ class MiniMaxSparseKVPool(KVCache):
                             k_scale=None, v_scale=None) -> None:  # fmt: skip
         """Store the index keys and values (``[N, 1, idx_head_dim]`` or ``[N, idx_head_dim]``) of ``loc`` into a
         sparse layer with index values, in one launch; inputs of another dtype are divided by the scales first."""
-        layer_id = layer_id_of(layer)
-        local = self.index_kv_layer_id_mapping.get(layer_id)
-        if local is None:
-            raise ValueError(f"layer {layer_id} has no index values (dense, or its index keeps keys only); index "
-                             f"layers with values: {list(self.index_kv_layer_id_mapping)}")  # fmt: skip
+        local = self._index_kv_local(layer_id_of(layer))
         self._index_kv_store(local, self._flat(loc), self._rows(self._scaled(cache_idx_k, k_scale)),
                              self._rows(self._scaled(cache_idx_v, v_scale)))  # fmt: skip
 

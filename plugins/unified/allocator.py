@@ -82,6 +82,10 @@ class MultiEndedAllocator:
 
     # -- queries -------------------------------------------------------------------------------------------
 
+    def unit_bytes(self, side: str) -> int:
+        """Bytes of one unit of ``side``."""
+        return self._sides[side].unit
+
     def used(self, side: str) -> int:
         """Units of ``side`` allocated now."""
         return self._sides[side].used

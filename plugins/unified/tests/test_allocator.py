@@ -22,7 +22,7 @@ class Arena:
 
     def move(self, side: str, src: np.ndarray, dst: np.ndarray) -> None:
         a = self.allocator
-        unit = a._sides[side].unit
+        unit = a.unit_bytes(side)
         assert not set(src.tolist()) & set(dst.tolist()), "a batch move must not overlap"
         blocks = [self.bytes[o : o + unit].copy() for o in a.byte_offset(side, src)]
         for o, block in zip(a.byte_offset(side, dst), blocks):
@@ -31,13 +31,13 @@ class Arena:
 
     def write(self, side: str, ids: np.ndarray, tag: int) -> None:
         a = self.allocator
-        unit = a._sides[side].unit
+        unit = a.unit_bytes(side)
         for i, o in zip(ids, a.byte_offset(side, a.physical(side, ids))):
             self.bytes[o : o + unit] = pattern(side, int(i), tag, unit)
 
     def read(self, side: str, i: int) -> np.ndarray:
         a = self.allocator
-        unit = a._sides[side].unit
+        unit = a.unit_bytes(side)
         o = int(a.byte_offset(side, a.physical(side, [i]))[0])
         return self.bytes[o : o + unit]
 
@@ -132,7 +132,7 @@ class TwoEnds(RuleBasedStateMachine):
         self.a.check()
         for side, live in self.live.items():
             assert self.a.used(side) == len(live)
-            unit = self.a._sides[side].unit
+            unit = self.a.unit_bytes(side)
             for i, tag in live.items():
                 assert np.array_equal(self.arena.read(side, i), pattern(side, i, tag, unit)), f"{side} id {i} lost"
 
