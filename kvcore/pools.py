@@ -165,8 +165,9 @@ class ReqToTokenPool:
             self.free_slots.extend(int(i) for i in free_index)
 
     def clear(self) -> None:
-        """Every slot but the padding row 0 free."""
-        self.free_slots = list(range(1, self.size + 1))
+        """Every row of the table but the padding row 0 free (``1 .. size``; a subclass's table may hold more
+        rows than ``size``, as :class:`DecodeReqToTokenPool`'s does)."""
+        self.free_slots = list(range(1, self.req_to_token.shape[0]))
 
     @property
     def mem_usage(self) -> float:
@@ -189,10 +190,6 @@ class DecodeReqToTokenPool(ReqToTokenPool):
         self.pre_alloc_size = int(pre_alloc_size)
         super().__init__(size + self.pre_alloc_size, max_context_len, device, enable_memory_saver)
         self.size = size  # the running requests; the table holds size + pre_alloc_size rows past the padding one
-
-    def clear(self) -> None:
-        """Every row but the padding row 0 free, the pre-allocation rows included."""
-        self.free_slots = list(range(1, self.req_to_token.shape[0]))
 
 
 class KVCache(abc.ABC):

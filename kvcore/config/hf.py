@@ -528,8 +528,11 @@ def _mla_attention(cfg: HFConfig, heads: int) -> int:
     hidden = cfg.integer("hidden_size")
     kv_rank, rope, nope, v_dim = (cfg.integer(k) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
     q_dim = heads * (nope + rope)
-    q_rank = cfg.get("q_lora_rank")
-    q = hidden * q_dim if q_rank is None else hidden * cfg.integer("q_lora_rank") + cfg.integer("q_lora_rank") + cfg.integer("q_lora_rank") * q_dim
+    if cfg.get("q_lora_rank") is None:
+        q = hidden * q_dim
+    else:  # down projection, its norm, up projection
+        q_rank = cfg.integer("q_lora_rank")
+        q = hidden * q_rank + q_rank + q_rank * q_dim
     return q + hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
 
 

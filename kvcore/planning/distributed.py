@@ -113,7 +113,6 @@ def agree(plan: MemoryPlan, group=None) -> MemoryPlan:
         max_running_requests=requests,
         kv_cache_bytes=plan.layout.total_bytes({g: sizes[g] for g in plan.layout.groups}),
         req_to_token_bytes=req_to_token_bytes(requests + plan.pre_alloc_size, plan.request_context_len),
-        draft_kv_cache_bytes=0 if plan.draft_layout is None else plan.draft_layout.total_bytes({"tokens": sizes["tokens"]}),
         warnings=(*plan.warnings, note),
     )
 

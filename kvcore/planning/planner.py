@@ -78,7 +78,6 @@ class MemoryPlan:
     extra_context_len: int = 0
     pre_alloc_size: int = 0
     draft_layout: PoolLayout | None = None
-    draft_kv_cache_bytes: int = 0
     draft_weight_bytes: int = 0
     unified: UnifiedFigures | None = None
 
@@ -92,6 +91,11 @@ class MemoryPlan:
     def draft_bytes_per_token(self) -> int:
         """Bytes per token of the draft model's pool (0 without speculative decoding)."""
         return 0 if self.draft_layout is None else self.draft_layout.bytes_per_token
+
+    @property
+    def draft_kv_cache_bytes(self) -> int:
+        """Bytes of the draft model's pool: its layout at the target's tokens (0 without speculative decoding)."""
+        return 0 if self.draft_layout is None else self.draft_layout.total_bytes({"tokens": self.sizes["tokens"]})
 
     @property
     def cell_bytes_per_token(self) -> int:
@@ -431,7 +435,6 @@ def plan_from_layouts(
         extra_context_len=extra_context,
         pre_alloc_size=pre_alloc,
         draft_layout=draft_layout,
-        draft_kv_cache_bytes=0 if draft_layout is None else draft_layout.total_bytes({"tokens": aligned}),
     )
 
 

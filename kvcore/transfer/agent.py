@@ -109,7 +109,6 @@ def describe_pool(pool: Any) -> dict[str, Any]:
                                 f"cannot address them")  # fmt: skip
         out[space] = {"regions": [list(r) for r in regions], "labels": labels, "items": counts.pop()}
     first = next(iter(pool.buffers().values()))
-    scale = getattr(pool, "global_scale", None)
     window = getattr(pool, "swa_kv_pool", None)
     return {
         "pool": type(pool).__name__,
@@ -121,11 +120,18 @@ def describe_pool(pool: Any) -> dict[str, Any]:
         "kv_format": getattr(pool, "kv_format", None),
         "head_num": getattr(pool, "head_num", None),
         "window_head_num": getattr(window, "head_num", None),
-        "global_scale": scale.detach().float().cpu().reshape(-1).tolist() if isinstance(scale, torch.Tensor) else None,
+        "global_scale": _global_scales(pool),
         "mem_type": "DRAM" if first.device.type == "cpu" else "VRAM",
         "device_id": max(first.get_device(), 0),
         "spaces": out,
     }
+
+
+def _global_scales(pool: Any) -> list[float] | None:
+    """A block-scaled pool's global scales as they are now (nvfp4's, which may be calibrated after the pool is
+    built), as a flat list; None for a pool without them."""
+    scale = getattr(pool, "global_scale", None)
+    return scale.detach().float().cpu().reshape(-1).tolist() if isinstance(scale, torch.Tensor) else None
 
 
 def check_compatible(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
@@ -344,9 +350,7 @@ class KVTransferAgent:
 
     def _current(self) -> dict[str, Any]:
         """The pool's description, with nvfp4's global scales as they are now (they may be calibrated later)."""
-        scale = getattr(self.pool, "global_scale", None)
-        if isinstance(scale, torch.Tensor):
-            self._desc["global_scale"] = scale.detach().float().cpu().reshape(-1).tolist()
+        self._desc["global_scale"] = _global_scales(self.pool)
         return self._desc
 
     def metadata(self) -> bytes:

@@ -96,8 +96,3 @@ class HybridMambaDecodeReqToTokenPool(HybridReqToTokenPool):
         )  # fmt: skip
         self.size = size  # the running requests; the table holds size + pre_alloc_size rows past the padding one
         self.pre_alloc_size = pre_alloc_size
-
-    def clear(self) -> None:
-        """Every row but the padding row 0 free, the pre-allocation rows included, and every state slot."""
-        super().clear()
-        self.free_slots = list(range(1, self.req_to_token.shape[0]))
