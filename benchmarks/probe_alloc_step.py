@@ -36,11 +36,20 @@ def host_us(fn) -> float:
     return best
 
 
+class _NoLaunch:
+    """What a launch plan reads of its launcher, launching nothing."""
+
+    direct, _stream, _device_index = False, None, 0
+
+    def __call__(self, *args, **kwargs) -> None:
+        pass
+
+
 def allocator(page_size: int, stub: bool):
     size = 1 << 25  # room for every call's pages where nothing is given back (alloc_decode alone, stubbed)
     a = PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cuda", None, need_sort=False)
     if stub:  # the Python of each call without its launch (the counts then drift: a large pool absorbs it)
-        a._decode_step._launch = a._pages._launch = lambda *args, **kwargs: None
+        a._decode_step._launch = a._pages._launch = _NoLaunch()  # before the first call makes its plans
     return a
 
 

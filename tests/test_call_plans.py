@@ -66,6 +66,18 @@ def test_a_plan_adds_its_constexprs_after_the_runtime_arguments_and_keys_on_them
     assert fake.direct_calls == [(3, 1, 1, 1000, "function", "metadata", 3, 4, 16, True)]
 
 
+def test_a_plan_appends_its_tail_then_its_constexprs():
+    """Runtime arguments the signature fixes (``tail``) follow the call's own, before the constexpr values, on
+    both paths; ``suffix`` is what a hot path appends when it launches the entry itself."""
+    fake = _FakeLauncher(compiled=True)
+    plan = launch.Plan(fake, ("key",), 1, (1, 1), 4, constexprs=[16], tail=(8, 9))
+    assert plan.suffix == (8, 9, 16)
+    plan(2, (1,))
+    assert fake.calls == [(("key",), (2, 1, 1), (1, 8, 9, 16), 4)] and fake.asked == (("key",), 4, (16,))
+    plan(3, (2,))
+    assert fake.direct_calls == [(3, 1, 1, 1000, "function", "metadata", 2, 8, 9, 16)]
+
+
 def test_a_plan_goes_through_its_launcher_while_a_launch_hook_is_installed():
     import triton
 

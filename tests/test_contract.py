@@ -132,18 +132,18 @@ def test_launcher_sees_an_empty_hook_chain_as_no_hook(monkeypatch):
 
     runtime = triton.knobs.runtime
     if hasattr(runtime.launch_enter_hook, "calls"):
-        assert not launch._launch_hooks_installed()
+        assert not launch.launch_hooks_installed()
         hook = lambda *args: None  # noqa: E731
         runtime.launch_enter_hook.add(hook)
         try:
-            assert launch._launch_hooks_installed()
+            assert launch.launch_hooks_installed()
         finally:
             runtime.launch_enter_hook.remove(hook)
     monkeypatch.setattr(runtime, "launch_exit_hook", lambda *args: None)
-    assert launch._launch_hooks_installed()
+    assert launch.launch_hooks_installed()
     monkeypatch.setattr(runtime, "launch_exit_hook", None)
     monkeypatch.setattr(runtime, "launch_enter_hook", None)
-    assert not launch._launch_hooks_installed()
+    assert not launch.launch_hooks_installed()
 
 
 def test_launcher_gives_the_dispatcher_tensors_for_addresses():

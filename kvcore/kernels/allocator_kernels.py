@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kvcore.kernels.free_list import ALLOCATED, TAKEN_BIAS, PageSource
-from kvcore.kernels.launch import KernelArgs, cdiv, launcher_for
+from kvcore.kernels.launch import KernelArgs, Plan, cdiv, launcher_for
 
 __all__ = [
     "alloc_pages_native",
@@ -358,9 +358,10 @@ def alloc_extend_native(
 
 class _ListStep:
     """What :class:`ExtendStep` and :class:`DecodeStep` keep of one free list: the list, its page size, the kernel
-    mode, and (Triton) the launcher of the subclass's ``_binding`` and the launch key's fixed part."""
+    mode, and (Triton) the launcher of the subclass's ``_binding`` and a :class:`~kvcore.kernels.launch.Plan` per
+    kind of inputs (their dtypes and alignments: a handful), whose constexprs are fixed at creation."""
 
-    __slots__ = ("pages", "page_size", "use_triton", "_launch", "_device_index", "_key")
+    __slots__ = ("pages", "page_size", "use_triton", "_launch", "_device_index", "_key", "_constexprs", "_plans")
     _binding: KernelArgs
 
     def __init__(self, pages, page_size: int, use_triton: bool):
@@ -368,6 +369,21 @@ class _ListStep:
         self._launch = launcher_for(self._binding, pages.device) if use_triton else None
         self._device_index = pages.ring.get_device()
         self._key = (pages.capacity,)  # what Triton specializes on besides the inputs (the launcher adds the rest)
+        self._constexprs = self._constexpr_values(page_size)
+        self._plans: dict[tuple, Plan] = {}
+
+    @staticmethod
+    def _constexpr_values(page_size: int) -> tuple:
+        raise NotImplementedError
+
+    def _plan(self, inputs: tuple) -> Plan:
+        """The plan of inputs of one kind (``inputs``: their dtypes and 16-byte alignments): a program per
+        request or per call, as the subclass launches it."""
+        plan = self._plans.get(inputs)
+        if plan is None:
+            plan = self._plans[inputs] = Plan(self._launch, (*self._key, *inputs), 1, (1, 1), 4,
+                                              constexprs=self._constexprs)  # fmt: skip
+        return plan
 
 
 class ExtendStep(_ListStep):
@@ -387,6 +403,10 @@ class ExtendStep(_ListStep):
 
     __slots__ = ()
     _binding = _EXTEND_ARGS
+
+    @staticmethod
+    def _constexpr_values(page_size: int) -> tuple:
+        return _EXTEND_ARGS.constexprs(PAGE_SIZE=page_size, BIAS=TAKEN_BIAS, BS_BLOCK=_BS_BLOCK, TOKEN_BLOCK=_TOKEN_BLOCK)
 
     def __call__(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
                  extend_num_tokens: int) -> torch.Tensor:  # fmt: skip
@@ -418,13 +438,10 @@ class ExtendStep(_ListStep):
             last_loc = last_loc.contiguous()
         pre, seq, last = prefix_lens.data_ptr(), seq_lens.data_ptr(), last_loc.data_ptr()
         ring, _, _, ctl, state, _ = pages.pointers()
-        constexprs = _EXTEND_ARGS.constexprs(PAGE_SIZE=self.page_size, BIAS=TAKEN_BIAS, BS_BLOCK=_BS_BLOCK,
-                                             TOKEN_BLOCK=_TOKEN_BLOCK)  # fmt: skip
-        key = (*self._key, prefix_lens.dtype, pre % 16 == 0, seq_lens.dtype, seq % 16 == 0, last_loc.dtype,
-               last % 16 == 0)  # fmt: skip
-        self._launch(key, bs, 1, (
-            pre, seq, last, ring, ctl, state, out.data_ptr(), pages.taken + TAKEN_BIAS, pages.capacity, *constexprs,
-        ), lambda: (prefix_lens, seq_lens, last_loc, pages.ring, pages.ctl, pages.state, out))  # fmt: skip
+        plan = self._plan((prefix_lens.dtype, pre % 16 == 0, seq_lens.dtype, seq % 16 == 0, last_loc.dtype,
+                           last % 16 == 0))  # fmt: skip
+        plan(bs, (pre, seq, last, ring, ctl, state, out.data_ptr(), pages.taken + TAKEN_BIAS, pages.capacity),
+             lambda: (prefix_lens, seq_lens, last_loc, pages.ring, pages.ctl, pages.state, out))  # a program a request
         return out
 
 
@@ -561,6 +578,10 @@ class DecodeStep(_ListStep):
     __slots__ = ()
     _binding = _DECODE_ARGS
 
+    @staticmethod
+    def _constexpr_values(page_size: int) -> tuple:
+        return _DECODE_ARGS.constexprs(PAGE_SIZE=page_size, BIAS=TAKEN_BIAS, BS_BLOCK=_BS_BLOCK)
+
     def __call__(self, seq_lens: torch.Tensor, last_loc: torch.Tensor, most: int) -> torch.Tensor:
         """The step's locations (int64 ``[bs]``); ``most`` bounds the pages it takes and must be at most the
         list's :attr:`~kvcore.kernels.free_list.FreePageList.known` (the caller checks)."""
@@ -586,9 +607,7 @@ class DecodeStep(_ListStep):
             last_loc = last_loc.contiguous()
         seq, last = seq_lens.data_ptr(), last_loc.data_ptr()
         ring, _, _, ctl, state, words = pages.pointers()
-        constexprs = _DECODE_ARGS.constexprs(PAGE_SIZE=self.page_size, BIAS=TAKEN_BIAS, BS_BLOCK=_BS_BLOCK)
-        self._launch((*self._key, seq_lens.dtype, seq % 16 == 0, last_loc.dtype, last % 16 == 0), 1, 1, (
-            seq, last, ring, ctl, state, out.data_ptr(), words, bs, pages.taken + TAKEN_BIAS, pages.capacity, bits,
-            *constexprs,
-        ), lambda: (seq_lens, last_loc, pages.ring, pages.ctl, pages.state, out, pages.words))  # fmt: skip
+        plan = self._plan((seq_lens.dtype, seq % 16 == 0, last_loc.dtype, last % 16 == 0))
+        plan(1, (seq, last, ring, ctl, state, out.data_ptr(), words, bs, pages.taken + TAKEN_BIAS, pages.capacity,
+                 bits), lambda: (seq_lens, last_loc, pages.ring, pages.ctl, pages.state, out, pages.words))  # one program
         return out

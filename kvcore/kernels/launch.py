@@ -100,6 +100,7 @@ __all__ = [
     "cdiv",
     "direct_launch_enabled",
     "kernel_parameters",
+    "launch_hooks_installed",
     "launcher_for",
     "remember",
 ]
@@ -345,7 +346,9 @@ def _hook_active(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _launch_hooks_installed() -> bool:
+def launch_hooks_installed() -> bool:
+    """Whether a launch hook (a profiler's) is installed in Triton's knobs: launches then go through Triton's
+    dispatcher, which calls it."""
     if _RUNTIME_KNOBS is None:
         return False
     enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
@@ -432,7 +435,7 @@ class Launcher:
         tail = args[self._runtime :]  # key_of, inlined: this runs on every launch
         full = (key, num_warps, tail if tail.__class__ is tuple else tuple(tail))
         entry = self._compiled.get(full)
-        if entry is not None and not _launch_hooks_installed():
+        if entry is not None and not launch_hooks_installed():
             launch, head, compiled = entry
             if self.check:
                 self._check(key, (grid_x, grid_y, grid_z), self._with_tensors(args, tensors), num_warps, compiled)
@@ -493,14 +496,20 @@ class Plan:
     :param views: when the dispatcher must see other tensors than a call's own (fp8 tensors as their bytes),
         the function making them from the call's ``tensors``; called only on launches through the dispatcher.
     :param constexprs: the kernel's constexpr values, in signature order (``binding.constexprs(...)``).
+    :param tail: the last runtime arguments, when the signature fixes them (strides, ...): a call then passes the
+        ones before them, and the launch appends ``tail`` and the constexprs (:attr:`suffix`, one tuple).
+
+    The hottest paths (a store per layer and step) launch ``plan.entry`` themselves, as :meth:`__call__` does
+    (``entry[0](grid_x, grid_y, grid_z, plan.raw_stream(plan.device_index), *entry[1], *args, *plan.suffix)``
+    while :func:`launch_hooks_installed` is False), saving a call frame and a tuple; :meth:`__call__` otherwise.
     """
 
     __slots__ = ("launcher", "key", "block_n", "grid_y", "grid_z", "warps", "fixed", "views", "constexprs", "entry",
-                 "_full_key", "_stream", "_device_index")  # fmt: skip
+                 "suffix", "raw_stream", "device_index", "_full_key")  # fmt: skip
 
     def __init__(self, launcher: Launcher, key: Any, block_n: int, grid_yz: tuple[int, int], warps: int,
                  fixed: Any = None, views: Callable[..., Sequence[torch.Tensor]] | None = None,
-                 constexprs: Sequence[Any] = ()):  # fmt: skip
+                 constexprs: Sequence[Any] = (), tail: Sequence[Any] = ()):  # fmt: skip
         constexprs = tuple(constexprs)
         binding = getattr(launcher, "args", None)
         if isinstance(binding, KernelArgs) and len(constexprs) != len(binding.constexpr_names):
@@ -509,22 +518,24 @@ class Plan:
         self.launcher, self.key, self.block_n, self.warps, self.fixed = launcher, key, block_n, warps, fixed
         self.grid_y, self.grid_z = grid_yz
         self.views, self.entry, self.constexprs = views, None, constexprs
+        self.suffix = tuple(tail) + constexprs
         self._full_key = (key, warps, constexprs)
-        self._stream, self._device_index = launcher._stream, launcher._device_index
+        #: ``raw_stream(device_index)``: the device's current raw stream, a direct launch's fourth argument
+        self.raw_stream, self.device_index = launcher._stream, launcher._device_index
 
     def __call__(self, n: int, args: Sequence[Any],
                  tensors: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] = ()) -> None:  # fmt: skip
         """Launch for ``n`` tokens (``n >= 1``) with ``args`` (the kernel's runtime arguments in the binding's
-        order; the plan adds its constexprs) and the ``tensors`` behind its addresses (as
-        :meth:`Launcher.__call__`; passed through ``views`` if given)."""
+        order, but the plan's ``tail``; the plan adds that and its constexprs) and the ``tensors`` behind its
+        addresses (as :meth:`Launcher.__call__`; passed through ``views`` if given)."""
         entry = self.entry
-        if entry is not None and not _launch_hooks_installed():
-            entry[0](-(-n // self.block_n), self.grid_y, self.grid_z, self._stream(self._device_index), *entry[1],
-                     *args, *self.constexprs)  # fmt: skip
+        if entry is not None and not launch_hooks_installed():
+            entry[0](-(-n // self.block_n), self.grid_y, self.grid_z, self.raw_stream(self.device_index), *entry[1],
+                     *args, *self.suffix)  # fmt: skip
             return
         if self.views is not None:
             tensors = self.views(*tensors)
-        self.launcher(self.key, -(-n // self.block_n), self.grid_y, (*args, *self.constexprs), tensors, self.warps,
+        self.launcher(self.key, -(-n // self.block_n), self.grid_y, (*args, *self.suffix), tensors, self.warps,
                       self.grid_z)  # fmt: skip
         if self.launcher.direct:
             self.entry = self.launcher.entry(self._full_key)

@@ -33,7 +33,7 @@ from kvcore.kernels import dtypes
 from kvcore.kernels.dtypes import is_fp8_dtype, storage_dtype
 from kvcore.kernels.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, torch_e4m3fn_saturates
 from kvcore.kernels.kernel_mode import triton_interpreting
-from kvcore.kernels.launch import UNPLANNED, KernelArgs, Launcher, Plan, cdiv, remember
+from kvcore.kernels.launch import UNPLANNED, KernelArgs, Launcher, Plan, cdiv, launch_hooks_installed, remember
 from kvcore.kernels.row_move import next_pow2 as _next_pow2
 
 __all__ = [
@@ -372,11 +372,11 @@ class KVStore:
         ``plan.fixed`` is ``(K cache address, V cache address, loc stride, rest, per call)``, the plan's
         constexprs its own (:data:`_STORE_ARGS`).  ``per call`` None (the common case): no scale is read (none
         given, or the inputs have the cache dtype, which ignores them), the kernel reads the inputs as they are,
-        ``rest`` is every runtime argument after the token count, and the tensors behind the addresses are the
-        call's own.  Otherwise it is ``(K scale mode, V scale mode, whether the kernel reads the inputs as their
-        bytes)``, ``rest`` is the inputs' strides (the runtime arguments after the token count up to the scales'
-        pointers), and each scale's pointer and value are read per call (:func:`_scale_call`).  The token count
-        is the call's own (:mod:`kvcore.kernels.launch`).
+        every runtime argument after the token count is the plan's ``tail`` (``rest`` is empty), and the tensors
+        behind the addresses are the call's own.  Otherwise it is ``(K scale mode, V scale mode, whether the
+        kernel reads the inputs as their bytes)``, ``rest`` is the inputs' strides (the runtime arguments after the
+        token count up to the scales' pointers), and each scale's pointer and value are read per call
+        (:func:`_scale_call`).  The token count is the call's own (:mod:`kvcore.kernels.launch`).
         """
         self._check_index_map(index_map)
         self._check_not_remapped(index_map)
@@ -414,9 +414,9 @@ class KVStore:
         strides = (*kss, *vss)
         byte_views = out == dtypes.SAME and cache_k.dtype != self.k_cache.dtype  # fp8 inputs into an fp8 cache
         if k_mode == v_mode == _SCALE_NONE and not byte_views:
-            fixed = (k_ptr, v_ptr, loc.stride(0), (*strides, k_ptr, v_ptr, 1.0, 1.0), None)
-        else:
-            fixed = (k_ptr, v_ptr, loc.stride(0), strides, (k_mode, v_mode, byte_views))
+            return Plan(self.launch, key, block_n, (num_cb, 1), _STORE_NUM_WARPS, (k_ptr, v_ptr, loc.stride(0), (), None),
+                        constexprs=constexprs, tail=(*strides, k_ptr, v_ptr, 1.0, 1.0))  # fmt: skip
+        fixed = (k_ptr, v_ptr, loc.stride(0), strides, (k_mode, v_mode, byte_views))
         return Plan(self.launch, key, block_n, (num_cb, 1), _STORE_NUM_WARPS, fixed, constexprs=constexprs)
 
     def _byte_tensors(self, loc, cache_k, cache_v, index_map) -> Callable[[], tuple[torch.Tensor, ...]]:
@@ -443,9 +443,14 @@ class KVStore:
             map_signature = (index_map.stride(), index_map.dtype, index_map.get_device(), mp & 15)
         scales = None if k_scale is None and v_scale is None else (_scale_signature(k_scale), _scale_signature(v_scale))
         n, ks, vs = loc.numel(), cache_k.shape, cache_v.shape
-        signature = ((n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15, ks[1:], cache_k.stride(),
-                     cache_k.dtype, cache_k.get_device(), kp & 15, vs[1:], cache_v.stride(), cache_v.dtype,
-                     cache_v.get_device(), vp & 15, map_signature, scales)  # fmt: skip
+        try:  # the heads and widths one by one (a slice costs more); the strides' length holds the dims' count
+            signature = ((n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), ks[1], ks[2],
+                         cache_k.stride(), cache_k.dtype, cache_k.get_device(), vs[1], vs[2], cache_v.stride(),
+                         cache_v.dtype, cache_v.get_device(), (lp & 15) | (kp & 15) << 4 | (vp & 15) << 8,
+                         map_signature, scales)  # fmt: skip
+        except IndexError:  # an input of fewer than three dims: the checks refuse it
+            self._plan(loc, cache_k, cache_v, k_scale, v_scale, index_map)
+            raise
         plan = self._plans.get(signature, UNPLANNED)
         if plan is UNPLANNED or ks[0] != n or vs[0] != n:  # a first call, or inputs of another count (refused)
             plan = remember(self._plans, signature, self._plan(loc, cache_k, cache_v, k_scale, v_scale, index_map))
@@ -453,13 +458,18 @@ class KVStore:
             self._check_layer(layer_index)
         if plan is None:
             return
-        k_ptr, v_ptr, loc_stride, rest, per_call = plan.fixed
+        k_ptr, v_ptr, loc_stride, _, per_call = plan.fixed
         if per_call is not None:
             self._launch_reading_more(plan, n, layer_index, loc, cache_k, cache_v, k_scale, v_scale, index_map, lp,
                                       kp, vp, mp)  # fmt: skip
             return
+        entry = plan.entry
+        if entry is not None and not launch_hooks_installed():  # Plan.__call__'s direct launch, inlined
+            entry[0](-(-n // plan.block_n), plan.grid_y, 1, plan.raw_stream(plan.device_index), *entry[1], k_ptr,
+                     v_ptr, layer_index, kp, vp, lp, loc_stride, mp, n, *plan.suffix)  # fmt: skip
+            return
         kc, vc = self.k_cache, self.v_cache  # the tensors behind the addresses are the call's own
-        plan(n, (k_ptr, v_ptr, layer_index, kp, vp, lp, loc_stride, mp, n) + rest,
+        plan(n, (k_ptr, v_ptr, layer_index, kp, vp, lp, loc_stride, mp, n),
              (kc, vc, cache_k, cache_v, loc, loc if index_map is None else index_map, kc, vc))  # fmt: skip
 
     def _launch_reading_more(self, plan: Plan, n: int, layer_index: int, loc, cache_k, cache_v, k_scale, v_scale,

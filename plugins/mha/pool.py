@@ -114,7 +114,10 @@ class MHATokenToKVPool(KVCache):
         :param index_map: write rows ``index_map[loc]`` instead of ``loc``, translated inside the same launch
             (a sliding-window sub-pool stores full-pool locations this way; kvcore's extension).
         """
-        local = self.local_layer(layer, layer_id_override)
+        if layer.__class__ is int and layer_id_override is None and self.start_layer <= layer <= self.end_layer:
+            local = layer - self.start_layer  # local_layer's common case, inlined: this runs per layer and step
+        else:
+            local = self.local_layer(layer, layer_id_override)
         if cache_k.dim() == 2:  # [N, H * D], as some attention backends hand them over
             cache_k = cache_k.view(-1, self.head_num, self.head_dim)
             cache_v = cache_v.view(-1, self.head_num, self.v_head_dim)

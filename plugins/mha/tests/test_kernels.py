@@ -269,6 +269,13 @@ def test_store_kv_rejects_bad_arguments():
         kernels.store_kv_triton(k_cache, v_cache, 2, loc, x, x, cache_dtype=torch.bfloat16)
     with pytest.raises(ValueError):  # shape mismatch
         kernels.store_kv_triton(k_cache, v_cache, 0, loc[:1], x, x, cache_dtype=torch.bfloat16)
+    store = kernels.KVStore(k_cache, v_cache, torch.bfloat16)
+    store(0, loc, x, x)  # a good call first: its plan is kept
+    for bad in (x.reshape(2, 8), x.reshape(16), x.unsqueeze(-1), x[:, :, :4]):  # 2, 1 and 4 dims, another width
+        with pytest.raises(ValueError, match=r"cache_k must be \[N, H, Dk\]"):
+            store(0, loc, bad, x)
+        with pytest.raises(ValueError, match=r"cache_v must be \[N, H, Dv\]"):
+            store(0, loc, x, bad)
     k8, v8 = k_cache.view(torch.uint8), v_cache.view(torch.uint8)[..., :8]
     x8 = torch.ones(2, 1, 16, device=DEVICE).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError):  # K and V caches with different head counts / shapes
