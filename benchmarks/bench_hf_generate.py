@@ -3,11 +3,14 @@ DynamicCache, on a GPU: tokens per second of each,
 side by side in one process, for batch 1 and 8, prompts of 100 and 4000 tokens, bf16 and fp8 caches.
 
 A random-weight Llama of Llama-3-8B's attention shape (8 layers, 32 heads, 8 KV heads of 128), eager, greedy,
-64 new tokens after a warm-up run; each figure is the best of three runs.  Before timing, one prefill and one
-decode step run through both caches and their logits are compared bit for bit (bf16 caches; an fp8 cache rounds
-every key and value, which tests/test_transformers_cache.py checks against an fp8-rounded DynamicCache on the
-CPU).  ``generate`` itself is not compared token for token: on a GPU it is not deterministic from run to run at
-batch 8, DynamicCache against itself included.
+64 new tokens after a warm-up run.  The three caches run in turn, five rounds of one run each (the host's noisy
+stretches last seconds: interleaving spreads them over all three); each figure is a cache's best round, the
+median beside it.  Before timing, one prefill and one decode step run through each cache and DynamicCache again,
+and their logits are compared bit for bit (bf16 caches; an fp8 cache rounds every key and value, which
+tests/test_transformers_cache.py checks against an fp8-rounded DynamicCache on the CPU): ``identical`` is whether
+kvcore's caches gave DynamicCache's logits, ``dynamic_repeatable`` whether DynamicCache gave its own again.
+``generate`` itself is not compared token for token: on a GPU it is not deterministic from run to run at batch 8,
+DynamicCache against itself included.
 
     python benchmarks/bench_hf_generate.py        # results also in $OUT/hf_generate.json (default /tmp)
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -24,6 +28,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from kvcore.integrations.transformers import PagedKVCache
 
 NEW = 64
+ROUNDS = 5
 
 
 def main() -> None:
@@ -50,33 +55,40 @@ def main() -> None:
                 torch.cuda.synchronize()
                 return time.perf_counter() - start
 
-            identical = None
-            if dtype == "bfloat16":  # one prefill and one decode step, both caches: the same logits
-                with torch.no_grad():
-                    identical = True
-                    for contiguous in (False, True):
-                        a, b = DynamicCache(config=model.config), paged(contiguous)
-                        la = model(input_ids=ids, attention_mask=mask, past_key_values=a).logits
-                        lb = model(input_ids=ids, attention_mask=mask, past_key_values=b).logits
-                        nxt = la[:, -1:].argmax(-1)
+            identical = repeatable = None
+            if dtype == "bfloat16":  # one prefill and one decode step through each cache: the same logits
+
+                def two_steps(cache):
+                    with torch.no_grad():
+                        first = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+                        nxt = first[:, -1:].argmax(-1)
                         mask2 = torch.cat([mask, torch.ones_like(nxt)], 1)
-                        la2 = model(input_ids=nxt, attention_mask=mask2, past_key_values=a).logits
-                        lb2 = model(input_ids=nxt, attention_mask=mask2, past_key_values=b).logits
-                        identical &= bool(torch.equal(la, lb) and torch.equal(la2, lb2))
-            run(DynamicCache(), 4)
-            run(paged(), 4)
-            run(paged(True), 4)
-            dynamic = min(run(DynamicCache()) for _ in range(3))
-            kvcore_s = min(run(paged()) for _ in range(3))
-            rows_s = min(run(paged(True)) for _ in range(3))
-            row = dict(dtype=dtype, batch=batch, prompt=prompt, dynamic_tok_s=batch * NEW / dynamic,
-                       kvcore_tok_s=batch * NEW / kvcore_s, contiguous_rows_tok_s=batch * NEW / rows_s,
-                       ratio=dynamic / kvcore_s, contiguous_rows_ratio=dynamic / rows_s, logits_identical=identical)  # fmt: skip
+                        return first, model(input_ids=nxt, attention_mask=mask2, past_key_values=cache).logits
+
+                want = two_steps(DynamicCache(config=model.config))
+                repeatable = all(map(torch.equal, two_steps(DynamicCache(config=model.config)), want))
+                identical = all(all(map(torch.equal, two_steps(paged(contiguous)), want)) for contiguous in (False, True))
+            makers = {"dynamic": DynamicCache, "kvcore": paged, "contiguous_rows": lambda: paged(True)}
+            for make in makers.values():
+                run(make(), 4)  # warm-up: every kernel compiled, every plan made
+            times = {name: [] for name in makers}
+            for _ in range(ROUNDS):
+                for name, make in makers.items():
+                    times[name].append(run(make()))
+            tok_s = {name: batch * NEW / min(t) for name, t in times.items()}
+            median = {name: batch * NEW / statistics.median(t) for name, t in times.items()}
+            row = dict(dtype=dtype, batch=batch, prompt=prompt, dynamic_tok_s=tok_s["dynamic"],
+                       kvcore_tok_s=tok_s["kvcore"], contiguous_rows_tok_s=tok_s["contiguous_rows"],
+                       ratio=tok_s["kvcore"] / tok_s["dynamic"],
+                       contiguous_rows_ratio=tok_s["contiguous_rows"] / tok_s["dynamic"],
+                       median_tok_s=median, logits_identical=identical, dynamic_repeatable=repeatable)  # fmt: skip
             results.append(row)
-            print(f"{dtype:<14} batch {batch} prompt {prompt:>5}: DynamicCache {row['dynamic_tok_s']:8.1f} tok/s, "
-                  f"PagedKVCache {row['kvcore_tok_s']:8.1f} ({row['ratio']:.2f}x), contiguous_rows "
-                  f"{row['contiguous_rows_tok_s']:8.1f} ({row['contiguous_rows_ratio']:.2f}x)"
-                  + ("" if identical is None else f", logits identical {identical}"), flush=True)  # fmt: skip
+            print(f"{dtype:<14} batch {batch} prompt {prompt:>5}: DynamicCache {tok_s['dynamic']:7.1f} tok/s "
+                  f"(median {median['dynamic']:7.1f}), PagedKVCache {tok_s['kvcore']:7.1f} ({row['ratio']:.2f}x; "
+                  f"median {median['kvcore']:7.1f}), contiguous_rows {tok_s['contiguous_rows']:7.1f} "
+                  f"({row['contiguous_rows_ratio']:.2f}x; median {median['contiguous_rows']:7.1f})"
+                  + ("" if identical is None else f", logits identical {identical} (DynamicCache repeatable "
+                                                  f"{repeatable})"), flush=True)  # fmt: skip
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "hf_generate.json"), "w") as f:
         json.dump(results, f, indent=1)
 

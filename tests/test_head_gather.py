@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.kernels.head_gather import gather_heads_native, gather_heads_triton
+from kvcore.kernels.head_gather import HeadGather, gather_heads_native, gather_heads_triton
 from kvcore.testing.tensors import test_device
 
 DEVICE = test_device()
@@ -77,3 +77,59 @@ def test_empty_and_refused():
         gather_heads_triton(k, k, torch.zeros((1, 1), dtype=torch.int64, device=DEVICE), torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="locs \\[batch, seq\\]"):
         gather_heads_triton(k, k, torch.zeros(3, dtype=torch.int64, device=DEVICE), torch.bfloat16)
+
+
+# -- HeadGather: the same gather planned once for every layer of a pool ------------------------------------------
+
+
+@pytest.mark.parametrize("src_dtype, out_dtype, scale", CASES)
+def test_head_gather_matches_the_reference_on_every_layer(src_dtype, out_dtype, scale):
+    """Each layer of stacked token rows, locations of several lengths and dtypes (one plan per kind, the lengths
+    read per call), a freed row reading the padding slot."""
+    layers, rows, heads, dk, dv = 3, 40, 2, 24, 8
+    k = random_rows((layers, rows, heads, dk), src_dtype, 7)
+    v = random_rows((layers, rows, heads, dv), src_dtype, 8)
+    gather = HeadGather(k.unbind(0), v.unbind(0), out_dtype, scale, scale, use_triton=True)
+    g = torch.Generator().manual_seed(9)
+    for step, seq in enumerate((13, 1, 37, 14)):
+        locs = torch.randint(0, rows, (3, seq), generator=g).to(DEVICE)
+        locs[2, :] = 0
+        if step % 2:
+            locs = locs.to(torch.int32)
+        for layer in range(layers):
+            got = gather(layer, locs)
+            want = gather_heads_native(k[layer], v[layer], locs, out_dtype, scale, scale)
+            assert got[0].shape == (3, heads, seq, dk) and got[0].is_contiguous()
+            assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), (step, layer)
+
+
+def test_head_gather_reads_a_slice_of_a_table_and_page_major_views():
+    pages, layers, page, heads, dim = 9, 2, 4, 2, 16
+    kv = random_rows((pages, layers, 2, page, heads, dim), torch.bfloat16, 10)
+    gather = HeadGather([kv[:, i, 0] for i in range(layers)], [kv[:, i, 1] for i in range(layers)], torch.float32,
+                        use_triton=True)  # fmt: skip
+    table = torch.randint(page, pages * page, (3, 40), generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    for length in (29, 30):
+        locs = table[:, :length]  # row stride 40: read per call
+        for layer in range(layers):
+            got = gather(layer, locs)
+            want = gather_heads_native(kv[:, layer, 0], kv[:, layer, 1], locs, torch.float32)
+            assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+
+
+def test_head_gather_native_and_refusals():
+    k = random_rows((2, 8, 2, 16), torch.bfloat16, 12)
+    locs = torch.tensor([[1, 2, 3]], device=DEVICE)
+    native = HeadGather(k.unbind(0), k.unbind(0), torch.float32, use_triton=False)
+    want = gather_heads_native(k[1], k[1], locs, torch.float32)
+    assert all(same_bits(a, b) for a, b in zip(native(1, locs), want))
+    gather = HeadGather(k.unbind(0), k.unbind(0), torch.bfloat16, use_triton=True)
+    assert gather(0, locs[:, :0])[0].shape == (1, 2, 0, 16)
+    with pytest.raises(ValueError, match="token dim packed"):
+        gather(0, torch.zeros((4, 2), dtype=torch.int64, device=DEVICE).t())
+    with pytest.raises(ValueError, match="int32/int64"):
+        gather(0, locs.float())
+    with pytest.raises(ValueError, match="laid out unlike layer 0"):
+        HeadGather([k[0], k[0, :4]], [k[0], k[1]], torch.bfloat16, use_triton=True)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        HeadGather(k.unbind(0), k.unbind(0), torch.int8, use_triton=True)

@@ -315,6 +315,16 @@ def test_the_row_store_launches_directly_what_it_dispatched(direct):
 
 
 @direct_only
+def test_the_head_gather_launches_directly_what_it_dispatched(direct):
+    from kvcore.kernels.head_gather import HeadGather
+
+    k = torch.randn(2, 16, 2, 8).to(torch.float8_e4m3fn)
+    gather = HeadGather(k.unbind(0), k.unbind(0), torch.bfloat16, 0.5, 2.0, use_triton=True)
+    locs = torch.tensor([[3, 5, 1], [2, 0, 0]])
+    _same_launches(direct, lambda: gather(1, locs), _binding("_gather_heads_kernel"), vary=("k_out", "v_out"))
+
+
+@direct_only
 @pytest.mark.parametrize("n", [3, 300])  # the row kernel, the tiles
 def test_the_latent_rows_launch_directly_what_they_dispatched(direct, n):
     from kvcore_mla.kernels import LatentRows

@@ -477,6 +477,28 @@ def test_the_one_launch_gather_keeps_every_logit(dtype, page_size):
     assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
 
 
+def test_the_one_launch_gather_with_a_freed_row():
+    """The Triton path once a row is freed mid-generation: the live rows' new tokens are stored (the step's
+    locations taken once for every layer), the freed row reads the padding slot, the others go on exactly."""
+    import copy
+
+    from kvcore.testing.tensors import test_device
+
+    device = test_device()
+    model = copy.deepcopy(tiny_model("llama", torch.bfloat16)).to(device)
+    ids, mask = (t.to(device) for t in prompts())
+    half = NEW_TOKENS // 2
+    ref = generate(model, DynamicCache(config=model.config), NEW_TOKENS, ids, mask)
+    cache = paged(model, page_size=16, kernels="triton", device=device)
+    first = generate(model, cache, half, ids, mask)
+    cache.free(1)
+    ids = first.sequences
+    mask = torch.cat([mask, torch.ones(ids.shape[0], half, dtype=torch.long, device=device)], dim=1)
+    rest = generate(model, cache, NEW_TOKENS - half, ids=ids, mask=mask)
+    assert torch.equal(rest.sequences[[0, 2]], ref.sequences[[0, 2]])
+    assert cache.get_seq_length() == ids.shape[1] + NEW_TOKENS - half - 1
+
+
 # -- contiguous rows: one reserved run per row, strided views for attention -------------------------------------
 
 

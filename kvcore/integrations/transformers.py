@@ -45,7 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from kvcore.errors import ConfigError, KVCoreError
 from kvcore.integrations.hf_model import (BACKEND, SUPPORTED_DTYPES, build_pools_at, config_overrides, model_dimensions,
                                           resolve_dtype)  # fmt: skip
-from kvcore.kernels.head_gather import gather_heads, take_rows
+from kvcore.kernels.head_gather import HeadGather, take_rows
 from kvcore.kernels.kernel_mode import use_triton
 
 __all__ = ["SUPPORTED_DTYPES", "KVCacheFullError", "PagedKVCache", "PagedKVLayer", "config_overrides", "model_dimensions"]
@@ -211,6 +211,10 @@ class PagedKVCache(Cache):
         self._live_t = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._allocated = 0  # positions of every live row that have a location
         self._locs: tuple[int, torch.Tensor] | None = None  # (length, [batch, length] int64 locations)
+        self._new_locs: tuple[int, int, torch.Tensor] | None = None  # (end, new tokens, their live rows' locations)
+        self._live_slots = self._slot_t  # the live rows' request slots
+        self._layer_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # each layer's K and V rows
+        self._gathers: dict[torch.dtype, HeadGather] = {}  # the read into attention's layout, by its dtype
         self.contiguous_rows = bool(contiguous_rows)
         self._row_base: int | None = None  # first slot of row 0 while the batch runs on reserved contiguous rows
         self._row_cap = 0  # tokens reserved per row then
@@ -393,7 +397,8 @@ class PagedKVCache(Cache):
         self._slots = slots
         self._slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
         self._live_t = torch.tensor([i for i, s in enumerate(slots) if s], dtype=torch.int64, device=self.device)
-        self._locs = None
+        self._live_slots = torch.tensor([s for s in slots if s], dtype=torch.int64, device=self.device)
+        self._locs = self._new_locs = None
 
     def _extend(self, end: int) -> None:
         """Give every live row a location for positions ``self._allocated .. end - 1``."""
@@ -405,19 +410,18 @@ class PagedKVCache(Cache):
                     f"max_context_len={self.req_to_token_pool.max_context_len}); raise max_total_tokens"
                 )
             self._allocated = end
-            self._locs = None
+            self._locs = self._new_locs = None
             return
         max_len = self.req_to_token_pool.max_context_len
         if end > max_len:
             raise KVCacheFullError(
                 f"rows of {end} tokens exceed the request table's max_context_len={max_len} (raise max_context_len)"
             )
-        live = [s for s in self._slots if s]
         prefix, n_new = self._allocated, end - self._allocated
-        if live:
-            n = len(live)
+        n = len(self._live_slots)
+        if n:
             table = self.req_to_token_pool.req_to_token
-            live_slots = torch.tensor(live, dtype=torch.int64, device=self.device)
+            live_slots = self._live_slots
             seq_lens = torch.full((n,), end, dtype=torch.int64, device=self.device)
             seq_lens_cpu = torch.full((n,), end, dtype=torch.int64)
             if prefix:
@@ -436,9 +440,12 @@ class PagedKVCache(Cache):
                     f"(in pages of {self.page_size}); {self.available_tokens} are free of {self.capacity_tokens}: "
                     "raise max_total_tokens, or free finished rows"
                 )
-            table[live_slots, prefix:end] = out.view(n, n_new).to(table.dtype)
+            if n_new == 1:
+                table[live_slots, prefix] = out.to(table.dtype)
+            else:
+                table[live_slots, prefix:end] = out.view(n, n_new).to(table.dtype)
         self._allocated = end
-        self._locs = None
+        self._locs = self._new_locs = None
 
     def _locations(self, length: int) -> torch.Tensor:
         """``[batch, length]`` int64 locations (freed rows read the padding row: slot 0)."""
@@ -461,24 +468,34 @@ class PagedKVCache(Cache):
         if end > self._allocated:
             self._extend(end)
         locs = self._locations(end)
-        new = locs[:, end - q : end]
+        new = self._new_locs
+        if new is None or new[0] != end or new[1] != q:  # the step's first layer: its new tokens' locations
+            rows = locs[:, end - q : end]
+            new = self._new_locs = (end, q, (rows[self._live_t] if len(self._live_t) != batch else rows).reshape(-1))
         k, v = key_states, value_states
         if len(self._live_t) != batch:  # some rows freed: store only the live ones
-            new, k, v = new[self._live_t], k[self._live_t], v[self._live_t]
-        if new.numel():
-            self.pool.set_kv_buffer(
-                layer.layer_id,
-                new.reshape(-1),
-                k.transpose(1, 2).reshape(-1, heads, k.shape[-1]),
-                v.transpose(1, 2).reshape(-1, heads, v.shape[-1]),
-                self.k_scale,
-                self.v_scale,
-            )
-        k_buf, v_buf = self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)
+            k, v = k[self._live_t], v[self._live_t]
+        if new[2].numel():
+            if q == 1:  # a decode step: [rows, heads, 1, dim] -> [rows, heads, dim], one view each
+                k_rows, v_rows = k.select(2, 0), v.select(2, 0)
+            else:
+                k_rows = k.transpose(1, 2).reshape(-1, heads, k.shape[-1])
+                v_rows = v.transpose(1, 2).reshape(-1, heads, v.shape[-1])
+            self.pool.set_kv_buffer(layer.layer_id, new[2], k_rows, v_rows, self.k_scale, self.v_scale)
+        buffers = self._layer_buffers
+        if buffers is None:
+            buffers = self._layer_buffers = [(self.pool.get_key_buffer(i), self.pool.get_value_buffer(i))
+                                             for i in range(len(self.layers))]  # fmt: skip
+        k_buf, v_buf = buffers[layer.layer_id]
         if self._row_base is not None and k_buf.dtype == key_states.dtype and k_buf.dim() == 3:
             return self._row_view(k_buf, batch, end), self._row_view(v_buf, batch, end)
-        return gather_heads(k_buf, v_buf, locs, key_states.dtype, self.k_scale, self.v_scale,
-                            use_triton=self._triton_gather)  # fmt: skip
+        gather = self._gathers.get(key_states.dtype)
+        if gather is None:
+            gather = self._gathers[key_states.dtype] = HeadGather(
+                [b[0] for b in buffers], [b[1] for b in buffers], key_states.dtype, self.k_scale, self.v_scale,
+                use_triton=self._triton_gather,
+            )
+        return gather(layer.layer_id, locs)
 
     def _row_view(self, buffer: torch.Tensor, batch: int, length: int) -> torch.Tensor:
         """The first ``length`` tokens of every row, ``[batch, heads, length, dim]``, as a strided view of a layer's
@@ -562,7 +579,7 @@ class PagedKVCache(Cache):
             dropped = self.req_to_token_pool.req_to_token[live_slots, keep : self._allocated]
             self.allocator.free(dropped.reshape(-1).to(torch.int64))
         self._allocated = min(self._allocated, new_len)
-        self._locs = None
+        self._locs = self._new_locs = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` takes the tokens of row ``beam_idx[i]`` (copied into row ``i``'s own slots,

@@ -22,10 +22,10 @@ from kvcore.kernels import dtypes
 from kvcore.kernels.dtypes import is_fp8_dtype
 from kvcore.kernels.fp8 import e4m3fn_bits_to_f32_hw, e5m2_bits_to_f32, f32_to_bf16_bits
 from kvcore.kernels.kernel_mode import triton_interpreting
-from kvcore.kernels.launch import KernelArgs, cdiv, launcher_for
+from kvcore.kernels.launch import UNPLANNED, KernelArgs, Plan, cdiv, launch_hooks_installed, launcher_for
 from kvcore.kernels.row_move import next_pow2
 
-__all__ = ["gather_heads", "gather_heads_native", "gather_heads_triton", "take_rows"]
+__all__ = ["HeadGather", "gather_heads", "gather_heads_native", "gather_heads_triton", "take_rows"]
 
 #: elements a program moves per head (tokens x dim); the token block is this over the padded head width
 _TILE_ELEMS = 4096
@@ -107,13 +107,14 @@ def _gather_heads_kernel(
                      HEADS, DV, BLOCK_DV, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
 
 
-#: the kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`); its tensors go as tensors (a gather
-#: runs once per layer and step: the dispatcher's key is the launcher's)
+#: the kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`): :func:`gather_heads_triton` passes its
+#: tensors as tensors, :class:`HeadGather` their addresses
 _GATHER_ARGS = KernelArgs(
     _gather_heads_kernel,
     "k_ptr v_ptr k_out v_out loc_ptr seq loc_stride k_page_stride k_row_stride k_head_stride v_page_stride "
     "v_row_stride v_head_stride k_scale v_scale",
     "HEADS DK DV BLOCK_DK BLOCK_DV PAGE BLOCK_T IN OUT SCALED HW_CVT",
+    pointers="k_ptr v_ptr k_out v_out loc_ptr",
 )
 
 
@@ -127,6 +128,19 @@ def _paged(buffer: torch.Tensor) -> tuple[int, int, int, int]:
     if buffer.dim() == 4:
         return buffer.shape[1], buffer.stride(0), buffer.stride(1), buffer.stride(2)
     raise ValueError(f"gather_heads takes [rows, heads, dim] or [pages, page_size, heads, dim], got {tuple(buffer.shape)}")
+
+
+def _constexprs(k: torch.Tensor, v: torch.Tensor, page: int, out_dtype: torch.dtype, scaled: bool) -> tuple:
+    """``(BLOCK_T, the kernel's constexprs)`` of K/V rows like ``k`` / ``v`` (their original dtype) gathered into
+    ``out_dtype``, with or without scales."""
+    heads, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
+    block_dk, block_dv = next_pow2(dk), next_pow2(dv)
+    block_t = max(1, _TILE_ELEMS // max(block_dk, block_dv))
+    code_in = dtypes.dtype_code(k.dtype, "the cache")
+    code_out = dtypes.dtype_code(out_dtype, "out_dtype") if k.dtype != out_dtype else code_in
+    return block_t, _GATHER_ARGS.constexprs(HEADS=heads, DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+                                            PAGE=page, BLOCK_T=block_t, IN=code_in, OUT=code_out, SCALED=scaled,
+                                            HW_CVT=not triton_interpreting())  # fmt: skip
 
 
 def _outputs(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: torch.dtype):
@@ -156,24 +170,113 @@ def gather_heads_triton(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, ou
         raise ValueError(f"K and V views of another page size: {page} and {vpage}")
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"gather_heads writes float32, float16 or bfloat16, not {out_dtype}")
-    convert = k.dtype != out_dtype
-    if is_fp8_dtype(k.dtype):  # fp8 reaches the kernel as its bytes; its code says how to decode them
+    scaled = k.dtype != out_dtype and (k_scale is not None or v_scale is not None)
+    block_t, constexprs = _constexprs(k, v, page, out_dtype, scaled)
+    if is_fp8_dtype(source_dtype):  # fp8 reaches the kernel as its bytes; its code says how to decode them
         k, v = k.view(torch.uint8), v.view(torch.uint8)
-    heads, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
-    block_dk, block_dv = next_pow2(dk), next_pow2(dv)
-    block_t = max(1, min(_TILE_ELEMS // max(block_dk, block_dv), next_pow2(seq)))
-    scaled = convert and (k_scale is not None or v_scale is not None)
-    code_in = dtypes.dtype_code(source_dtype, "the cache")
-    code_out = dtypes.dtype_code(out_dtype, "out_dtype") if convert else code_in
-    constexprs = _GATHER_ARGS.constexprs(HEADS=heads, DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, PAGE=page,
-                                         BLOCK_T=block_t, IN=code_in, OUT=code_out, SCALED=scaled,
-                                         HW_CVT=not triton_interpreting())  # fmt: skip
     args = (k, v, k_out, v_out, locs, seq, locs.stride(0), kps, krs, khs, vps, vrs, vhs,
             1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale), *constexprs)  # fmt: skip
     key = (k.dtype, out_dtype, locs.dtype, locs.stride(1), kps, krs, khs, vps, vrs, vhs,
            *(t.data_ptr() % 16 == 0 for t in (k, v, k_out, v_out, locs)))  # fmt: skip
     launcher_for(_GATHER_ARGS, k.device)(key, cdiv(seq, block_t), batch, args, num_warps=_NUM_WARPS, grid_z=2)
     return k_out, v_out
+
+
+class HeadGather:
+    """:func:`gather_heads` for every layer of one pool, planned once: what the layers' K/V rows fix (their layout,
+    dtype and addresses, the output dtype, the scales) is checked and worked out here, so a call allocates the two
+    outputs, reads the locations' layout and launches once (a transformers cache gathers once per layer and step).
+
+    :param k_layers: each layer's K rows as the pool hands them out (token rows ``[rows, heads, dim]`` or a paged
+        view), all of one shape, strides and dtype; kept, so their memory stays.
+    :param v_layers: the same for V (the same dtype, heads and page size as K).
+    :param out_dtype: float32, float16 or bfloat16.
+    :param k_scale: multiplies converted K rows (another dtype than ``out_dtype``), as :func:`gather_heads`.
+    :param v_scale: the same for V.
+    :param use_triton: the kernel (True) or :func:`gather_heads_native`.
+    """
+
+    def __init__(self, k_layers, v_layers, out_dtype: torch.dtype, k_scale: float | None = None,
+                 v_scale: float | None = None, *, use_triton: bool):  # fmt: skip
+        k_layers, v_layers = list(k_layers), list(v_layers)
+        if not k_layers or len(k_layers) != len(v_layers):
+            raise ValueError(f"HeadGather takes as many K as V layers (at least one), got {len(k_layers)} and "
+                             f"{len(v_layers)}")  # fmt: skip
+        k0, v0 = k_layers[0], v_layers[0]
+        for name, layers in (("K", k_layers), ("V", v_layers)):
+            first = layers[0]
+            for i, x in enumerate(layers):
+                if x.shape != first.shape or x.stride() != first.stride() or x.dtype != first.dtype:
+                    raise ValueError(f"{name} rows of layer {i} are laid out unlike layer 0's: {tuple(x.shape)} "
+                                     f"{x.stride()} {x.dtype}, against {tuple(first.shape)} {first.stride()} "
+                                     f"{first.dtype}")  # fmt: skip
+        if k0.shape[-2] != v0.shape[-2] or k0.dtype != v0.dtype:
+            raise ValueError(f"K and V rows of one dtype and head count, got {tuple(k0.shape)} {k0.dtype} and "
+                             f"{tuple(v0.shape)} {v0.dtype}")  # fmt: skip
+        if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"gather_heads writes float32, float16 or bfloat16, not {out_dtype}")
+        (page, *k_strides), (v_page, *v_strides) = _paged(k0), _paged(v0)
+        if page != v_page:
+            raise ValueError(f"K and V views of another page size: {page} and {v_page}")
+        self.k_layers, self.v_layers, self.out_dtype = k_layers, v_layers, out_dtype
+        self.k_scale, self.v_scale, self.use_triton = k_scale, v_scale, use_triton
+        self.heads, self.dk, self.dv = k0.shape[-2], k0.shape[-1], v0.shape[-1]
+        self._template = torch.empty((0,), dtype=out_dtype, device=k0.device)  # outputs: new_empty of it
+        if not use_triton:
+            return
+        scaled = k0.dtype != out_dtype and (k_scale is not None or v_scale is not None)
+        self._block_t, self._constexprs = _constexprs(k0, v0, page, out_dtype, scaled)
+        self._tail = (*k_strides, *v_strides, 1.0 if k_scale is None else float(k_scale),
+                      1.0 if v_scale is None else float(v_scale))  # fmt: skip
+        as_bytes = is_fp8_dtype(k0.dtype)  # the dispatcher sees fp8 rows as their bytes, as the kernel reads them
+        self._kernel_layers = [(k.view(torch.uint8), v.view(torch.uint8)) if as_bytes else (k, v)
+                               for k, v in zip(k_layers, v_layers)]  # fmt: skip
+        self._addresses = [(k.data_ptr(), v.data_ptr()) for k, v in zip(k_layers, v_layers)]
+        self._aligned = [(k % 16 == 0, v % 16 == 0) for k, v in self._addresses]  # what Triton specializes on
+        self._key = (k0.dtype, out_dtype, *k_strides, *v_strides)
+        self._launch = launcher_for(_GATHER_ARGS, k0.device)
+        self._device_index = k0.get_device()
+        self._plans: dict[tuple, Plan] = {}
+
+    def __call__(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens ``locs`` (``[batch, seq]`` int32/int64, on the pool's device, the token dim
+        packed) of layer ``layer`` (0-based index into the layers given), as :func:`gather_heads` returns them."""
+        if not self.use_triton:
+            return gather_heads_native(self.k_layers[layer], self.v_layers[layer], locs, self.out_dtype, self.k_scale,
+                                       self.v_scale)  # fmt: skip
+        batch, seq = locs.shape
+        new = self._template.new_empty
+        k_out, v_out = new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
+        if not batch or not seq:
+            return k_out, v_out
+        kp, vp = self._addresses[layer]
+        lp, ko, vo = locs.data_ptr(), k_out.data_ptr(), v_out.data_ptr()
+        signature = (locs.dtype, locs.stride(1), locs.get_device(), lp & 15, batch, (ko & 15) | (vo & 15) << 4,
+                     self._aligned[layer])  # fmt: skip
+        plan = self._plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
+            plan = self._plans[signature] = self._plan(locs, batch, k_out, v_out, self._aligned[layer])
+        entry = plan.entry
+        if entry is not None and not launch_hooks_installed():  # Plan.__call__'s direct launch, inlined
+            entry[0](-(-seq // plan.block_n), batch, 2, plan.raw_stream(plan.device_index), *entry[1], kp, vp, ko, vo,
+                     lp, seq, locs.stride(0), *plan.suffix)  # fmt: skip
+        else:
+            k, v = self._kernel_layers[layer]
+            plan(seq, (kp, vp, ko, vo, lp, seq, locs.stride(0)), lambda: (k, v, k_out, v_out, locs))
+        return k_out, v_out
+
+    def _plan(self, locs: torch.Tensor, batch: int, k_out: torch.Tensor, v_out: torch.Tensor,
+              aligned: tuple[bool, bool]) -> Plan:  # fmt: skip
+        """The plan of a call's signature, after its checks (the locations' dtype, layout and device)."""
+        if locs.dim() != 2 or locs.dtype not in (torch.int32, torch.int64) or locs.stride(1) != 1:
+            raise ValueError(f"locs must be [batch, seq] int32/int64 with the token dim packed, got {locs.dtype} "
+                             f"{tuple(locs.shape)} strides {locs.stride()}")  # fmt: skip
+        if locs.get_device() != self._device_index:
+            raise ValueError(f"locs is on {locs.device}, the layers on {self._template.device}")
+        key = (*self._key, *aligned, locs.dtype, locs.data_ptr() % 16 == 0, k_out.data_ptr() % 16 == 0,
+               v_out.data_ptr() % 16 == 0)  # fmt: skip
+        return Plan(self._launch, key, self._block_t, (batch, 2), _NUM_WARPS, constexprs=self._constexprs,
+                    tail=self._tail)  # fmt: skip
 
 
 def take_rows(buffer: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
