@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.kernels.launch import KernelArgs, Launcher
+from kvcore.kernels.launch import KernelArgs, Launcher, Plan
 
 __all__ = ["ALLOCATED", "FREE", "TAKEN_BIAS", "FreePageList", "PageSource", "head_of", "word_bits"]
 
@@ -353,6 +353,7 @@ class FreePageList:
         self._epoch = 0
         self._seq = 0  # the sequence number of the last launch that changed ADDED (never reset)
         self._launch = Launcher(_RELEASE_ARGS, self.device) if use_triton else None
+        self._release_plans: dict[tuple, Plan] = {}  # one per kind of release (see _put_triton)
         self.clear()
 
     # -- state ----------------------------------------------------------------------------------------------
@@ -553,18 +554,21 @@ class FreePageList:
         n = 0 if index is None else index.numel()
         address = src.data_ptr()
         ring, held, staged, ctl, state, words = self.pointers()
-        # the tuning constants are read here, at each call (the launcher keys the kernel on every constexpr)
-        constexprs = _RELEASE_ARGS.constexprs(
-            PAGE_SIZE=self.page_size, FROM_STAGED=from_staged, DEST=dest,
-            ASCENDING=self.sort_each_free and dest != TO_STAGED, BIAS=TAKEN_BIAS, BLOCK=_BLOCK, RANK_ROWS=_RANK_ROWS,
-            RANK_COLS=_RANK_COLS, SCAN_BLOCK=_SCAN_BLOCK, RANK_STEP_COST=_RANK_STEP_COST,
-            SCAN_STEP_COST=_SCAN_STEP_COST,
-        )  # fmt: skip
-        self._launch((src.dtype, address % 16 == 0), 1, 1, (
-            address, n, ring, held, staged, ctl, state, words, self.taken + TAKEN_BIAS, bits, self.capacity,
-            *constexprs,
-        ), lambda: (src, self.ring, self.held, self.staged, self.ctl, self.state, self._words_tensor),
-            num_warps=_WARPS)  # fmt: skip
+        # the tuning constants are read at each call and key the plan (the launcher keys the kernel on every
+        # constexpr): a changed one makes another plan, never launches the old kernel
+        kind = (src.dtype, address % 16 == 0, from_staged, dest, _BLOCK, _RANK_ROWS, _RANK_COLS, _SCAN_BLOCK,
+                _RANK_STEP_COST, _SCAN_STEP_COST)  # fmt: skip
+        plan = self._release_plans.get(kind)
+        if plan is None:
+            constexprs = _RELEASE_ARGS.constexprs(
+                PAGE_SIZE=self.page_size, FROM_STAGED=from_staged, DEST=dest,
+                ASCENDING=self.sort_each_free and dest != TO_STAGED, BIAS=TAKEN_BIAS, BLOCK=_BLOCK,
+                RANK_ROWS=_RANK_ROWS, RANK_COLS=_RANK_COLS, SCAN_BLOCK=_SCAN_BLOCK, RANK_STEP_COST=_RANK_STEP_COST,
+                SCAN_STEP_COST=_SCAN_STEP_COST,
+            )  # fmt: skip
+            plan = self._release_plans[kind] = Plan(self._launch, kind[:2], 1, (1, 1), _WARPS, constexprs=constexprs)
+        plan(1, (address, n, ring, held, staged, ctl, state, words, self.taken + TAKEN_BIAS, bits, self.capacity),
+             lambda: (src, self.ring, self.held, self.staged, self.ctl, self.state, self._words_tensor))  # one program
 
     def _put_native(self, index: torch.Tensor | None, dest: int, from_staged: bool, bits: int) -> None:
         cap, ctl, dev = self.capacity, self.ctl, self.device
