@@ -11,6 +11,13 @@ For kvcore's own paths the pool describes its rows (:meth:`token_rows`): the buf
 Those views overlap between layers (distinct layers' rows never share bytes for the same token); the store
 (:class:`kvcore_mha.KVStore`, one launch through a token -> row map), the row moves, CPU offload and the
 conformance kit all work through them.
+
+**Pages over given memory, mapped** (``memory=`` and ``virtual_pages=``): a composite pool can lay the pages over a
+byte range it owns (a unified memory shared with other state) and hand out *virtual* token ids whose pages it maps
+to physical pages itself, moving pages as it compacts its range (:meth:`PageMajorMHATokenToKVPool.remap_pages`).
+Every virtual token then goes through a virtual -> physical token table (on the pool's device; the store, the row
+moves, CPU offload and the kit read it); a virtual page not mapped is on the padding page.  Attention reads the
+paged views by physical page: :meth:`PageMajorMHATokenToKVPool.translate_loc` gives the physical tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ class PageMajorMHATokenToKVPool(KVCache):
                  device: str, enable_memory_saver: bool = False, v_head_dim: int | None = None,
                  swa_head_num: int | None = None, swa_head_dim: int | None = None, swa_v_head_dim: int | None = None,
                  start_layer: int | None = None, end_layer: int | None = None, enable_alt_stream: bool = True,
-                 enable_kv_cache_copy: bool = False, post_capture_active: bool = False, kernels: str = "auto"):  # fmt: skip
+                 enable_kv_cache_copy: bool = False, post_capture_active: bool = False, kernels: str = "auto",
+                 memory: torch.Tensor | None = None, virtual_pages: int | None = None):  # fmt: skip
         check_post_capture(type(self).__name__, post_capture_active)
         super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
         # the swa_* dimensions let a sliding-window sub-pool differ from the full-attention one, as in MHA's pool
@@ -50,8 +58,11 @@ class PageMajorMHATokenToKVPool(KVCache):
             raise ValueError(f"a page-major pool keeps K and V rows alike: v_head_dim={v_head_dim} != head_dim={head_dim}")
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
         pages = size // page_size + 1
-        self.kv_cache = torch.zeros((1, pages, layer_num, 2, page_size, head_num, head_dim), dtype=self.store_dtype,
-                                    device=device)  # fmt: skip
+        shape = (1, pages, layer_num, 2, page_size, head_num, head_dim)
+        if memory is None:
+            self.kv_cache = torch.zeros(shape, dtype=self.store_dtype, device=device)
+        else:
+            self.kv_cache = _lay_over(memory, shape, self.store_dtype, torch.device(device))
         self.rows_per_page = layer_num * 2 * page_size
         row = head_num * head_dim
         rows = (pages - 1) * self.rows_per_page + page_size  # the last layer's last key row, plus one
@@ -59,7 +70,11 @@ class PageMajorMHATokenToKVPool(KVCache):
         self._k_rows = self.kv_cache.as_strided((layer_num, rows, head_num, head_dim), (2 * page_size * row, row, head_dim, 1), base)
         self._v_rows = self.kv_cache.as_strided((layer_num, rows, head_num, head_dim), (2 * page_size * row, row, head_dim, 1),
                                                 base + page_size * row)  # fmt: skip
+        #: virtual token -> physical token (None: tokens are physical); every virtual page starts on the padding page
+        self._token_of = None
         tokens = torch.arange(size + page_size, device=device)
+        if virtual_pages is not None:
+            tokens = self._token_of = torch.arange(page_size, device=device).repeat(int(virtual_pages) + 1)
         self._row_of_token = self.token_rows()["k"].row_of(tokens)
         self._store = KVStore(self._k_rows, self._v_rows, dtype, self._use_triton, index_map=self._row_of_token)
         self._offsets = torch.arange(page_size, device=device)
@@ -78,8 +93,50 @@ class PageMajorMHATokenToKVPool(KVCache):
         return half, half
 
     def token_rows(self) -> dict[str, TokenRows]:
-        return {"k": TokenRows(self._k_rows, self.page_size, self.rows_per_page),
-                "v": TokenRows(self._v_rows, self.page_size, self.rows_per_page)}  # fmt: skip
+        virtual = getattr(self, "_token_of", None)
+        return {"k": TokenRows(self._k_rows, self.page_size, self.rows_per_page, index_map=virtual),
+                "v": TokenRows(self._v_rows, self.page_size, self.rows_per_page, index_map=virtual)}  # fmt: skip
+
+    def move_groups(self) -> list[tuple[TokenRows, TokenRows | None]]:
+        """K and V rows by physical token, moved together (:meth:`move_kv_cache` translates virtual tokens)."""
+        if self._move_groups is None:
+            self._move_groups = [(TokenRows(self._k_rows, self.page_size, self.rows_per_page),
+                                  TokenRows(self._v_rows, self.page_size, self.rows_per_page))]  # fmt: skip
+        return self._move_groups
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """:meth:`KVCache.move_kv_cache <kvcore.pools.KVCache.move_kv_cache>`, virtual tokens translated to their
+        physical ones first (:meth:`translate_loc`)."""
+        if self._token_of is not None:
+            tgt_loc, src_loc = self.translate_loc(tgt_loc), self.translate_loc(src_loc)
+        super().move_kv_cache(tgt_loc, src_loc)
+
+    # -- virtual pages (a pool built with virtual_pages=) --------------------------------------------------------
+
+    def remap_pages(self, virtual: torch.Tensor, physical: torch.Tensor) -> None:
+        """Map virtual pages ``virtual`` to physical pages ``physical`` (1-D int tensors of one length on the pool's
+        device; physical page 0 is the padding page, where an unmapped page goes): the store, the reads through
+        :meth:`translate_loc` and the row moves use the new places from the next launch on.  Moves no bytes (the
+        caller copies a page's envelope with :meth:`move_pages` before remapping it)."""
+        if self._token_of is None:
+            raise ValueError(f"{type(self).__name__} was built without virtual_pages=: its tokens are physical")
+        if virtual.shape != physical.shape or virtual.dim() != 1:
+            raise ValueError(f"remap_pages takes two 1-D tensors of one length, got {tuple(virtual.shape)} and "
+                             f"{tuple(physical.shape)}")  # fmt: skip
+        page = self.page_size
+        tokens = physical.to(torch.int64)[:, None] * page + self._offsets
+        rows = TokenRows(self._k_rows, page, self.rows_per_page).row_of(tokens)
+        virtual = virtual.to(torch.int64)
+        self._token_of.view(-1, page)[virtual] = tokens
+        self._row_of_token.view(-1, page)[virtual] = rows.to(self._row_of_token.dtype)
+
+    def translate_loc(self, loc: torch.Tensor) -> torch.Tensor:
+        """The physical tokens of tokens ``loc`` (int64, ``loc``'s shape): what indexes the paged views of
+        :meth:`get_key_buffer` / :meth:`get_value_buffer` (page ``t // page_size``, row ``t % page_size``).  The
+        tokens themselves when the pool has no virtual pages."""
+        if self._token_of is None:
+            return loc.to(torch.int64)
+        return self._token_of[loc.long()]
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """One buffer: (pointer, bytes, bytes of one page of all layers)."""
@@ -122,9 +179,10 @@ class PageMajorMHATokenToKVPool(KVCache):
     # -- whole pages ------------------------------------------------------------------------------------------
 
     def whole_pages(self, indices: torch.Tensor) -> torch.Tensor | None:
-        """The pages ``indices`` cover when they are whole pages, each in order (``p * page_size + 0 ..``);
-        None otherwise.  Reads the indices (a host sync), as CPU offload does anyway."""
-        flat = indices.reshape(-1).long()
+        """The physical pages tokens ``indices`` cover when they are whole pages, each in order (``p * page_size +
+        0 ..``, after :meth:`translate_loc`); None otherwise.  Reads the indices (a host sync), as CPU offload does
+        anyway."""
+        flat = self.translate_loc(indices.reshape(-1))
         if flat.numel() == 0 or flat.numel() % self.page_size:
             return None
         grid = flat.view(-1, self.page_size)
@@ -134,8 +192,8 @@ class PageMajorMHATokenToKVPool(KVCache):
         return torch.div(first, self.page_size, rounding_mode="floor")
 
     def move_pages(self, tgt_pages: torch.Tensor, src_pages: torch.Tensor) -> None:
-        """Copy whole pages (all layers, K and V) ``src_pages`` -> ``tgt_pages``: one block per page, as if every
-        source were read first (overlapping sets are safe; targets distinct)."""
+        """Copy whole physical pages (all layers, K and V) ``src_pages`` -> ``tgt_pages``: one block per page, as if
+        every source were read first (overlapping sets are safe; targets distinct)."""
         self.kv_cache[0, tgt_pages.long()] = self.kv_cache[0, src_pages.long()]
 
     def get_cpu_copy(self, indices: torch.Tensor, mamba_indices=None, req_pool_index=None):
@@ -155,3 +213,19 @@ class PageMajorMHATokenToKVPool(KVCache):
             raise ValueError(f"a copy of {blocks.shape[0]} whole pages loads into as many whole pages, got {indices.numel()} "
                              f"locations that are not")  # fmt: skip
         self.kv_cache[0, pages] = blocks.to(self.kv_cache.device)
+
+
+def _lay_over(memory: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``shape`` of ``dtype`` over the first bytes of ``memory`` (a contiguous 1-D uint8 tensor on ``device``)."""
+    need = dtype.itemsize
+    for extent in shape:
+        need *= extent
+    if memory.dtype != torch.uint8 or memory.dim() != 1 or not memory.is_contiguous():
+        raise ValueError(f"memory must be a contiguous 1-D uint8 tensor, got {memory.dtype} {tuple(memory.shape)}")
+    if memory.device != device:
+        raise ValueError(f"memory is on {memory.device}, the pool on {device}")
+    if memory.numel() < need:
+        raise ValueError(f"the pages need {need} bytes, memory holds {memory.numel()}")
+    if memory.data_ptr() % dtype.itemsize:
+        raise ValueError(f"memory must start on a {dtype.itemsize}-byte boundary for {dtype} rows")
+    return memory[:need].view(dtype).view(shape)

@@ -95,3 +95,77 @@ def test_layouts_a_backend_does_not_serve_are_refused_by_selection():
         plan_memory(load_config("model=tiny-mla", "kv_cache.layout=page_major", "kv_cache.backend=mla"))
     with pytest.raises(ConfigError, match=r"layout='pages' is not one of: token_major, page_major"):
         load_config("kv_cache.layout=pages")
+
+
+# -- pages over given memory, virtual pages mapped by their owner ---------------------------------------------------
+
+
+def make_virtual(dtype=torch.bfloat16, kernels="triton", memory_bytes=None, virtual_pages=9):
+    page_bytes = L * 2 * PS * H * D * dtype.itemsize
+    memory = torch.zeros(memory_bytes or (SIZE // PS + 1) * page_bytes + 64, dtype=torch.uint8, device=test_device())
+    pool = PageMajorMHATokenToKVPool(SIZE, PS, dtype, H, D, L, test_device(), kernels=kernels, memory=memory,
+                                     virtual_pages=virtual_pages)  # fmt: skip
+    return pool, memory, page_bytes
+
+
+def tokens_of(pages):
+    return (pages[:, None] * PS + torch.arange(PS, device=test_device())).reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("kernels", ["triton", "native"])
+def test_virtual_pages_store_where_they_are_mapped_and_follow_a_move(dtype, kernels):
+    """Virtual pages 7 and 2 mapped to physical pages 1 and 4 of the given memory: a store lands in those bytes,
+    the reads through translate_loc find it; after the owner moves page 4 to 3 (move_pages, then remap_pages) the
+    same virtual tokens read the same rows, and a new store lands on page 3."""
+    dev = test_device()
+    pool, memory, page_bytes = make_virtual(dtype, kernels)
+    assert pool.kv_cache.data_ptr() == memory.data_ptr()
+    virtual, physical = torch.tensor([7, 2], device=dev), torch.tensor([1, 4], device=dev)
+    pool.remap_pages(virtual, physical)
+    gen = torch.Generator().manual_seed(4)
+    loc = torch.tensor([29, 30, 8, 11], device=dev)  # virtual page 7 (slots 1, 2), page 2 (slots 0, 3)
+    k, v = randn_nonzero((4, H, D), torch.float32, gen, 3.0), randn_nonzero((4, H, D), torch.float32, gen, 3.0)
+    pool.set_kv_buffer(1, loc, k, v)
+    phys = pool.translate_loc(loc)
+    assert phys.tolist() == [1 * PS + 1, 1 * PS + 2, 4 * PS + 0, 4 * PS + 3]
+    keys, values = pool.get_key_buffer(1), pool.get_value_buffer(1)
+    assert bits_equal(keys[phys // PS, phys % PS], k.to(dtype)) and bits_equal(values[phys // PS, phys % PS], v.to(dtype))
+    item = dtype.itemsize
+    row = H * D * item
+    at = 1 * page_bytes + (1 * 2 * PS + 1) * row  # physical page 1, layer 1, K, slot 1: virtual token 29
+    assert bits_equal(memory[at : at + row], k[0].to(dtype).contiguous().view(torch.uint8).reshape(-1))
+    # the owner compacts: physical page 4 moves to 3
+    pool.move_pages(torch.tensor([3], device=dev), torch.tensor([4], device=dev))
+    pool.remap_pages(torch.tensor([2], device=dev), torch.tensor([3], device=dev))
+    phys = pool.translate_loc(loc)
+    assert phys.tolist()[2:] == [3 * PS + 0, 3 * PS + 3]
+    assert bits_equal(keys[phys // PS, phys % PS], k.to(dtype)) and bits_equal(values[phys // PS, phys % PS], v.to(dtype))
+    k2 = randn_nonzero((1, H, D), torch.float32, gen, 3.0)
+    pool.set_kv_buffer(0, loc[3:], k2, k2)
+    assert bits_equal(pool.get_key_buffer(0)[3, 3], k2[0].to(dtype))
+    # token moves and offload go through the same table
+    pool.remap_pages(torch.tensor([5], device=dev), torch.tensor([2], device=dev))
+    pool.move_kv_cache(tokens_of(torch.tensor([5], device=dev)), tokens_of(torch.tensor([2], device=dev)))
+    assert bits_equal(pool.kv_cache[0, 2], pool.kv_cache[0, 3])
+    copy = pool.get_cpu_copy(tokens_of(torch.tensor([2], device=dev)))
+    assert set(copy) == {"pages"} and bits_equal(copy["pages"][0], pool.kv_cache[0, 3].cpu())
+
+
+def test_unmapped_virtual_pages_sit_on_the_padding_page_and_refusals():
+    dev = test_device()
+    pool, memory, page_bytes = make_virtual()
+    assert pool.translate_loc(torch.tensor([5, 6, 37], device=dev)).tolist() == [1, 2, 1]  # page 0, their slots
+    x = torch.ones(1, H, D)
+    pool.set_kv_buffer(0, torch.tensor([6], device=dev), x, x)  # an unmapped token writes the padding page only
+    assert not memory[page_bytes:].any()
+    plain = make()
+    with pytest.raises(ValueError, match="without virtual_pages"):
+        plain.remap_pages(torch.tensor([1]), torch.tensor([1]))
+    assert plain.translate_loc(torch.tensor([5], device=dev)).tolist() == [5]
+    with pytest.raises(ValueError, match="one length"):
+        pool.remap_pages(torch.tensor([1, 2], device=dev), torch.tensor([1], device=dev))
+    with pytest.raises(ValueError, match="need .* bytes"):
+        make_virtual(memory_bytes=page_bytes)
+    with pytest.raises(ValueError, match="uint8"):
+        PageMajorMHATokenToKVPool(SIZE, PS, torch.bfloat16, H, D, L, test_device(), memory=torch.zeros(10**5, device=dev))
