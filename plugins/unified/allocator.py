@@ -100,6 +100,10 @@ class MultiEndedAllocator:
         s = self._sides[side]
         return min(self.free_bytes() // s.unit, len(s.free_ids))
 
+    def free_ids(self, side: str) -> list[int]:
+        """``side``'s virtual ids not allocated, in the order :meth:`alloc` takes them."""
+        return list(self._sides[side].free_ids)
+
     def physical(self, side: str, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """The physical units of virtual ``ids`` of ``side`` (``-1`` for an id not allocated)."""
         return self._sides[side].v2p[np.asarray(ids, dtype=np.int64)]

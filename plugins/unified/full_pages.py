@@ -1,0 +1,166 @@
+"""SGLang's paged token allocator over the low side of a unified memory (:class:`UnifiedPagedAllocator`).
+
+The engine holds *virtual* token ids: page ``v`` (a virtual id of the memory's low side) holds tokens
+``v * page_size .. v * page_size + page_size - 1``, whatever physical page its envelope sits on.  The allocator
+takes pages from the shared range (so they compete with the high side's units for its bytes), maps them in the
+page-major pool laid over the memory (``remap_pages``), and when a free compacts the low side it copies the moved
+envelopes (``move_pages``) and maps their virtual pages to the new places, in that order on the pool's device:
+ids the engine holds stay valid, their bytes unchanged.
+
+``alloc_extend`` and ``alloc_decode`` hand out locations in SGLang's order (a request fills its last page from
+``last_loc + 1``, then takes new pages), computed by kvcore's allocation kernels from the pages taken.  They count
+the pages a call needs on the host, from the CPU copies of the lengths (``prefix_lens_cpu`` / ``seq_lens_cpu``,
+which SGLang passes; without them the counts are read from the device, a sync).  ``free`` reads the freed
+locations back to the host to give their pages back and compact (a sync, at each free or free group); a sync-free
+free is not built yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from kvcore.allocators import BaseTokenToKVPoolAllocator
+from kvcore.errors import ConfigError
+from kvcore.kernels import allocator_kernels as _k
+from kvcore.kernels.free_list import PageSource
+from kvcore_unified.allocator import LOW
+from kvcore_unified.memory import UnifiedMemory
+
+__all__ = ["UnifiedPagedAllocator"]
+
+
+class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
+    """Full-attention token pages from the low side of ``memory`` (see the module docstring).
+
+    :param memory: the unified memory; this allocator registers itself as the mover of its low side.
+    :param kvcache: a page-major pool laid over ``memory.low_memory()`` with ``virtual_pages`` = the low side's
+        virtual ids (:class:`kvcore_mha.PageMajorMHATokenToKVPool`): anything with ``remap_pages`` and
+        ``move_pages`` over pages of ``memory``'s low unit.
+    :param page_size: tokens per page (the pool's).
+    :param dtype: the KV dtype (recorded for the engine).
+    :param device: the pool's device.
+    :param need_sort: accepted as SGLang's paged allocator takes it; the unified pages are always handed out
+        packed at the low end, so there is no deferred release to sort (``merge_and_sort_free`` does nothing).
+    :param kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``native``.
+    """
+
+    def __init__(self, memory: UnifiedMemory, kvcache: Any, page_size: int, dtype: torch.dtype,
+                 device: torch.device | str, need_sort: bool = False, kernels: str = "auto"):  # fmt: skip
+        pages = memory.allocator.available(LOW)
+        if pages <= 0:
+            raise ConfigError(f"the unified memory of {memory.capacity} bytes holds no page of {memory.low_unit} bytes")
+        super().__init__(pages * page_size, page_size, dtype, device, kvcache, need_sort, kernels)
+        self.memory = memory
+        self._offsets = torch.arange(page_size, device=self.device)
+        memory.on_move(LOW, self._move)
+        self.clear()
+
+    # -- queries ------------------------------------------------------------------------------------------
+
+    def available_size(self) -> int:
+        """Tokens the shared range can still give this side (the high side's units take from the same bytes)."""
+        return self.memory.allocator.available(LOW) * self.page_size
+
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """How many pages are free, as a tensor of that many ids: the ids the next allocations take (inspection)."""
+        count = self.memory.allocator.available(LOW)
+        return torch.as_tensor(self.memory.allocator.free_ids(LOW)[:count], dtype=torch.int64)
+
+    @property
+    def release_pages(self) -> torch.Tensor:
+        return torch.empty((0,), dtype=torch.int64)
+
+    # -- state --------------------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Every page free (their virtual pages back on the padding page); no free group open."""
+        used = self.memory.allocator.virtual(LOW)
+        if used.size:
+            self.free(torch.from_numpy((used[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)))
+        self.is_not_in_free_group = True
+        self.free_group = []
+
+    def merge_and_sort_free(self) -> None:
+        """Nothing to merge: freed pages go straight back to the shared range."""
+
+    def backup_state(self) -> Any:
+        raise NotImplementedError("a unified memory's allocator keeps no snapshot: its frees move envelopes")
+
+    def restore_state(self, state: Any) -> None:
+        raise NotImplementedError("a unified memory's allocator keeps no snapshot: its frees move envelopes")
+
+    # -- allocation ---------------------------------------------------------------------------------------
+
+    def _take(self, count: int) -> Optional[torch.Tensor]:
+        """``count`` new virtual pages, mapped in the pool: int64 on the device, or None (nothing taken)."""
+        ids = self.memory.allocator.alloc(LOW, count)
+        if ids is None:
+            return None
+        pages = torch.from_numpy(ids).to(self.device)
+        if count:
+            physical = torch.from_numpy(self.memory.allocator.physical(LOW, ids) + 1).to(self.device)
+            self._kvcache.remap_pages(pages, physical)
+        return pages
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """Whole pages for ``need_size`` tokens (a multiple of ``page_size``): their tokens, page after page."""
+        if need_size % self.page_size:
+            raise ValueError(f"alloc takes whole pages: need_size={need_size} is not a multiple of {self.page_size}")
+        pages = self._take(need_size // self.page_size)
+        if pages is None:
+            return None
+        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+
+    def alloc_extend(self, prefix_lens, prefix_lens_cpu=None, seq_lens=None, seq_lens_cpu=None, last_loc=None,
+                     extend_num_tokens=None) -> Optional[torch.Tensor]:  # fmt: skip
+        """SGLang's ``alloc_extend`` (:data:`kvcore.allocators.ALLOC_EXTEND_ORDER`); None when the shared range
+        has too few free bytes."""
+        pre = prefix_lens_cpu if prefix_lens_cpu is not None else prefix_lens
+        seq = seq_lens_cpu if seq_lens_cpu is not None else seq_lens
+        pages = self._take(_k.num_new_pages_extend(pre, seq, self.page_size))
+        if pages is None:
+            return None
+        return self._extend_impl(prefix_lens, seq_lens, last_loc, PageSource.of(pages), self.page_size,
+                                 int(extend_num_tokens))  # fmt: skip
+
+    def alloc_decode(self, seq_lens, seq_lens_cpu=None, last_loc=None) -> Optional[torch.Tensor]:
+        """SGLang's ``alloc_decode`` (:data:`kvcore.allocators.ALLOC_DECODE_ORDER`); None when the shared range
+        has too few free bytes."""
+        pages = self._take(_k.num_new_pages_decode(seq_lens_cpu if seq_lens_cpu is not None else seq_lens,
+                                                   self.page_size))  # fmt: skip
+        if pages is None:
+            return None
+        return self._decode_impl(seq_lens, last_loc, PageSource.of(pages), self.page_size)
+
+    @property
+    def _extend_impl(self):
+        return _k.alloc_extend_triton if self._use_triton else _k.alloc_extend_native
+
+    @property
+    def _decode_impl(self):
+        return _k.alloc_decode_triton if self._use_triton else _k.alloc_decode_native
+
+    # -- frees and compaction -----------------------------------------------------------------------------
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """Give back the pages of tokens ``free_index`` (reads them: a sync) and compact the low side; inside a
+        free group, at :meth:`free_group_end`."""
+        if free_index.numel() == 0 or self._hold_in_group(free_index):
+            return
+        pages = np.unique(free_index.reshape(-1).cpu().numpy() // self.page_size)
+        pages = pages[pages > 0]
+        self.memory.allocator.free(LOW, pages)
+        if pages.size:  # the freed virtual pages back on the padding page: a stray write lands nowhere live
+            freed = torch.from_numpy(pages).to(self.device)
+            self._kvcache.remap_pages(freed, torch.zeros_like(freed))
+
+    def _move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Compaction of the low side: copy physical units ``src`` to ``dst``, then map their virtual pages there."""
+        moved = self.memory.allocator.virtual(LOW)[src]  # the virtual pages living at src, before the tables change
+        dst_pages = torch.from_numpy(dst + 1).to(self.device)
+        self._kvcache.move_pages(dst_pages, torch.from_numpy(src + 1).to(self.device))
+        self._kvcache.remap_pages(torch.from_numpy(moved).to(self.device), dst_pages)
