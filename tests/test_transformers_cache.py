@@ -458,11 +458,9 @@ def test_import_kvcore_loads_no_transformers():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_one_launch_gather_keeps_every_logit(dtype, page_size):
-    """The cache's Triton path (the store, and the gather into attention's [batch, heads, seq, dim] in one launch):
-    interpreted on the CPU, compiled on a GPU in compiled runs; the logits are DynamicCache's, bit for bit."""
+def on_test_device(dtype: torch.dtype):
+    """``(model, ids, mask, device)``: a copy of the tiny Llama and the prompts on the tests' device (the CPU, or the
+    GPU in compiled runs), for the Triton path."""
     import copy
 
     from kvcore.testing.tensors import test_device
@@ -470,6 +468,15 @@ def test_the_one_launch_gather_keeps_every_logit(dtype, page_size):
     device = test_device()
     model = copy.deepcopy(tiny_model("llama", dtype)).to(device)
     ids, mask = (t.to(device) for t in prompts())
+    return model, ids, mask, device
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_one_launch_gather_keeps_every_logit(dtype, page_size):
+    """The cache's Triton path (the store, and the gather into attention's [batch, heads, seq, dim] in one launch):
+    interpreted on the CPU, compiled on a GPU in compiled runs; the logits are DynamicCache's, bit for bit."""
+    model, ids, mask, device = on_test_device(dtype)
     ref = generate(model, DynamicCache(config=model.config), 12, ids, mask)
     cache = paged(model, page_size=page_size, kernels="triton", device=device)
     assert cache._triton_gather
@@ -480,13 +487,7 @@ def test_the_one_launch_gather_keeps_every_logit(dtype, page_size):
 def test_the_one_launch_gather_with_a_freed_row():
     """The Triton path once a row is freed mid-generation: the live rows' new tokens are stored (the step's
     locations taken once for every layer), the freed row reads the padding slot, the others go on exactly."""
-    import copy
-
-    from kvcore.testing.tensors import test_device
-
-    device = test_device()
-    model = copy.deepcopy(tiny_model("llama", torch.bfloat16)).to(device)
-    ids, mask = (t.to(device) for t in prompts())
+    model, ids, mask, device = on_test_device(torch.bfloat16)
     half = NEW_TOKENS // 2
     ref = generate(model, DynamicCache(config=model.config), NEW_TOKENS, ids, mask)
     cache = paged(model, page_size=16, kernels="triton", device=device)

@@ -130,9 +130,21 @@ def _paged(buffer: torch.Tensor) -> tuple[int, int, int, int]:
     raise ValueError(f"gather_heads takes [rows, heads, dim] or [pages, page_size, heads, dim], got {tuple(buffer.shape)}")
 
 
-def _constexprs(k: torch.Tensor, v: torch.Tensor, page: int, out_dtype: torch.dtype, scaled: bool) -> tuple:
+def _kv_layout(k: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype) -> tuple[int, tuple, tuple]:
+    """``(page size, K's (page, row, head) strides, V's)`` of K/V rows gathered into ``out_dtype``, after the
+    checks every gather makes: head dims packed, one page size, a float output."""
+    (page, *k_strides), (v_page, *v_strides) = _paged(k), _paged(v)
+    if page != v_page:
+        raise ValueError(f"K and V views of another page size: {page} and {v_page}")
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"gather_heads writes float32, float16 or bfloat16, not {out_dtype}")
+    return page, tuple(k_strides), tuple(v_strides)
+
+
+def _constexprs(k: torch.Tensor, v: torch.Tensor, page: int, out_dtype: torch.dtype, k_scale, v_scale) -> tuple:
     """``(BLOCK_T, the kernel's constexprs)`` of K/V rows like ``k`` / ``v`` (their original dtype) gathered into
-    ``out_dtype``, with or without scales."""
+    ``out_dtype``; the scales apply to converted rows only."""
+    scaled = k.dtype != out_dtype and (k_scale is not None or v_scale is not None)
     heads, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
     block_dk, block_dv = next_pow2(dk), next_pow2(dv)
     block_t = max(1, _TILE_ELEMS // max(block_dk, block_dv))
@@ -165,13 +177,8 @@ def gather_heads_triton(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, ou
         return k_out, v_out
     if locs.stride(1) != 1:
         locs = locs.contiguous()
-    (page, kps, krs, khs), (vpage, vps, vrs, vhs) = _paged(k), _paged(v)
-    if page != vpage:
-        raise ValueError(f"K and V views of another page size: {page} and {vpage}")
-    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"gather_heads writes float32, float16 or bfloat16, not {out_dtype}")
-    scaled = k.dtype != out_dtype and (k_scale is not None or v_scale is not None)
-    block_t, constexprs = _constexprs(k, v, page, out_dtype, scaled)
+    page, (kps, krs, khs), (vps, vrs, vhs) = _kv_layout(k, v, out_dtype)
+    block_t, constexprs = _constexprs(k, v, page, out_dtype, k_scale, v_scale)
     if is_fp8_dtype(source_dtype):  # fp8 reaches the kernel as its bytes; its code says how to decode them
         k, v = k.view(torch.uint8), v.view(torch.uint8)
     args = (k, v, k_out, v_out, locs, seq, locs.stride(0), kps, krs, khs, vps, vrs, vhs,
@@ -213,19 +220,14 @@ class HeadGather:
         if k0.shape[-2] != v0.shape[-2] or k0.dtype != v0.dtype:
             raise ValueError(f"K and V rows of one dtype and head count, got {tuple(k0.shape)} {k0.dtype} and "
                              f"{tuple(v0.shape)} {v0.dtype}")  # fmt: skip
-        if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"gather_heads writes float32, float16 or bfloat16, not {out_dtype}")
-        (page, *k_strides), (v_page, *v_strides) = _paged(k0), _paged(v0)
-        if page != v_page:
-            raise ValueError(f"K and V views of another page size: {page} and {v_page}")
+        page, k_strides, v_strides = _kv_layout(k0, v0, out_dtype)
         self.k_layers, self.v_layers, self.out_dtype = k_layers, v_layers, out_dtype
         self.k_scale, self.v_scale, self.use_triton = k_scale, v_scale, use_triton
         self.heads, self.dk, self.dv = k0.shape[-2], k0.shape[-1], v0.shape[-1]
         self._template = torch.empty((0,), dtype=out_dtype, device=k0.device)  # outputs: new_empty of it
         if not use_triton:
             return
-        scaled = k0.dtype != out_dtype and (k_scale is not None or v_scale is not None)
-        self._block_t, self._constexprs = _constexprs(k0, v0, page, out_dtype, scaled)
+        self._block_t, self._constexprs = _constexprs(k0, v0, page, out_dtype, k_scale, v_scale)
         self._tail = (*k_strides, *v_strides, 1.0 if k_scale is None else float(k_scale),
                       1.0 if v_scale is None else float(v_scale))  # fmt: skip
         as_bytes = is_fp8_dtype(k0.dtype)  # the dispatcher sees fp8 rows as their bytes, as the kernel reads them
