@@ -31,7 +31,8 @@ def load_config(*overrides: str, path=None, registry: Registry | None = None) ->
 
 
 def engine_mode(cfg: EngineConfig, *, is_draft_worker: bool = False) -> EngineMode:
-    """The engine's disaggregation and speculative-decoding settings, as pools and allocators read them."""
+    """The engine's disaggregation, speculative-decoding and unified-memory settings, as pools and allocators read
+    them."""
     spec = cfg.speculative
     return EngineMode(
         disaggregation=cfg.disaggregation.mode,
@@ -40,6 +41,7 @@ def engine_mode(cfg: EngineConfig, *, is_draft_worker: bool = False) -> EngineMo
         num_draft_tokens=spec.num_draft_tokens if spec.enabled else 0,
         eagle_topk=spec.eagle_topk,
         is_draft_worker=is_draft_worker,
+        unified_memory=cfg.memory.unified,
     )
 
 
@@ -227,11 +229,12 @@ def check_device_visible(cfg: EngineConfig) -> None:
 
 
 def check_buildable(cfg: EngineConfig) -> None:
-    """Raise one :class:`ConfigError` line for a config kvcore can plan but not build: ``memory.unified=true``, whose
-    pools do not exist yet (``kvcore plan`` prints what its shared range would hold)."""
-    if cfg.memory.unified:
-        raise ConfigError("memory.unified=true: kvcore plans the unified memory (`kvcore plan` prints what it holds) but "
-                          "does not build its pools yet; set memory.unified=false to build the split pools")  # fmt: skip
+    """Raise one :class:`ConfigError` line for a config kvcore can plan but not build: ``memory.unified=true`` with
+    a speculative draft (its pool would need token ids of the target's unified memory, which it does not share)."""
+    if cfg.memory.unified and cfg.speculative.enabled:
+        raise ConfigError(f"memory.unified=true with speculative.algorithm={cfg.speculative.algorithm}: the draft "
+                          "model's pool does not share the target's unified memory, so kvcore does not build it; set "
+                          "speculative.algorithm=none, or memory.unified=false for the split pools")  # fmt: skip
 
 
 def build_pools(

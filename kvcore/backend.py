@@ -38,7 +38,7 @@ def _frozen_mapping(value) -> Mapping[str, Any]:
 @attrs.frozen(kw_only=True)
 class EngineMode:
     """How the engine runs the pools, beyond the model's dimensions (SGLang's server arguments that change what
-    a pool or allocator is): disaggregation and speculative decoding.
+    a pool or allocator is): disaggregation, speculative decoding and the unified memory.
 
     :param disaggregation: ``null``, ``prefill`` or ``decode`` (``disaggregation.mode``).
     :param pre_alloc_size: decode mode: request-table rows beyond the running requests, for requests whose KV
@@ -49,6 +49,8 @@ class EngineMode:
     :param eagle_topk: branches per draft step (SGLang's ``speculative_eagle_topk``).
     :param is_draft_worker: the request is the draft model's (its pool shares the target's request table and
         token slots).
+    :param unified_memory: ``memory.unified``: one memory shared by a hybrid model's two kinds of state (SGLang's
+        ``enable_unified_memory``), built by the plugin that answers for it.
     """
 
     disaggregation: str = "null"
@@ -57,6 +59,7 @@ class EngineMode:
     num_draft_tokens: int = 0
     eagle_topk: int = 1
     is_draft_worker: bool = False
+    unified_memory: bool = False
 
     @property
     def need_sort(self) -> bool:

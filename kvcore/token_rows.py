@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TokenRows"]
+__all__ = ["TokenRows", "select_rows"]
+
+
+def select_rows(stacked: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``stacked[:, rows]`` (rows along dim 1 of every layer), as a new tensor.  ``index_select`` of a
+    non-contiguous stack (a page-major buffer's overlapping row views) first copies all of it on the CPU;
+    indexing then reads only the rows taken."""
+    return stacked.index_select(1, rows) if stacked.is_contiguous() else stacked[:, rows]
 
 
 class TokenRows:
@@ -59,5 +66,5 @@ class TokenRows:
         (0-based, local) ``layer``."""
         rows = self.row_of(tokens).to(self.rows.device)
         if layer is None:
-            return self.rows.index_select(1, rows)
+            return select_rows(self.rows, rows)
         return self.rows[layer].index_select(0, rows)

@@ -122,7 +122,7 @@ def test_the_core_imports_no_family():
 #: the base families: the only families another family (a plugin under plugins/, or an example vendor under
 #: examples/) may import from, and then only names of their ``__all__``.  docs/writing-a-backend.md ("Building
 #: on a base family") lists the same, which the second test below checks.
-BASES = ("mha", "mla")
+BASES = ("mha", "mla", "mamba", "swa")
 
 
 def _family_packages() -> dict[str, tuple[Path, Path]]:

@@ -26,9 +26,14 @@ def test_a_mamba_hybrid_in_one_range(page):
     u, layout = plan.unified, plan.layout
     # by hand, from the declared buffers: K and V of the full layers per token, conv and temporal per slot
     per_token = sum(b.layers * b.row_bytes for b in layout.buffers if b.sized_by == "tokens")
-    per_slot = sum(b.layers * b.row_bytes for b in layout.buffers if b.sized_by == "requests")
-    budget = plan.budget.kv_budget_bytes
+    # a slot's envelope: each state buffer's layers in a block that starts on a 16-byte boundary
+    per_slot = sum(-(-b.layers * b.row_bytes // 16) * 16 for b in layout.buffers if b.sized_by == "requests")
+    # the range is the split pools' bytes: their token pages and their state slots
+    budget = -(-plan.sizes["tokens"] // page) * per_token * page + plan.sizes["requests"] * per_slot
+    assert budget <= plan.budget.kv_budget_bytes
     assert (u.token_page_bytes, u.other_unit_bytes, u.other) == (per_token * page, per_slot, "requests")
+    assert u.budget_bytes == budget and u.memory_bytes == (per_token * page + budget) // 16 * 16 + per_slot
+    assert plan.kv_cache_bytes == u.memory_bytes
     assert u.max_tokens == budget // (per_token * page) * page and u.max_other == budget // per_slot
     assert (u.split_tokens, u.split_other) == (plan.sizes["tokens"], plan.sizes["requests"])
     # the split pools use part of what the range could hold of each kind
@@ -40,7 +45,7 @@ def test_a_sliding_window_hybrid_in_one_range():
     u, layout = plan.unified, plan.layout
     full = sum(b.layers * b.row_bytes for b in layout.buffers if b.sized_by == "tokens")
     window = sum(b.layers * b.row_bytes for b in layout.buffers if b.sized_by == "swa_tokens")
-    budget = plan.budget.kv_budget_bytes
+    budget = plan.sizes["tokens"] // 16 * full * 16 + plan.sizes["swa_tokens"] // 16 * window * 16
     assert (u.other, u.token_page_bytes, u.other_unit_bytes) == ("swa_tokens", full * 16, window * 16)
     assert u.max_tokens == budget // (full * 16) * 16 and u.max_other == budget // (window * 16) * 16
     assert u.split_other == plan.sizes["swa_tokens"]
@@ -51,7 +56,7 @@ def test_speculative_states_stay_outside_the_range():
                              "speculative.algorithm=eagle3", "speculative.draft_model=tiny-eagle3")  # fmt: skip
     plan = kvcore.plan_memory(cfg)
     running = sum(b.total_bytes(8) for b in plan.layout.group("running_requests"))
-    assert running > 0 and plan.unified.budget_bytes == plan.budget.kv_budget_bytes - running
+    assert running > 0 and plan.kv_cache_bytes == plan.unified.memory_bytes + running
 
 
 def test_refusals_name_the_key():
@@ -59,8 +64,9 @@ def test_refusals_name_the_key():
         kvcore.plan_memory(kvcore.load_config("memory.unified=true"))
     with pytest.raises(ConfigError, match="memory.unified=true is not available with disaggregation.mode=decode"):
         kvcore.load_config("model=tiny-qwen3-next", "memory.unified=true", "disaggregation.mode=decode")
-    with pytest.raises(ConfigError, match="does not build its pools yet"):
-        kvcore.build_pools(kvcore.load_config("model=tiny-qwen3-next", "memory.unified=true"))
+    with pytest.raises(ConfigError, match="memory.unified=true with speculative.algorithm=eagle3"):
+        kvcore.build_pools(kvcore.load_config("model=tiny-qwen3-next", "memory.unified=true",
+                                              "speculative.algorithm=eagle3", "speculative.draft_model=tiny-eagle3"))  # fmt: skip
 
 
 def test_kvcore_plan_prints_the_unified_figures(capsys):
@@ -69,8 +75,8 @@ def test_kvcore_plan_prints_the_unified_figures(capsys):
     assert "unified   one range of" in out and "full-attention tokens (no state slots)" in out
 
 
-def test_kvcore_up_plans_then_refuses_before_allocating(capsys):
-    assert main(["up", "model=tiny-swa", "memory.unified=true"]) == 2
-    captured = capsys.readouterr()
-    assert "unified   one range of" in captured.out and "[4/4]" not in captured.out
-    assert "does not build its pools yet" in captured.err
+@pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-swa", "tiny-kimi-linear"])
+def test_kvcore_up_builds_the_unified_pools(model, capsys):
+    assert main(["up", f"model={model}", "memory.unified=true", "kv_cache.page_size=16", "memory.budget_gib=0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "unified   one range of" in out and "kvcore up: ready" in out and "Unified" in out

@@ -415,7 +415,7 @@ def plan_from_layouts(
         warnings.append(message)
     unified = None
     if cfg.memory.unified:
-        unified = unified_figures(target, budget.kv_budget_bytes, page_size, sizes)
+        unified = unified_figures(target, page_size, sizes)
     return MemoryPlan(
         unified=unified,
         backend=target.backend,
@@ -427,7 +427,8 @@ def plan_from_layouts(
         max_running_requests=max_running_requests,
         context_length=cfg.model.context_length,
         sizes=sizes,
-        kv_cache_bytes=target.total_bytes({group: sizes[group] for group in target.groups}),
+        kv_cache_bytes=target.total_bytes({group: sizes[group] for group in target.groups}) if unified is None else
+        unified.memory_bytes + sum(b.total_bytes(sizes["running_requests"]) for b in target.group("running_requests")),
         req_to_token_bytes=table_bytes,
         limiting_pp_rank=limiting,
         pp_size=len(layouts),

@@ -13,7 +13,7 @@ A test file is a subclass plus one fixture::
 The machine (a hypothesis ``RuleBasedStateMachine``) calls only the public API: ``alloc`` (whole pages),
 ``alloc_extend`` and ``alloc_decode`` (SGLang's positional order, with and without the CPU copies), ``free`` of a
 live request's locations in any order, ``free_group_begin`` / ``free_group_end``, ``backup_state`` /
-``restore_state`` and ``clear``.  After every step it checks that no location is handed out twice (nor a page
+``restore_state`` (unless the allocator says ``supports_backup = False``) and ``clear``.  After every step it checks that no location is handed out twice (nor a page
 shared between requests), that the padding page is never handed out, that each request's tokens sit at their
 offsets within its pages, that ``available_size()`` is exactly the capacity less the live (and pending) pages,
 that an allocation that does not fit returns None and changes nothing, and that nothing leaks.
@@ -98,6 +98,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         else:
             self.capacity = self.a.available_size()
         assert self.capacity > 0 and self.capacity % self.ps == 0, f"a fresh allocator offers {self.capacity} tokens"
+        #: whether ``backup_state`` / ``restore_state`` are driven (an allocator says ``supports_backup = False``
+        #: when it keeps no snapshots: a unified memory's, whose frees move data)
+        self.snapshots = bool(getattr(self.a, "supports_backup", True))
         self.reqs: dict[int, list[int]] = {}
         self.slid: dict[int, int] = {}  # request -> its first tokens whose window slots were given back
         self.pending: set[int] = set()  # pages freed inside an open free group
@@ -127,9 +130,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         in_window = {loc // self.ps for rid, locs in self.reqs.items() for loc in locs[self.slid.get(rid, 0):]}
         return len(in_window) + len(self.pending_window)
 
+    def token_capacity(self) -> int:
+        """Tokens the allocator holds when no request does: ``capacity``, read at the start; a machine whose
+        allocator shares its bytes with something else it drives (a unified memory's state slots) says what is
+        left to the tokens now."""
+        return self.capacity
+
     def _free_pages(self) -> int:
         """Pages an allocation can still take: on every side at once."""
-        free = self.capacity // self.ps - len(self._used_pages())
+        free = self.token_capacity() // self.ps - len(self._used_pages())
         if self.windowed:
             free = min(free, self.window_capacity // self.ps - self._window_pages_in_use())
         return free
@@ -273,7 +282,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a.free_group_end()
         self.in_group, self.pending, self.pending_window = False, set(), set()
 
-    @precondition(lambda self: not self.in_group)
+    @precondition(lambda self: self.snapshots and not self.in_group)
     @rule()
     def backup(self):
         self.checkpoint = (self.a.backup_state(), {k: list(v) for k, v in self.reqs.items()}, dict(self.slid))
@@ -309,7 +318,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 if t % self.ps:
                     assert page == locs[t - 1] // self.ps, f"request {rid} left its page mid-page at token {t}"
                 assert owner.setdefault(page, rid) == rid, f"page {page} handed to requests {owner[page]} and {rid}"
-        expected = self.capacity - self.ps * len(self._used_pages())
+        expected = self.token_capacity() - self.ps * len(self._used_pages())
         if self.windowed:
             got = self.a.full_available_size()
             assert got == expected, f"full_available_size() is {got}, the live and pending pages leave {expected}"
@@ -378,13 +387,15 @@ class AllocatorConformance:
     allocator that is slow to drive (Triton kernels in the CPU interpreter) and is run long elsewhere."""
 
     examples: int = 200
+    #: the machine run: :class:`AllocatorMachine` or a subclass that checks more of its allocator
+    machine: type = AllocatorMachine
 
     @pytest.fixture
     def allocator_factory(self):
         pytest.fail("provide an allocator_factory fixture: a zero-argument callable returning a fresh allocator")
 
     def test_random_request_lifetimes(self, allocator_factory):
-        machine = type("Machine", (AllocatorMachine,), {"factory": staticmethod(allocator_factory)})
+        machine = type("Machine", (self.machine,), {"factory": staticmethod(allocator_factory)})
         active = settings()
         asked = active.max_examples if active.max_examples > settings.get_profile("default").max_examples else 0
         run_state_machine_as_test(machine, settings=settings(

@@ -256,8 +256,10 @@ def _up(cfg: EngineConfig, rank: str, report, explain: bool = False) -> int:
     for r in results:
         print(f"  {rank}{'ok  ' if r.ok else 'FAIL'} {r.name:<{width}} {r.detail}")
     failed = [r for r in results if not r.ok]
+    shared = ("" if plan.unified is None else f" (one unified memory: up to {plan.unified.max_tokens} tokens or "
+              f"{plan.unified.max_other} {plan.unified.other_counted})")  # fmt: skip
     print(f"{rank}kvcore up: {'FAILED' if failed else 'ready'}: {plan.max_total_num_tokens} tokens, "
-          f"{plan.max_running_requests} requests, backend {plan.backend}", flush=True)
+          f"{plan.max_running_requests} requests, backend {plan.backend}{shared}", flush=True)
     return 1 if failed else 0
 
 

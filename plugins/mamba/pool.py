@@ -18,48 +18,7 @@ from kvcore.token_rows import TokenRows
 from kvcore_mha.noop import NoOpMHATokenToKVPool
 from kvcore_mha.page_major import PageMajorMHATokenToKVPool
 from kvcore_mha.pool import MHATokenToKVPool
-
-#: the keys that give a hybrid model more state slots, for the errors that say so.
-MORE_SLOTS = ("raise kv_cache.options.max_mamba_cache_size (or kv_cache.options.mamba_full_memory_ratio), or lower "
-              "memory.max_running_requests")  # fmt: skip
-
-
-def check_state_features(owner: str, *, speculative_eagle_topk: Optional[int] = None,
-                         enable_linear_replayssm: bool = False, linear_replayssm_cache_len: int = 16,
-                         envelope_keyword: str = "envelope_layout", envelope_layout: bool = False) -> None:  # fmt: skip
-    """SGLang's state-pool keywords for features kvcore does not have: their default (off) values pass, any other
-    is a one-line :class:`~kvcore.errors.ConfigError` naming the keyword."""
-    if enable_linear_replayssm:
-        raise unsupported(owner, "enable_linear_replayssm", enable_linear_replayssm,
-                          "ReplaySSM (a ring of recent recurrent updates kept beside each temporal state)",
-                          "kvcore keeps the temporal state alone: pass enable_linear_replayssm=False")  # fmt: skip
-    if envelope_layout:
-        raise unsupported(owner, envelope_keyword, envelope_layout,
-                          "the page-major envelope of the linear-attention states (every layer of a slot in one block)",
-                          f"kvcore stacks each state tensor per layer: pass {envelope_keyword}=False (the KV pools "
-                          f"may still be page-major)")  # fmt: skip
-    if not isinstance(linear_replayssm_cache_len, int) or linear_replayssm_cache_len <= 0:
-        raise ConfigError(f"{owner}(linear_replayssm_cache_len={linear_replayssm_cache_len!r}): must be a positive int "
-                          f"(SGLang's default is 16)")  # fmt: skip
-    if speculative_eagle_topk is not None and (not isinstance(speculative_eagle_topk, int) or speculative_eagle_topk < 1):
-        raise ConfigError(f"{owner}(speculative_eagle_topk={speculative_eagle_topk!r}): must be None or a positive int")
-
-
-def state_layer_ids(owner: str, cache_params: Any, mamba_layer_ids: Optional[Sequence[int]]) -> list[int]:
-    """The global ids of the linear layers whose states a pool keeps: ``mamba_layer_ids`` (SGLang's configurator
-    passes this rank's share of ``cache_params.layers``), checked to be distinct layers of ``cache_params``; all of
-    ``cache_params.layers`` when None."""
-    known = [int(i) for i in cache_params.layers]
-    if mamba_layer_ids is None:
-        return known
-    ids = [int(i) for i in mamba_layer_ids]
-    unknown = [i for i in ids if i not in set(known)]
-    if unknown or len(set(ids)) != len(ids):
-        what = f"layers {unknown} are not" if unknown else "layers repeat; they must be distinct"
-        raise ConfigError(f"{owner}(mamba_layer_ids={ids}): {what} linear-attention layers of cache_params.layers "
-                          f"{known}; pass this rank's linear layers, a subset of cache_params.layers")  # fmt: skip
-    return ids
-
+from kvcore_mamba.keywords import MORE_SLOTS, check_state_features, state_layer_ids
 
 @attrs.frozen(kw_only=True)
 class MambaState:
@@ -142,10 +101,7 @@ class MambaPool:
         if layers == 0:
             raise ValueError("cache_params lists no linear-attention layers")
         self.size, self.device, self.num_mamba_layers = size, device, layers
-        conv = [torch.zeros((layers, size + 1, *shape), dtype=cache_params.dtype.conv, device=device)
-                for shape in cache_params.shape.conv]  # fmt: skip
-        temporal = torch.zeros((layers, size + 1, *cache_params.shape.temporal), dtype=cache_params.dtype.temporal,
-                               device=device)  # fmt: skip
+        conv, temporal = self._slot_states(layers, size, cache_params, device)
         self.spec_state_size = spec_state_size if speculative_num_draft_tokens is not None else 0
         if speculative_num_draft_tokens is None:
             self.mamba_cache = MambaState(conv=conv, temporal=temporal)
@@ -163,6 +119,15 @@ class MambaPool:
         self._device_index = temporal.get_device()  # -1 on the CPU
         self.mem_usage = self.mamba_cache.mem_usage_bytes() / GB
         self.clear()
+
+    def _slot_states(self, layers: int, size: int, cache_params: Any, device: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The slot-indexed state tensors: ``conv`` (one ``[layers, slots, *shape]`` per convolution shape) and
+        ``temporal``; here ``size + 1`` zeroed slots of their own.  A pool laid over other memory overrides it."""
+        conv = [torch.zeros((layers, size + 1, *shape), dtype=cache_params.dtype.conv, device=device)
+                for shape in cache_params.shape.conv]  # fmt: skip
+        temporal = torch.zeros((layers, size + 1, *cache_params.shape.temporal), dtype=cache_params.dtype.temporal,
+                               device=device)  # fmt: skip
+        return conv, temporal
 
     # -- buffers ------------------------------------------------------------------------------------------
 
@@ -432,6 +397,18 @@ class HybridReqToTokenPool(ReqToTokenPool):
     def get_mamba_indices(self, req_indices: torch.Tensor) -> torch.Tensor:
         return self.req_index_to_mamba_index_mapping[req_indices]
 
+    @property
+    def mamba_v2p_table(self) -> Optional[torch.Tensor]:
+        """The state pool's virtual -> physical slot table (a unified memory's states), or None when the slots it
+        hands out are the physical ones (SGLang's API)."""
+        return getattr(self.mamba_pool, "virtual_to_physical", None)
+
+    def translate_mamba_indices(self, mamba_indices: torch.Tensor) -> torch.Tensor:
+        """The physical slots of the state ids the table holds (what state kernels, ``copy_from`` and CPU copies
+        index): the ids themselves, or their entries in :attr:`mamba_v2p_table` (int32)."""
+        table = self.mamba_v2p_table
+        return mamba_indices if table is None else table[mamba_indices.long()].to(torch.int32)
+
     def mamba2_layer_cache(self, layer_id: int) -> MambaState:
         """The states of global layer ``layer_id`` (a linear-attention layer), once a layer-wise load of that layer
         is done (:meth:`register_layer_transfer_counter`)."""
@@ -519,6 +496,9 @@ class HybridLinearKVPool(KVCache):
     :param post_capture_active: only False (kvcore allocates the pool when built); True is a ConfigError.
     :param start_layer: the rank's first global layer (default the first full-attention layer).
     :param enable_kvcache_transpose: only False (the older SGLang keyword; a transposed cache is a ConfigError).
+    :param full_kv_pool: the attention layers' pool, built by the caller (SGLang's unified memory passes one laid
+        over its shared bytes), instead of one of ``full_kv_pool_class``; it must keep one layer per
+        ``full_attention_layer_ids``.
     """
 
     def __init__(
@@ -543,6 +523,7 @@ class HybridLinearKVPool(KVCache):
         full_kv_pool_class: type | None = None,
         post_capture_active: bool = False,
         enable_kvcache_transpose: bool = False,
+        full_kv_pool: KVCache | None = None,
     ):
         check_post_capture("HybridLinearKVPool", post_capture_active)
         if enable_kvcache_transpose:  # the keyword of SGLang's older pools; SGLang refuses True too
@@ -561,7 +542,12 @@ class HybridLinearKVPool(KVCache):
         self.use_mla = use_mla
         common = dict(size=size, page_size=page_size, dtype=dtype, layer_num=len(full), device=device,
                       enable_memory_saver=enable_memory_saver, kernels=kernels)  # fmt: skip
-        if use_mla:
+        if full_kv_pool is not None:  # built by the caller (a unified memory's pool over its shared bytes)
+            if full_kv_pool.layer_num != len(full):
+                raise ValueError(f"the given full_kv_pool keeps {full_kv_pool.layer_num} layers, not the "
+                                 f"{len(full)} of full_attention_layer_ids")  # fmt: skip
+            self.full_kv_pool = full_kv_pool
+        elif use_mla:
             from kvcore_mla.pool import MLATokenToKVPool
 
             cls = full_kv_pool_class

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.pools import KVCache, check_post_capture
+from kvcore.pools import KVCache, PageMajorPages, check_post_capture, lay_over
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_mha.kernels import KVStore
 
 
-class PageMajorMHATokenToKVPool(KVCache):
+class PageMajorMHATokenToKVPool(PageMajorPages, KVCache):
     """Keys and values of MHA/GQA layers, page-major (see the module docstring); :class:`MHATokenToKVPool`'s
     constructor keywords, with the same meaning (``enable_alt_stream`` and ``enable_kv_cache_copy`` accepted
     either way: one launch stores K and V, and :meth:`move_kv_cache` always exists; ``post_capture_active=True`` is
@@ -62,7 +62,7 @@ class PageMajorMHATokenToKVPool(KVCache):
         if memory is None:
             self.kv_cache = torch.zeros(shape, dtype=self.store_dtype, device=device)
         else:
-            self.kv_cache = _lay_over(memory, shape, self.store_dtype, torch.device(device))
+            self.kv_cache = lay_over(memory, shape, self.store_dtype, torch.device(device))
         self.rows_per_page = layer_num * 2 * page_size
         row = head_num * head_dim
         rows = (pages - 1) * self.rows_per_page + page_size  # the last layer's last key row, plus one
@@ -97,51 +97,15 @@ class PageMajorMHATokenToKVPool(KVCache):
         return {"k": TokenRows(self._k_rows, self.page_size, self.rows_per_page, index_map=virtual),
                 "v": TokenRows(self._v_rows, self.page_size, self.rows_per_page, index_map=virtual)}  # fmt: skip
 
+    def _physical_rows(self) -> TokenRows:
+        return TokenRows(self._k_rows, self.page_size, self.rows_per_page)
+
     def move_groups(self) -> list[tuple[TokenRows, TokenRows | None]]:
         """K and V rows by physical token, moved together (:meth:`move_kv_cache` translates virtual tokens)."""
         if self._move_groups is None:
             self._move_groups = [(TokenRows(self._k_rows, self.page_size, self.rows_per_page),
                                   TokenRows(self._v_rows, self.page_size, self.rows_per_page))]  # fmt: skip
         return self._move_groups
-
-    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-        """:meth:`KVCache.move_kv_cache <kvcore.pools.KVCache.move_kv_cache>`, virtual tokens translated to their
-        physical ones first (:meth:`translate_loc`)."""
-        if self._token_of is not None:
-            tgt_loc, src_loc = self.translate_loc(tgt_loc), self.translate_loc(src_loc)
-        super().move_kv_cache(tgt_loc, src_loc)
-
-    # -- virtual pages (a pool built with virtual_pages=) --------------------------------------------------------
-
-    def remap_pages(self, virtual: torch.Tensor, physical: torch.Tensor) -> None:
-        """Map virtual pages ``virtual`` to physical pages ``physical`` (1-D int tensors of one length on the pool's
-        device; physical page 0 is the padding page, where an unmapped page goes): the store, the reads through
-        :meth:`translate_loc` and the row moves use the new places from the next launch on.  Moves no bytes (the
-        caller copies a page's envelope with :meth:`move_pages` before remapping it)."""
-        if self._token_of is None:
-            raise ValueError(f"{type(self).__name__} was built without virtual_pages=: its tokens are physical")
-        if virtual.shape != physical.shape or virtual.dim() != 1:
-            raise ValueError(f"remap_pages takes two 1-D tensors of one length, got {tuple(virtual.shape)} and "
-                             f"{tuple(physical.shape)}")  # fmt: skip
-        page = self.page_size
-        tokens = physical.to(torch.int64)[:, None] * page + self._offsets
-        rows = TokenRows(self._k_rows, page, self.rows_per_page).row_of(tokens)
-        virtual = virtual.to(torch.int64)
-        self._token_of.view(-1, page)[virtual] = tokens
-        self._row_of_token.view(-1, page)[virtual] = rows.to(self._row_of_token.dtype)
-
-    def translate_loc(self, loc: torch.Tensor) -> torch.Tensor:
-        """The physical tokens of tokens ``loc`` (int64, ``loc``'s shape): what indexes the paged views of
-        :meth:`get_key_buffer` / :meth:`get_value_buffer` (page ``t // page_size``, row ``t % page_size``).  The
-        tokens themselves when the pool has no virtual pages."""
-        if self._token_of is None:
-            return loc.to(torch.int64)
-        return self._token_of[loc.long()]
-
-    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
-        """One buffer: (pointer, bytes, bytes of one page of all layers)."""
-        pages = self.kv_cache[0]
-        return [pages.data_ptr()], [pages.nbytes], [pages[0].nbytes]
 
     # -- reads and writes -------------------------------------------------------------------------------------
 
@@ -175,57 +139,3 @@ class PageMajorMHATokenToKVPool(KVCache):
                 for name in ("k", "v")}  # fmt: skip
         self.set_kv_buffer(layer, loc, rows["k"], rows["v"])
         return {name: x.to(self.dtype).view(self.store_dtype) for name, x in rows.items()}
-
-    # -- whole pages ------------------------------------------------------------------------------------------
-
-    def whole_pages(self, indices: torch.Tensor) -> torch.Tensor | None:
-        """The physical pages tokens ``indices`` cover when they are whole pages, each in order (``p * page_size +
-        0 ..``, after :meth:`translate_loc`); None otherwise.  Reads the indices (a host sync), as CPU offload does
-        anyway."""
-        flat = self.translate_loc(indices.reshape(-1))
-        if flat.numel() == 0 or flat.numel() % self.page_size:
-            return None
-        grid = flat.view(-1, self.page_size)
-        first = grid[:, 0]
-        if not bool(((first % self.page_size == 0) & (grid == first[:, None] + self._offsets).all(1)).all()):
-            return None
-        return torch.div(first, self.page_size, rounding_mode="floor")
-
-    def move_pages(self, tgt_pages: torch.Tensor, src_pages: torch.Tensor) -> None:
-        """Copy whole physical pages (all layers, K and V) ``src_pages`` -> ``tgt_pages``: one block per page, as if
-        every source were read first (overlapping sets are safe; targets distinct)."""
-        self.kv_cache[0, tgt_pages.long()] = self.kv_cache[0, src_pages.long()]
-
-    def get_cpu_copy(self, indices: torch.Tensor, mamba_indices=None, req_pool_index=None):
-        """Whole pages are copied as page blocks (one contiguous block of all layers per page); other index sets
-        row by row, as every pool does."""
-        pages = self.whole_pages(indices)
-        if pages is None:
-            return super().get_cpu_copy(indices)
-        return {"pages": self.kv_cache[0, pages].to("cpu")}  # a blocking copy: done when it returns
-
-    def load_cpu_copy(self, kv_cache_cpu, indices: torch.Tensor, mamba_indices=None, req_pool_index=None) -> None:
-        if "pages" not in kv_cache_cpu:
-            return super().load_cpu_copy(kv_cache_cpu, indices)
-        pages = self.whole_pages(indices)
-        blocks = kv_cache_cpu["pages"]
-        if pages is None or pages.numel() != blocks.shape[0]:
-            raise ValueError(f"a copy of {blocks.shape[0]} whole pages loads into as many whole pages, got {indices.numel()} "
-                             f"locations that are not")  # fmt: skip
-        self.kv_cache[0, pages] = blocks.to(self.kv_cache.device)
-
-
-def _lay_over(memory: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``shape`` of ``dtype`` over the first bytes of ``memory`` (a contiguous 1-D uint8 tensor on ``device``)."""
-    need = dtype.itemsize
-    for extent in shape:
-        need *= extent
-    if memory.dtype != torch.uint8 or memory.dim() != 1 or not memory.is_contiguous():
-        raise ValueError(f"memory must be a contiguous 1-D uint8 tensor, got {memory.dtype} {tuple(memory.shape)}")
-    if memory.device != device:
-        raise ValueError(f"memory is on {memory.device}, the pool on {device}")
-    if memory.numel() < need:
-        raise ValueError(f"the pages need {need} bytes, memory holds {memory.numel()}")
-    if memory.data_ptr() % dtype.itemsize:
-        raise ValueError(f"memory must start on a {dtype.itemsize}-byte boundary for {dtype} rows")
-    return memory[:need].view(dtype).view(shape)

@@ -11,8 +11,11 @@ docs/writing-a-backend.md):
   ``_create_buffers()`` (extend it after ``super()._create_buffers()`` to allocate more buffers) and
   ``_read_into(rows, local, loc, out, dst_dtype)`` (a gather into the caller's ``out``, through the subclass's
   own rows object);
-- ``mla_layout``: the latent buffer, declared without allocating (``kv_cache_dim``, ``sized_by`` and ``name``
-  for a family that widens or renames it);
+- ``PageMajorMLATokenToKVPool``: the same latent rows page-major (a page of all layers contiguous), optionally
+  laid over given memory with virtual pages its owner maps and moves (``memory=``, ``virtual_pages=``,
+  ``remap_pages``, ``move_pages``, ``translate_loc``): the full-attention pages of a unified memory;
+- ``mla_layout``: the latent buffer of either pool, declared without allocating (``kv_cache_dim``, ``sized_by``
+  and ``name`` for a family that widens or renames it, ``page_major`` for the page-major pool's);
 - ``MLADims``: the ``model.mla`` section; every backend that reads ``model.mla`` declares it with this class.
 
 Families that build on it: ``dsa``, ``mamba`` (its ``mamba_mla`` backend) and ``fp4`` (its ``fp4_mla`` backend
@@ -27,6 +30,7 @@ from kvcore.plugins.lazy import lazy_getattr
 #: so a test kit can choose interpreted or compiled Triton kernels before any kernel module loads)
 _PUBLIC = {
     "MLATokenToKVPool": "kvcore_mla.pool",
+    "PageMajorMLATokenToKVPool": "kvcore_mla.page_major",
     "MLADims": "kvcore_mla.layout",
     "mla_layout": "kvcore_mla.layout",
 }

@@ -47,28 +47,33 @@ def mla_layout(
     kv_cache_dim: int | None = None,
     sized_by: str = "tokens",
     name: str = "kv",
+    page_major: bool = False,
 ) -> PoolLayout:
-    """The buffers of an :class:`~kvcore_mla.pool.MLATokenToKVPool`: one latent buffer ``kv``.
+    """The buffers of an :class:`~kvcore_mla.pool.MLATokenToKVPool` (or, ``page_major``, of a
+    :class:`~kvcore_mla.page_major.PageMajorMLATokenToKVPool`): one latent buffer ``kv``.
 
     :param dtype: the cache dtype (fp8 is declared as its ``torch.uint8`` storage).
     :param kv_cache_dim: row width in elements of the storage dtype, overriding ``kv_lora_rank +
         qk_rope_head_dim`` (see :func:`mla_row_dim`).
     :param sized_by: the size group (``"tokens"``, or ``"swa_tokens"`` for a sliding-window sub-pool).
     :param name: the buffer's name (a family combining several pools may prefix it).
-    :returns: one buffer ``[layer_num, size + page_size, 1, row_dim]``: one row per token plus the padding page.
+    :param page_major: one row per page instead, every layer's rows of ``page_size`` tokens (the same bytes per
+        token).
+    :returns: one buffer ``[layer_num, size + page_size, 1, row_dim]``: one row per token plus the padding page;
+        ``page_major``: ``[1, size / page_size + 1, layer_num, page_size, row_dim]``.
     """
     store = storage_dtype(dtype)
     row_dim = mla_row_dim(kv_lora_rank, qk_rope_head_dim, kv_cache_dim)
     notes = ["latent KV rows are replicated on every tensor-parallel rank"]
     if store != dtype:
         notes.append("fp8 stored as uint8")
+    if page_major:
+        notes.insert(0, "page-major: a page of all layers contiguous")
+        geometry = dict(layers=1, row_shape=(layer_num, page_size, row_dim), tokens_per_row=page_size)
+    else:
+        geometry = dict(layers=layer_num, row_shape=(1, row_dim))
     return PoolLayout(
         backend=backend,
-        buffers=(
-            BufferLayout(
-                name=name, layers=layer_num, row_shape=(1, row_dim), dtype=store, sized_by=sized_by,
-                pad_tokens=page_size,
-            ),
-        ),
+        buffers=(BufferLayout(name=name, dtype=store, sized_by=sized_by, pad_tokens=page_size, **geometry),),
         notes=tuple(notes),
-    )  # fmt: skip
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -39,14 +40,8 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     ):
         super().__init__(size, page_size, dtype, device, kvcache, need_sort, kernels)
         self.size_swa = int(size_swa)
-
-        def side(tokens: int) -> BaseTokenToKVPoolAllocator:
-            if self.page_size == 1:
-                return TokenToKVPoolAllocator(tokens, dtype, device, kvcache, need_sort, kernels)
-            return PagedTokenToKVPoolAllocator(tokens, page_size, dtype, device, kvcache, need_sort, kernels)
-
-        self.full_attn_allocator = side(self.size)
-        self.swa_attn_allocator = side(self.size_swa)
+        self.full_attn_allocator = self._new_side(self.size, swa=False)
+        self.swa_attn_allocator = self._new_side(self.size_swa, swa=True)
         self.full_to_swa_index_mapping = torch.zeros(self.size + self.page_size, dtype=torch.int64, device=self.device)
         # The map as one row per full page (page 0, the padding one, included): a view, so clearing a row clears
         # the registered map.  Pages past the last whole one are never handed out and have no row.
@@ -74,6 +69,28 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
 
     def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor) -> torch.Tensor:
         """Window slots of full locations (negative locations, ``-1`` for "none", stay as they are)."""
+        return self._window_slots(kv_indices)
+
+    # -- hooks (a subclass over other sub-allocators overrides them) ----------------------------------------
+
+    def _new_side(self, tokens: int, swa: bool) -> BaseTokenToKVPoolAllocator:
+        """The full (``swa=False``) or window sub-allocator of ``tokens`` tokens, built once each by the
+        constructor: a token allocator for ``page_size == 1``, a paged one otherwise."""
+        if self.page_size == 1:
+            return TokenToKVPoolAllocator(tokens, self.dtype, self.device, self._kvcache, self.need_sort, self.kernels)
+        return PagedTokenToKVPoolAllocator(tokens, self.page_size, self.dtype, self.device, self._kvcache,
+                                           self.need_sort, self.kernels)  # fmt: skip
+
+    def _full_undo(self) -> Callable[[torch.Tensor], None]:
+        """Called before the full side allocates: what takes that allocation back (given the full locations it
+        handed out) when the window side then does not fit.  Restores a :meth:`backup_state` of the full side
+        taken now."""
+        state = self.full_attn_allocator.backup_state()
+        return lambda full: self.full_attn_allocator.restore_state(state)
+
+    def _window_slots(self, kv_indices: torch.Tensor) -> torch.Tensor:
+        """The window sub-allocator's slots of full locations, what its ``last_loc`` is given in (negative
+        locations stay as they are)."""
         idx = kv_indices.long()
         return torch.where(idx >= 0, self.full_to_swa_index_mapping[idx.clamp(min=0)], idx)
 
@@ -105,13 +122,14 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
 
     # -- allocation ---------------------------------------------------------------------------------------
 
-    def _pair(self, full: Optional[torch.Tensor], state, swa_call) -> Optional[torch.Tensor]:
+    def _pair(self, full: Optional[torch.Tensor], undo: Callable[[torch.Tensor], None],
+              swa_call) -> Optional[torch.Tensor]:  # fmt: skip
         """Finish an allocation: the window side's, or roll the full side back when it does not fit."""
         if full is None:
             return None
         swa = swa_call()
         if swa is None:
-            self.full_attn_allocator.restore_state(state)
+            undo(full)
             return None
         self.full_to_swa_index_mapping[full] = swa
         return full
@@ -120,8 +138,8 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         """``need_size`` full locations (whole pages when paged), each with a window slot."""
         if need_size > self.available_size():
             return None
-        state = self.full_attn_allocator.backup_state()
-        return self._pair(self.full_attn_allocator.alloc(need_size), state, lambda: self.swa_attn_allocator.alloc(need_size))
+        undo = self._full_undo()
+        return self._pair(self.full_attn_allocator.alloc(need_size), undo, lambda: self.swa_attn_allocator.alloc(need_size))
 
     def alloc_extend(
         self,
@@ -134,12 +152,12 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     ) -> Optional[torch.Tensor]:
         """As :meth:`PagedTokenToKVPoolAllocator.alloc_extend`, on both sides (the window side continues each
         request's last window page, found through the mapping)."""
-        state = self.full_attn_allocator.backup_state()
+        undo = self._full_undo()
         full = self.full_attn_allocator.alloc_extend(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens
         )  # fmt: skip
-        return self._pair(full, state, lambda: self.swa_attn_allocator.alloc_extend(
-            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, self.translate_loc_from_full_to_swa(last_loc),
+        return self._pair(full, undo, lambda: self.swa_attn_allocator.alloc_extend(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, self._window_slots(last_loc),
             extend_num_tokens,
         ))  # fmt: skip
 
@@ -147,10 +165,10 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self, seq_lens: torch.Tensor, seq_lens_cpu: Optional[torch.Tensor] = None, last_loc: Optional[torch.Tensor] = None
     ) -> Optional[torch.Tensor]:
         """As :meth:`PagedTokenToKVPoolAllocator.alloc_decode`, on both sides."""
-        state = self.full_attn_allocator.backup_state()
+        undo = self._full_undo()
         full = self.full_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
-        return self._pair(full, state, lambda: self.swa_attn_allocator.alloc_decode(
-            seq_lens, seq_lens_cpu, self.translate_loc_from_full_to_swa(last_loc)
+        return self._pair(full, undo, lambda: self.swa_attn_allocator.alloc_decode(
+            seq_lens, seq_lens_cpu, self._window_slots(last_loc)
         ))  # fmt: skip
 
     # -- freeing ------------------------------------------------------------------------------------------

@@ -51,6 +51,9 @@ class SWAKVPool(KVCache):
     :param post_capture_active: only False (kvcore allocates both sub-pools when built); True is a
         :class:`~kvcore.errors.ConfigError`.
     :param enable_kvcache_transpose: only False (SGLang's own pool refuses True too).
+    :param full_pool_kwargs: keywords for the full sub-pool's constructor alone (default None: none), on top of
+        the shared ones: a page-major sub-pool's ``memory=`` / ``virtual_pages=``, say.
+    :param swa_pool_kwargs: the same for the window sub-pool.
     """
 
     def __init__(
@@ -76,6 +79,8 @@ class SWAKVPool(KVCache):
         enable_kv_cache_copy: bool = False,
         post_capture_active: bool = False,
         kernels: str = "auto",
+        full_pool_kwargs: dict[str, Any] | None = None,
+        swa_pool_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
         check_post_capture("SWAKVPool", post_capture_active)
@@ -107,10 +112,11 @@ class SWAKVPool(KVCache):
         self.full_layer_nums, self.swa_layer_nums = len(full_ids), len(swa_ids)
         common = dict(page_size=page_size, dtype=dtype, head_num=head_num, head_dim=head_dim, device=device,
                       enable_memory_saver=enable_memory_saver, v_head_dim=v_head_dim, kernels=kernels, **kwargs)  # fmt: skip
-        self.full_kv_pool = cls(size=size, layer_num=len(full_ids), **common) if full_ids else None
+        self.full_kv_pool = (cls(size=size, layer_num=len(full_ids), **common, **(full_pool_kwargs or {}))
+                             if full_ids else None)  # fmt: skip
         self.swa_kv_pool = (
             cls(size=size_swa, layer_num=len(swa_ids), swa_head_num=swa_head_num, swa_head_dim=swa_head_dim,
-                swa_v_head_dim=swa_v_head_dim, **common)  # fmt: skip
+                swa_v_head_dim=swa_v_head_dim, **common, **(swa_pool_kwargs or {}))  # fmt: skip
             if swa_ids else None
         )
         self.layers_mapping: dict[int, tuple[int, bool]] = {gid: (i, False) for i, gid in enumerate(full_ids)}

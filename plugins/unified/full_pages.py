@@ -1,9 +1,10 @@
-"""SGLang's paged token allocator over the low side of a unified memory (:class:`UnifiedPagedAllocator`).
+"""SGLang's paged token allocator over one side of a unified memory (:class:`UnifiedPagedAllocator`): the
+full-attention pages of a hybrid model on the low side, or a sliding-window model's window pages on the high side.
 
-The engine holds *virtual* token ids: page ``v`` (a virtual id of the memory's low side) holds tokens
+The engine holds *virtual* token ids: page ``v`` (a virtual id of the allocator's side) holds tokens
 ``v * page_size .. v * page_size + page_size - 1``, whatever physical page its envelope sits on.  The allocator
 takes pages from the shared range (so they compete with the high side's units for its bytes), maps them in the
-page-major pool laid over the memory (``remap_pages``), and when a free compacts the low side it copies the moved
+page-major pool laid over the memory (``remap_pages``), and when a free compacts its side it copies the moved
 envelopes (``move_pages``) and maps their virtual pages to the new places, in that order on the pool's device:
 ids the engine holds stay valid, their bytes unchanged.
 
@@ -33,42 +34,51 @@ __all__ = ["UnifiedPagedAllocator"]
 
 
 class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
-    """Full-attention token pages from the low side of ``memory`` (see the module docstring).
+    """Token pages from one side of ``memory`` (see the module docstring).
 
-    :param memory: the unified memory; this allocator registers itself as the mover of its low side.
-    :param kvcache: a page-major pool laid over ``memory.low_memory()`` with ``virtual_pages`` = the low side's
+    :param memory: the unified memory; this allocator registers itself as the mover of its side.
+    :param kvcache: a page-major pool laid over ``memory.side_memory(side)`` with ``virtual_pages`` = the side's
         virtual ids (:class:`kvcore_mha.PageMajorMHATokenToKVPool`): anything with ``remap_pages`` and
-        ``move_pages`` over pages of ``memory``'s low unit.
+        ``move_pages`` over pages of the side's unit.
     :param page_size: tokens per page (the pool's).
     :param dtype: the KV dtype (recorded for the engine).
     :param device: the pool's device.
     :param need_sort: accepted as SGLang's paged allocator takes it; the unified pages are always handed out
         packed at the low end, so there is no deferred release to sort (``merge_and_sort_free`` does nothing).
     :param kernels: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``native``.
+    :param side: :data:`~kvcore_unified.allocator.LOW` (default) or :data:`~kvcore_unified.allocator.HIGH`.
+    :param page_pool: the page-major pool the pages are mapped in, when ``kvcache`` (what :meth:`get_kvcache` returns
+        to the engine) is a composite holding it (a hybrid model's KV pool); default ``kvcache`` itself.
     """
 
     def __init__(self, memory: UnifiedMemory, kvcache: Any, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str, need_sort: bool = False, kernels: str = "auto"):  # fmt: skip
-        pages = memory.allocator.available(LOW)
+                 device: torch.device | str, need_sort: bool = False, kernels: str = "auto", side: str = LOW,
+                 page_pool: Any = None):  # fmt: skip
+        pages = memory.allocator.available(side)
         if pages <= 0:
-            raise ConfigError(f"the unified memory of {memory.capacity} bytes holds no page of {memory.low_unit} bytes")
+            raise ConfigError(f"the unified memory of {memory.capacity} bytes holds no page of "
+                              f"{memory.unit_bytes(side)} bytes")  # fmt: skip
         super().__init__(pages * page_size, page_size, dtype, device, kvcache, need_sort, kernels)
-        self.memory = memory
+        self.memory, self.side = memory, side
+        self._page_pool = kvcache if page_pool is None else page_pool
+        self._ends = memory.allocator
         self._offsets = torch.arange(page_size, device=self.device)
-        memory.on_move(LOW, self._move)
+        memory.on_move(side, self._move)
+        every = torch.arange(len(self._ends.free_ids(side)) + self._ends.used(side) + 1, device=self.device)
+        self._page_pool.remap_pages(every, torch.full_like(every, memory.padding_page(side)))  # none mapped yet
         self.clear()
 
     # -- queries ------------------------------------------------------------------------------------------
 
     def available_size(self) -> int:
         """Tokens the shared range can still give this side (the high side's units take from the same bytes)."""
-        return self.memory.allocator.available(LOW) * self.page_size
+        return self._ends.available(self.side) * self.page_size
 
     @property
     def free_pages(self) -> torch.Tensor:
         """How many pages are free, as a tensor of that many ids: the ids the next allocations take (inspection)."""
-        count = self.memory.allocator.available(LOW)
-        return torch.as_tensor(self.memory.allocator.free_ids(LOW)[:count], dtype=torch.int64)
+        count = self._ends.available(self.side)
+        return torch.as_tensor(self._ends.free_ids(self.side)[:count], dtype=torch.int64)
 
     @property
     def release_pages(self) -> torch.Tensor:
@@ -78,7 +88,7 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
 
     def clear(self) -> None:
         """Every page free (their virtual pages back on the padding page); no free group open."""
-        used = self.memory.allocator.virtual(LOW)
+        used = self._ends.virtual(self.side)
         if used.size:
             self.free(torch.from_numpy((used[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)))
         self.is_not_in_free_group = True
@@ -86,6 +96,10 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
 
     def merge_and_sort_free(self) -> None:
         """Nothing to merge: freed pages go straight back to the shared range."""
+
+    #: no ``backup_state`` / ``restore_state``: a free moves envelopes, so a snapshot of the tables would not
+    #: describe the bytes later (the conformance kit reads this and leaves them out)
+    supports_backup = False
 
     def backup_state(self) -> Any:
         raise NotImplementedError("a unified memory's allocator keeps no snapshot: its frees move envelopes")
@@ -97,13 +111,13 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
 
     def _take(self, count: int) -> Optional[torch.Tensor]:
         """``count`` new virtual pages, mapped in the pool: int64 on the device, or None (nothing taken)."""
-        ids = self.memory.allocator.alloc(LOW, count)
+        ids = self._ends.alloc(self.side, count)
         if ids is None:
             return None
         pages = torch.from_numpy(ids).to(self.device)
         if count:
-            physical = torch.from_numpy(self.memory.allocator.physical(LOW, ids) + 1).to(self.device)
-            self._kvcache.remap_pages(pages, physical)
+            physical = torch.from_numpy(self.memory.page_of(self.side, self._ends.physical(self.side, ids))).to(self.device)
+            self._page_pool.remap_pages(pages, physical)
         return pages
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
@@ -147,20 +161,20 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
     # -- frees and compaction -----------------------------------------------------------------------------
 
     def free(self, free_index: torch.Tensor) -> None:
-        """Give back the pages of tokens ``free_index`` (reads them: a sync) and compact the low side; inside a
+        """Give back the pages of tokens ``free_index`` (reads them: a sync) and compact the side; inside a
         free group, at :meth:`free_group_end`."""
         if free_index.numel() == 0 or self._hold_in_group(free_index):
             return
         pages = np.unique(free_index.reshape(-1).cpu().numpy() // self.page_size)
         pages = pages[pages > 0]
-        self.memory.allocator.free(LOW, pages)
+        self._ends.free(self.side, pages)
         if pages.size:  # the freed virtual pages back on the padding page: a stray write lands nowhere live
             freed = torch.from_numpy(pages).to(self.device)
-            self._kvcache.remap_pages(freed, torch.zeros_like(freed))
+            self._page_pool.remap_pages(freed, torch.full_like(freed, self.memory.padding_page(self.side)))
 
     def _move(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Compaction of the low side: copy physical units ``src`` to ``dst``, then map their virtual pages there."""
-        moved = self.memory.allocator.virtual(LOW)[src]  # the virtual pages living at src, before the tables change
-        dst_pages = torch.from_numpy(dst + 1).to(self.device)
-        self._kvcache.move_pages(dst_pages, torch.from_numpy(src + 1).to(self.device))
-        self._kvcache.remap_pages(torch.from_numpy(moved).to(self.device), dst_pages)
+        """Compaction of the side: copy physical units ``src`` to ``dst``, then map their virtual pages there."""
+        moved = self._ends.virtual(self.side)[src]  # the virtual pages living at src, before the tables change
+        dst_pages = torch.from_numpy(self.memory.page_of(self.side, dst)).to(self.device)
+        self._page_pool.move_pages(dst_pages, torch.from_numpy(self.memory.page_of(self.side, src)).to(self.device))
+        self._page_pool.remap_pages(torch.from_numpy(moved).to(self.device), dst_pages)

@@ -1,0 +1,116 @@
+"""What the unified memory costs on the GPU, beside the split pools (``python benchmarks/bench_unified_device.py``).
+
+Qwen3-Next-80B on one GPU (12 full-attention layers of 2 KV heads x 256, 36 gated-DeltaNet layers), bf16, page 16,
+a 32 GiB budget (``memory.budget_gib``), built through ``kvcore.build_pools`` with ``memory.unified`` false and true:
+
+- **store**: ``set_kv_buffer`` of one full-attention layer at decode (64 and 256 tokens, one per request) and
+  prefill (8192) sizes, inside CUDA-graph replay; the unified pool's tokens are virtual, so its store gathers through
+  the virtual -> physical table.  Ratio unified / split (target: within 10%).
+- **translation**: what the decode path adds: ``full_kv_pool.translate_loc`` of the step's tokens and
+  ``translate_mamba_indices`` of its requests' state slots (graph replay).
+- **compaction**: a free that moves envelopes: one request of 4096 tokens (256 pages of every full layer) freed
+  below 256 live pages, host time of the free plus the device time of the moves, against the copy ceiling for the
+  bytes moved; and a state slot freed below 255 others (one envelope of every linear layer moves).
+
+Correctness first: the unified store must read back what the split one does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import kvcore
+from kvcore.tools.timing import copy_ceiling_gbps, graph_us
+
+MODEL = ["model=qwen3-next-80b", "hardware.device=cuda", "memory.budget_gib=32", "kv_cache.page_size=16",
+         "memory.max_running_requests=256"]  # fmt: skip
+
+
+def build(unified: bool):
+    cfg = kvcore.load_config(*MODEL, f"memory.unified={str(unified).lower()}")
+    return kvcore.build_pools(cfg)
+
+
+def store_case(pools, n: int):
+    pool, alloc = pools.token_to_kv_pool, pools.token_to_kv_pool_allocator
+    loc = alloc.alloc(-(-n // 16) * 16)[:n]
+    layer = pool.full_attention_layer_ids[0]
+    k = torch.randn((n, pool.head_num, pool.head_dim), device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    return loc, layer, k, v, (lambda: pool.set_kv_buffer(layer, loc, k, v))
+
+
+def timed_free(what: str, memory, unit_bytes: int, ceiling: float, free) -> tuple:
+    """One compacting free: (what, units moved, bytes moved, host us of the call, us until the device is done,
+    fraction of the copy ceiling the moves ran at over the whole time)."""
+    torch.cuda.synchronize()
+    moved_before = memory.allocator.moved_units
+    start = time.perf_counter()
+    free()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    moved = memory.allocator.moved_units - moved_before
+    nbytes = moved * unit_bytes
+    return f"compaction: {what}", moved, nbytes, host * 1e6, total * 1e6, 2 * nbytes / total / 1e9 / ceiling
+
+
+def main() -> None:
+    ceiling = copy_ceiling_gbps()
+    print(f"{torch.cuda.get_device_name()}: device copy ceiling {ceiling:.0f} GB/s (read + write)")
+    rows = []
+    results = {}
+    for unified in (False, True):
+        pools = build(unified)
+        name = "unified" if unified else "split"
+        for n in (64, 256, 8192):
+            loc, layer, k, v, fn = store_case(pools, n)
+            fn()
+            torch.cuda.synchronize()
+            pool = pools.token_to_kv_pool
+            phys = pool.full_kv_pool.translate_loc(loc) if unified else loc.long()
+            keys = pool.get_key_buffer(layer)
+            got = keys[phys // 16, phys % 16] if keys.dim() == 4 else keys[phys]
+            assert torch.equal(got, k), f"{name}: the store did not read back at {n} tokens"
+            results[(name, n)] = graph_us(fn)
+            pools.token_to_kv_pool_allocator.free(loc)
+        if unified:
+            pool, table = pools.token_to_kv_pool, pools.req_to_token_pool
+            states = pool.mamba_pool
+            slots = states.alloc(256)
+            for bs in (64, 256):
+                locs = torch.randint(16, 16 * 1000, (bs,), device="cuda")
+                ids = slots[:bs].to(torch.int32)
+                results[("translate_loc", bs)] = graph_us(lambda: pool.full_kv_pool.translate_loc(locs))
+                results[("translate_mamba", bs)] = graph_us(lambda: table.translate_mamba_indices(ids))
+            alloc, memory = pools.token_to_kv_pool_allocator, states.memory
+            first = alloc.alloc(4096)
+            rest = alloc.alloc(4096)
+            rows.append(timed_free("free 4096 tokens below 4096 live", memory, memory.low_unit, ceiling,
+                                   lambda: alloc.free(first)))  # the 256 pages above move down into its place
+            alloc.free(rest)
+            rows.append(timed_free("free 1 state slot below 255 live", memory, memory.high_unit, ceiling,
+                                   lambda: states.free(slots[:1])))  # the topmost envelope moves into its place
+            states.free(slots[1:])
+        del pools
+        torch.cuda.empty_cache()
+    print("\nstore of one full-attention layer (graph replay, us per call)")
+    print(f"{'tokens':>8} {'split':>9} {'unified':>9} {'unified/split':>14}")
+    for n in (64, 256, 8192):
+        s, u = results[("split", n)], results[("unified", n)]
+        print(f"{n:>8} {s:>9.2f} {u:>9.2f} {u / s:>14.2f}")
+    print("\ndecode-path translation (graph replay, us per call)")
+    for bs in (64, 256):
+        print(f"  batch {bs:>3}: translate_loc {results[('translate_loc', bs)]:.2f}, translate_mamba_indices "
+              f"{results[('translate_mamba', bs)]:.2f}; the split store of {bs} tokens {results[('split', bs)]:.2f}")
+    print("\ncompaction (host us of the free call, us until the device finished, moved units and bytes, "
+          "fraction of the copy ceiling)")
+    for what, units, nbytes, host, total, frac in rows:
+        print(f"  {what}: {units} units, {nbytes / 2**20:.1f} MiB, host {host:.0f} us, total {total:.0f} us, "
+              f"{frac:.2f} of the ceiling")
+
+
+if __name__ == "__main__":
+    main()
