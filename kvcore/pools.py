@@ -561,7 +561,7 @@ def lay_over(memory: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, d
         need *= extent
     if memory.dtype != torch.uint8 or memory.dim() != 1 or not memory.is_contiguous():
         raise ValueError(f"memory must be a contiguous 1-D uint8 tensor, got {memory.dtype} {tuple(memory.shape)}")
-    if memory.device != device:
+    if memory.device.type != device.type or device.index not in (None, memory.device.index):
         raise ValueError(f"memory is on {memory.device}, the pool on {device}")
     if memory.numel() < need:
         raise ValueError(f"the pages need {need} bytes, memory holds {memory.numel()}")

@@ -126,7 +126,7 @@ class MemoryConfig:
     max_running_requests: Optional[int] = key(None, validator=positive, doc="cap on concurrent requests, over all data-parallel workers")
     swa_full_tokens_ratio: float = key(0.8, doc="hybrid sliding-window models: window-layer tokens per full-attention token")
     budget_gib: Optional[float] = key(None, validator=positive, doc="an explicit KV budget in GiB, replacing the memory arithmetic")
-    unified: bool = key(False, doc="hybrid models: one memory shared by the full-attention tokens and the per-request state (or sliding-window tokens), each growing from one end, instead of split pools of fixed sizes; `kvcore plan` prints what it holds (its pools are not built yet)")
+    unified: bool = key(False, doc="hybrid models: one memory shared by the full-attention tokens and the per-request state (or sliding-window tokens), each growing from one end, instead of split pools of fixed sizes; `kvcore plan` prints what it holds and `kvcore up` builds it (kvcore_unified); not with a speculative draft or disaggregation")
 
     def __attrs_post_init__(self) -> None:
         if not 0.0 < self.mem_fraction_static <= 1.0:

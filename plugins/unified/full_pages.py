@@ -38,8 +38,8 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
 
     :param memory: the unified memory; this allocator registers itself as the mover of its side.
     :param kvcache: a page-major pool laid over ``memory.side_memory(side)`` with ``virtual_pages`` = the side's
-        virtual ids (:class:`kvcore_mha.PageMajorMHATokenToKVPool`): anything with ``remap_pages`` and
-        ``move_pages`` over pages of the side's unit.
+        virtual ids (:class:`kvcore_mha.PageMajorMHATokenToKVPool`): anything with ``remap_pages`` over pages of
+        the side's unit (whose bytes the memory moves, :meth:`UnifiedMemory.move_units`).
     :param page_size: tokens per page (the pool's).
     :param dtype: the KV dtype (recorded for the engine).
     :param device: the pool's device.
@@ -175,6 +175,6 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
     def _move(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Compaction of the side: copy physical units ``src`` to ``dst``, then map their virtual pages there."""
         moved = self._ends.virtual(self.side)[src]  # the virtual pages living at src, before the tables change
+        self.memory.move_units(self.side, src, dst)  # a page of every layer is one unit of the side
         dst_pages = torch.from_numpy(self.memory.page_of(self.side, dst)).to(self.device)
-        self._page_pool.move_pages(dst_pages, torch.from_numpy(self.memory.page_of(self.side, src)).to(self.device))
         self._page_pool.remap_pages(torch.from_numpy(moved).to(self.device), dst_pages)

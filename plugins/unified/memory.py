@@ -29,6 +29,10 @@ from kvcore_unified.allocator import HIGH, LOW, MultiEndedAllocator
 
 __all__ = ["UnifiedMemory", "ALIGN"]
 
+#: a unit at least this large is moved by a copy of its own (an index copy of few, huge rows runs far below the
+#: device's copy rate: 6 GB/s for one 37 MiB state envelope on an H200)
+_WHOLE_COPY_BYTES = 1 << 20
+
 #: ``mover(src, dst)``: copy the envelopes of physical units ``src`` of one side to its units ``dst`` (int64 host arrays)
 SideMover = Callable[[np.ndarray, np.ndarray], None]
 
@@ -92,13 +96,25 @@ class UnifiedMemory:
 
     def move_units(self, side: str, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy whole units (envelopes) of ``side``, physical ``src`` to physical ``dst`` (disjoint int64 host
-        arrays of one length), on the memory's device: a mover for an owner whose envelope is just bytes."""
+        arrays of one length), on the memory's device: the mover of an owner whose envelope is just bytes (every
+        owner's: a page-major pool's page and a state slot's envelope are whole units).
+
+        :raises ValueError: when the side's unit is not a multiple of :data:`ALIGN` bytes."""
+        if self.unit_bytes(side) % ALIGN:
+            raise ValueError(f"a {side} unit of {self.unit_bytes(side)} bytes is not a multiple of {ALIGN}")
         if len(src) == 0:
             return
-        pages = self.side_memory(side).view(-1, self.unit_bytes(side))
-        src_pages = torch.from_numpy(self.page_of(side, src)).to(self.device)
-        dst_pages = torch.from_numpy(self.page_of(side, dst)).to(self.device)
-        pages.index_copy_(0, dst_pages, pages.index_select(0, src_pages))
+        unit, memory = self.unit_bytes(side), self.side_memory(side)
+        pages = memory[: memory.numel() // unit * unit].view(-1, unit)
+        src_pages, dst_pages = self.page_of(side, src), self.page_of(side, dst)
+        if unit >= _WHOLE_COPY_BYTES or len(src) <= 4:  # a copy per unit runs at the device's copy rate
+            for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
+                pages[d].copy_(pages[s])
+            return
+        # many small units: one index copy, as 8-byte words (a unit is a multiple of 16 bytes on a 16-byte boundary)
+        words = pages.view(torch.int64)
+        src_t, dst_t = (torch.from_numpy(p).to(self.device) for p in (src_pages, dst_pages))
+        words.index_copy_(0, dst_t, words.index_select(0, src_t))
 
     def on_move(self, side: str, mover: SideMover) -> None:
         """Register how ``side``'s envelopes move when a free compacts it (its owner's pool copies them)."""

@@ -156,7 +156,7 @@ def test_unmapped_virtual_pages_sit_on_the_padding_page_and_refusals():
     dev = test_device()
     pool, memory, page_bytes = make_virtual()
     assert pool.translate_loc(torch.tensor([5, 6, 37], device=dev)).tolist() == [1, 2, 1]  # page 0, their slots
-    x = torch.ones(1, H, D)
+    x = torch.ones(1, H, D, device=dev)
     pool.set_kv_buffer(0, torch.tensor([6], device=dev), x, x)  # an unmapped token writes the padding page only
     assert not memory[page_bytes:].any()
     plain = make()

@@ -170,7 +170,7 @@ def test_unmapped_virtual_pages_sit_on_the_padding_page_and_refusals():
     dev = test_device()
     pool, memory, page_bytes = make_virtual()
     assert pool.translate_loc(torch.tensor([5, 6, 37], device=dev)).tolist() == [1, 2, 1]  # page 0, their slots
-    x = torch.ones(2, 1, WIDTH)
+    x = torch.ones(2, 1, WIDTH, device=dev)
     pool.set_kv_buffer(2, torch.tensor([6, 37], device=dev), x, None)  # unmapped tokens write the padding page only
     assert memory[:page_bytes].any() and not memory[page_bytes:].any()
     pool.remap_pages(torch.tensor([1], device=dev), torch.tensor([2], device=dev))
