@@ -39,6 +39,9 @@ class PageMajorMHATokenToKVPool(PageMajorPages, KVCache):
     ``get_key_buffer(layer)`` / ``get_value_buffer(layer)`` return that layer's ``[pages + 1, page_size, head_num,
     head_dim]`` strided view (the paged shape attention kernels read; its page stride spans all layers).
 
+    :param memory: / ``virtual_pages``: the pages over given memory, with virtual pages (the module docstring).
+    :param padding_page: with ``virtual_pages``: the physical page every virtual page sits on until it is mapped
+        (the owner's padding page; 0 by default).
     :raises ValueError: when ``v_head_dim`` differs from ``head_dim`` (K and V share a page's rows).
     """
 
@@ -47,7 +50,8 @@ class PageMajorMHATokenToKVPool(PageMajorPages, KVCache):
                  swa_head_num: int | None = None, swa_head_dim: int | None = None, swa_v_head_dim: int | None = None,
                  start_layer: int | None = None, end_layer: int | None = None, enable_alt_stream: bool = True,
                  enable_kv_cache_copy: bool = False, post_capture_active: bool = False, kernels: str = "auto",
-                 memory: torch.Tensor | None = None, virtual_pages: int | None = None):  # fmt: skip
+                 memory: torch.Tensor | None = None, virtual_pages: int | None = None,
+                 padding_page: int = 0):  # fmt: skip
         check_post_capture(type(self).__name__, post_capture_active)
         super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer, kernels)
         # the swa_* dimensions let a sliding-window sub-pool differ from the full-attention one, as in MHA's pool
@@ -70,12 +74,8 @@ class PageMajorMHATokenToKVPool(PageMajorPages, KVCache):
         self._k_rows = self.kv_cache.as_strided((layer_num, rows, head_num, head_dim), (2 * page_size * row, row, head_dim, 1), base)
         self._v_rows = self.kv_cache.as_strided((layer_num, rows, head_num, head_dim), (2 * page_size * row, row, head_dim, 1),
                                                 base + page_size * row)  # fmt: skip
-        #: virtual token -> physical token (None: tokens are physical); every virtual page starts on the padding page
-        self._token_of = None
-        tokens = torch.arange(size + page_size, device=device)
-        if virtual_pages is not None:
-            tokens = self._token_of = torch.arange(page_size, device=device).repeat(int(virtual_pages) + 1)
-        self._row_of_token = self.token_rows()["k"].row_of(tokens)
+        tokens = self._token_table(size, virtual_pages, padding_page)
+        self._row_of_token = self._physical_rows().row_of(tokens)
         self._store = KVStore(self._k_rows, self._v_rows, dtype, self._use_triton, index_map=self._row_of_token)
         self._offsets = torch.arange(page_size, device=device)
         self._finalize_allocation()

@@ -54,13 +54,17 @@ class PageMajorMLATokenToKVPool(PageMajorPages, MLATokenToKVPool):
         buffer of the pool's own.
     :param virtual_pages: the highest virtual page id the owner hands out (ids ``0 .. virtual_pages``, 0 padding):
         every token is then virtual, mapped by :meth:`remap_pages`; None: tokens are physical.
+    :param padding_page: with ``virtual_pages``: the physical page every virtual page sits on until it is mapped
+        (the owner's padding page; 0 by default).
     """
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int, qk_rope_head_dim: int,
                  layer_num: int, device: str, enable_memory_saver: bool = False, start_layer: int | None = None,
                  end_layer: int | None = None, kv_cache_dim: int | None = None, kernels: str = "auto",
-                 memory: torch.Tensor | None = None, virtual_pages: int | None = None):  # fmt: skip
-        self._given_memory, self._virtual_pages = memory, virtual_pages  # what _create_buffers lays out
+                 memory: torch.Tensor | None = None, virtual_pages: int | None = None,
+                 padding_page: int = 0):  # fmt: skip
+        # what _create_buffers lays out
+        self._given_memory, self._virtual_pages, self._padding_page = memory, virtual_pages, padding_page
         super().__init__(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device,
                          enable_memory_saver, start_layer, end_layer, kv_cache_dim, kernels)  # fmt: skip
 
@@ -80,12 +84,8 @@ class PageMajorMLATokenToKVPool(PageMajorPages, MLATokenToKVPool):
                                                      self.kv_cache.storage_offset())  # fmt: skip
         #: the rows by physical token
         self._rows_by_physical_token = TokenRows(self._latent_rows, page, self.rows_per_page)
-        #: virtual token -> physical token (None: tokens are physical); every virtual page starts on the padding page
-        self._token_of = None
-        tokens = torch.arange(self.size + page, device=self.device)
-        if self._virtual_pages is not None:
-            tokens = self._token_of = torch.arange(page, device=self.device).repeat(int(self._virtual_pages) + 1)
-        self._row_of_token = self.token_rows()["kv"].row_of(tokens)
+        tokens = self._token_table(self.size, self._virtual_pages, self._padding_page)
+        self._row_of_token = self._physical_rows().row_of(tokens)
         self._rows = _RowsByToken(LatentRows(self._latent_rows, self.dtype, self._use_triton), self._row_of_token)
         self._out_check = _latent_output_check(self.kv_lora_rank, self.qk_rope_head_dim)
         self._offsets = torch.arange(page, device=self.device)

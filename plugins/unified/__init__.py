@@ -28,7 +28,11 @@ _PUBLIC = {"MultiEndedAllocator": "kvcore_unified.allocator", "LOW": "kvcore_uni
            "HIGH": "kvcore_unified.allocator", "UnifiedMemory": "kvcore_unified.memory",
            "UnifiedPagedAllocator": "kvcore_unified.full_pages", "UnifiedSWAKVPool": "kvcore_unified.swa",
            "UnifiedSWATokenToKVPoolAllocator": "kvcore_unified.swa", "init_unified_swa_pools": "kvcore_unified.swa",
-           "kv_page_bytes": "kvcore_unified.swa"}  # fmt: skip
+           "kv_page_bytes": "kvcore_unified.full_pages", "latent_page_bytes": "kvcore_unified.full_pages",
+           "unified_swa_kv_pool": "kvcore_unified.swa", "UnifiedPoolBundle": "kvcore_unified.bundle",
+           "init_unified_mamba_pools": "kvcore_unified.mamba", "UnifiedHybridLinearKVPool": "kvcore_unified.mamba",
+           "unified_hybrid_linear_kv_pool": "kvcore_unified.mamba", "UnifiedMambaPool": "kvcore_unified.states",
+           "UnifiedHybridReqToTokenPool": "kvcore_unified.states", "state_envelope": "kvcore_unified.states"}  # fmt: skip
 
 __all__ = sorted(_PUBLIC)
 __getattr__ = lazy_getattr(__name__, _PUBLIC)

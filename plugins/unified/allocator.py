@@ -86,6 +86,10 @@ class MultiEndedAllocator:
         """Bytes of one unit of ``side``."""
         return self._sides[side].unit
 
+    def ids(self, side: str) -> int:
+        """How many virtual ids ``side`` has (``1 .. ids``), free or not."""
+        return self._sides[side].ids
+
     def used(self, side: str) -> int:
         """Units of ``side`` allocated now."""
         return self._sides[side].used

@@ -26,11 +26,22 @@ import torch
 from kvcore.allocators import BaseTokenToKVPoolAllocator
 from kvcore.errors import ConfigError
 from kvcore.kernels import allocator_kernels as _k
+from kvcore.kernels.dtypes import storage_dtype
 from kvcore.kernels.free_list import PageSource
 from kvcore_unified.allocator import LOW
 from kvcore_unified.memory import UnifiedMemory
 
-__all__ = ["UnifiedPagedAllocator"]
+__all__ = ["UnifiedPagedAllocator", "kv_page_bytes", "latent_page_bytes"]
+
+
+def kv_page_bytes(layers: int, page_size: int, head_num: int, head_dim: int, dtype: torch.dtype) -> int:
+    """One page of every layer of a page-major MHA pool (its K and V rows): a unit of a unified memory's side."""
+    return layers * 2 * page_size * head_num * head_dim * storage_dtype(dtype).itemsize
+
+
+def latent_page_bytes(layers: int, page_size: int, kv_cache_dim: int, dtype: torch.dtype) -> int:
+    """One page of every layer of a page-major MLA pool (its latent rows of ``kv_cache_dim``)."""
+    return layers * page_size * kv_cache_dim * storage_dtype(dtype).itemsize
 
 
 class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
@@ -38,7 +49,8 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
 
     :param memory: the unified memory; this allocator registers itself as the mover of its side.
     :param kvcache: a page-major pool laid over ``memory.side_memory(side)`` with ``virtual_pages`` = the side's
-        virtual ids (:class:`kvcore_mha.PageMajorMHATokenToKVPool`): anything with ``remap_pages`` over pages of
+        virtual ids and ``padding_page`` = ``memory.padding_page(side)``
+        (:class:`kvcore_mha.PageMajorMHATokenToKVPool`): anything with ``remap_pages`` over pages of
         the side's unit (whose bytes the memory moves, :meth:`UnifiedMemory.move_units`).
     :param page_size: tokens per page (the pool's).
     :param dtype: the KV dtype (recorded for the engine).
@@ -64,8 +76,6 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
         self._ends = memory.allocator
         self._offsets = torch.arange(page_size, device=self.device)
         memory.on_move(side, self._move)
-        every = torch.arange(len(self._ends.free_ids(side)) + self._ends.used(side) + 1, device=self.device)
-        self._page_pool.remap_pages(every, torch.full_like(every, memory.padding_page(side)))  # none mapped yet
         self.clear()
 
     # -- queries ------------------------------------------------------------------------------------------

@@ -17,11 +17,10 @@ import torch
 from kvcore_mamba.pool import HybridLinearKVPool
 
 from kvcore.errors import ConfigError
-from kvcore.kernels.dtypes import storage_dtype
 from kvcore.pools import check_memory_saver, unsupported
 from kvcore_unified.allocator import LOW
 from kvcore_unified.bundle import UnifiedPoolBundle
-from kvcore_unified.full_pages import UnifiedPagedAllocator
+from kvcore_unified.full_pages import UnifiedPagedAllocator, kv_page_bytes, latent_page_bytes
 from kvcore_unified.memory import UnifiedMemory
 from kvcore_unified.states import UnifiedHybridReqToTokenPool, UnifiedMambaPool, state_envelope
 
@@ -32,10 +31,9 @@ __all__ = ["init_unified_mamba_pools", "unified_hybrid_linear_kv_pool", "unified
 def full_page_bytes(*, layers: int, page_size: int, kv_cache_dtype: torch.dtype, use_mla: bool, head_num: int = 0,
                     head_dim: int = 0, kv_lora_rank: int | None = None, qk_rope_head_dim: int | None = None) -> int:  # fmt: skip
     """One page of every full-attention layer, page-major: K and V rows of MHA, or MLA's latent rows."""
-    item = storage_dtype(kv_cache_dtype).itemsize
     if use_mla:
-        return layers * page_size * (int(kv_lora_rank) + int(qk_rope_head_dim)) * item
-    return layers * 2 * page_size * head_num * head_dim * item
+        return latent_page_bytes(layers, page_size, int(kv_lora_rank) + int(qk_rope_head_dim), kv_cache_dtype)
+    return kv_page_bytes(layers, page_size, head_num, head_dim, kv_cache_dtype)
 
 
 def init_unified_mamba_pools(
@@ -151,7 +149,7 @@ def unified_hybrid_linear_kv_pool(*, budget_bytes: int, device: str, kv_cache_dt
                                  qk_rope_head_dim=qk_rope_head_dim)  # fmt: skip
     envelope = state_envelope(cache_params, len(mamba_layer_ids))
     memory = UnifiedMemory(budget_bytes, page_bytes, envelope.unit_bytes, device)
-    pages = len(memory.allocator.free_ids(LOW))
+    pages = memory.allocator.ids(LOW)
     common = dict(size=pages * page_size, page_size=page_size, dtype=kv_cache_dtype, layer_num=len(full_ids),
                   device=device, kernels=kernels, memory=memory.low_memory(), virtual_pages=pages)  # fmt: skip
     if use_mla:

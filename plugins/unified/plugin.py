@@ -53,20 +53,17 @@ def kvcore_create_pool(backend, request, layout, sizes):
         return pool
     if backend.name == "swa":
         from kvcore_swa.layout import swa_shape
-        from kvcore_unified.memory import UnifiedMemory
-        from kvcore_unified.swa import UnifiedSWAKVPool, UnifiedSWATokenToKVPoolAllocator, kv_page_bytes
+        from kvcore_unified.swa import UnifiedSWATokenToKVPoolAllocator, unified_swa_kv_pool
 
         shape = swa_shape(request)
-        full, window = shape.full_attention_layer_ids, shape.swa_attention_layer_ids
-        low = kv_page_bytes(len(full), request.page_size, request.head_num, request.head_dim, request.kv_dtype)
-        high = kv_page_bytes(len(window), request.page_size, shape.swa_head_num or request.head_num,
-                             shape.swa_head_dim or request.head_dim, request.kv_dtype)  # fmt: skip
-        memory = UnifiedMemory(budget, low, high, request.device)
-        pool = UnifiedSWAKVPool(memory, request.page_size, request.kv_dtype, request.head_num, request.head_dim,
-                                window, full, request.device, v_head_dim=request.v_head_dim,
-                                swa_head_num=shape.swa_head_num, swa_head_dim=shape.swa_head_dim,
-                                swa_v_head_dim=shape.swa_v_head_dim, start_layer=request.start_layer,
-                                end_layer=request.end_layer, kernels=request.kernels)  # fmt: skip
+        pool = unified_swa_kv_pool(
+            "memory.unified=true", device=request.device, kv_cache_dtype=request.kv_dtype,
+            page_size=request.page_size, head_num=request.head_num, head_dim=request.head_dim,
+            swa_head_num=shape.swa_head_num, swa_head_dim=shape.swa_head_dim, v_head_dim=request.v_head_dim,
+            swa_v_head_dim=shape.swa_v_head_dim, full_attention_layer_ids=shape.full_attention_layer_ids,
+            swa_attention_layer_ids=shape.swa_attention_layer_ids, start_layer=request.start_layer,
+            end_layer=request.end_layer, kernels=request.kernels, total_bytes=budget,
+        )  # fmt: skip
         _ALLOCATORS[pool] = lambda: UnifiedSWATokenToKVPoolAllocator(pool, need_sort=request.mode.need_sort,
                                                                      kernels=request.kernels)  # fmt: skip
         return pool

@@ -41,11 +41,13 @@ def _aligned(nbytes: int) -> int:
 
 @attrs.frozen
 class StateEnvelope:
-    """Where one request slot's states lie in its envelope: ``blocks[i]`` is the byte offset of state tensor ``i``
-    (the convolution shapes in order, then the temporal state), whose ``layers`` per-layer states follow one another
-    ``layer_bytes[i]`` apart; ``unit_bytes`` is the whole envelope (a multiple of 16 bytes)."""
+    """Where one request slot's states lie in its envelope: state tensor ``i`` (``tensors[i]``, its per-slot shape
+    and dtype: the convolution shapes in order, then the temporal state) starts at byte ``blocks[i]``, its
+    ``layers`` per-layer states ``layer_bytes[i]`` apart; ``unit_bytes`` is the whole envelope (a multiple of 16
+    bytes)."""
 
     layers: int
+    tensors: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     blocks: tuple[int, ...]
     layer_bytes: tuple[int, ...]
     unit_bytes: int
@@ -62,7 +64,7 @@ def state_envelope(cache_params: Any, layers: int) -> StateEnvelope:
         blocks.append(offset)
         layer_bytes.append(one)
         offset = _aligned(offset + one * layers)
-    return StateEnvelope(layers, tuple(blocks), tuple(layer_bytes), offset)
+    return StateEnvelope(layers, tuple(shapes), tuple(blocks), tuple(layer_bytes), offset)
 
 
 class UnifiedMambaPool(MambaPool):
@@ -85,11 +87,11 @@ class UnifiedMambaPool(MambaPool):
                              f"{layers} linear layers take {self.envelope.unit_bytes}")  # fmt: skip
         self.memory = memory
         self._ends = memory.allocator
-        slots = self._ends.free_ids(HIGH)
+        slots = self._ends.ids(HIGH)
         #: virtual slot -> the high page holding its envelope (the padding page when not allocated)
-        self._slot_of = torch.full((len(slots) + 1,), memory.padding_page(HIGH), dtype=torch.int64, device=device)
+        self._slot_of = torch.full((slots + 1,), memory.padding_page(HIGH), dtype=torch.int64, device=device)
         self._units = memory.high_memory().view(-1, memory.high_unit)
-        super().__init__(size=len(slots), spec_state_size=spec_state_size, cache_params=cache_params, device=device,
+        super().__init__(size=slots, spec_state_size=spec_state_size, cache_params=cache_params, device=device,
                          speculative_num_draft_tokens=speculative_num_draft_tokens, mamba_layer_ids=mamba_layer_ids,
                          speculative_eagle_topk=speculative_eagle_topk, kernels=kernels)  # fmt: skip
         memory.on_move(HIGH, self._move)
@@ -97,10 +99,8 @@ class UnifiedMambaPool(MambaPool):
     def _slot_states(self, layers: int, size: int, cache_params: Any, device: str):
         """Strided views over the high memory: ``[layers, high_pages + 1, *shape]`` per state tensor."""
         memory, env = self.memory.high_memory(), self.envelope
-        shapes = [(tuple(s), cache_params.dtype.conv) for s in cache_params.shape.conv]
-        shapes.append((tuple(cache_params.shape.temporal), cache_params.dtype.temporal))
         views = []
-        for (shape, dtype), block, layer_bytes in zip(shapes, env.blocks, env.layer_bytes):
+        for (shape, dtype), block, layer_bytes in zip(env.tensors, env.blocks, env.layer_bytes):
             typed = memory.view(dtype)
             inner = torch.empty(shape, dtype=dtype, device="meta").stride()
             item = dtype.itemsize

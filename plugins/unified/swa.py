@@ -30,25 +30,14 @@ from kvcore_swa.pool import SWAKVPool
 
 from kvcore.errors import ConfigError
 from kvcore.kernels import allocator_kernels as _k
-from kvcore.kernels.dtypes import storage_dtype
 from kvcore.pools import GB, check_post_capture, unsupported
 from kvcore.token_rows import TokenRows
 from kvcore_unified.allocator import HIGH, LOW
 from kvcore_unified.bundle import UnifiedPoolBundle
-from kvcore_unified.full_pages import UnifiedPagedAllocator
+from kvcore_unified.full_pages import UnifiedPagedAllocator, kv_page_bytes
 from kvcore_unified.memory import ALIGN, UnifiedMemory
 
-__all__ = ["UnifiedSWAKVPool", "UnifiedSWATokenToKVPoolAllocator", "init_unified_swa_pools", "kv_page_bytes"]
-
-
-def kv_page_bytes(layers: int, page_size: int, head_num: int, head_dim: int, dtype: torch.dtype) -> int:
-    """One page of every layer of a page-major MHA pool (its K and V rows): a unit of a unified memory's side."""
-    return layers * 2 * page_size * head_num * head_dim * storage_dtype(dtype).itemsize
-
-
-def _side_ids(memory: UnifiedMemory, side: str) -> int:
-    """The virtual ids of ``side`` (free or not)."""
-    return len(memory.allocator.free_ids(side)) + memory.allocator.used(side)
+__all__ = ["UnifiedSWAKVPool", "UnifiedSWATokenToKVPoolAllocator", "init_unified_swa_pools", "unified_swa_kv_pool"]
 
 
 def _check_both_kinds(owner: str, full_ids: Sequence[int], swa_ids: Sequence[int]) -> None:
@@ -89,7 +78,7 @@ class UnifiedSWAKVPool(SWAKVPool):
                 raise ConfigError(f"UnifiedSWAKVPool: the memory's {side} unit is {memory.unit_bytes(side)} bytes, "
                                   f"a page of its layers {unit}: build the memory with kv_page_bytes")  # fmt: skip
         self.memory = memory
-        ids = {side: _side_ids(memory, side) for side in (LOW, HIGH)}
+        ids = {side: memory.allocator.ids(side) for side in (LOW, HIGH)}
         low_pages = memory.capacity // memory.low_unit
         super().__init__(
             low_pages * page_size, memory.high_pages * page_size, page_size, dtype, head_num, head_dim,
@@ -97,11 +86,9 @@ class UnifiedSWAKVPool(SWAKVPool):
             token_to_kv_pool_class=PageMajorMHATokenToKVPool, v_head_dim=v_head_dim, swa_head_num=swa_head_num,
             swa_head_dim=swa_head_dim, swa_v_head_dim=swa_v_head_dim, start_layer=start_layer, end_layer=end_layer,
             kernels=kernels, full_pool_kwargs=dict(memory=memory.low_memory(), virtual_pages=ids[LOW]),
-            swa_pool_kwargs=dict(memory=memory.high_memory(), virtual_pages=ids[HIGH]),
+            swa_pool_kwargs=dict(memory=memory.high_memory(), virtual_pages=ids[HIGH],
+                                 padding_page=memory.padding_page(HIGH)),
         )  # fmt: skip
-        for side, pool in ((LOW, self.full_kv_pool), (HIGH, self.swa_kv_pool)):
-            virtual = torch.arange(ids[side] + 1, device=pool.kv_cache.device)
-            pool.remap_pages(virtual, torch.full_like(virtual, memory.padding_page(side)))
         self.mem_usage = memory.buffer.nbytes / GB  # the sub-pools' buffers share these bytes
 
     def translate_loc(self, loc: torch.Tensor) -> torch.Tensor:
@@ -167,7 +154,7 @@ class UnifiedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
     def __init__(self, kvcache: UnifiedSWAKVPool, need_sort: bool = False, kernels: str = "auto",
                  forward_stream: Any = None):  # fmt: skip
         memory, page = kvcache.memory, kvcache.page_size
-        super().__init__(_side_ids(memory, LOW) * page, _side_ids(memory, HIGH) * page, page, kvcache.dtype,
+        super().__init__(memory.allocator.ids(LOW) * page, memory.allocator.ids(HIGH) * page, page, kvcache.dtype,
                          kvcache.device, kvcache, need_sort, kernels)  # fmt: skip
         self.memory, self.forward_stream = memory, forward_stream
 
@@ -310,26 +297,50 @@ def init_unified_swa_pools(
     if sorted(full_ids + swa_ids) != list(range(start_layer, end_layer)):
         raise ValueError(f"{owner}: full {full_ids} and window {swa_ids} layer ids must together be this rank's layers "
                          f"start_layer={start_layer} .. end_layer={end_layer} (exclusive), each once")  # fmt: skip
-    low = kv_page_bytes(len(full_ids), page_size, head_num, head_dim, kv_cache_dtype)
-    high = kv_page_bytes(len(swa_ids), page_size, swa_head_num, swa_head_dim, kv_cache_dtype)
+    if total_bytes is None and (full_max_total_num_tokens is None or swa_max_total_num_tokens is None):
+        raise ConfigError(f"{owner}: pass total_bytes, or both full_max_total_num_tokens and "
+                          "swa_max_total_num_tokens")  # fmt: skip
+    pool = unified_swa_kv_pool(
+        owner, device=device, kv_cache_dtype=kv_cache_dtype, page_size=page_size, head_num=head_num,
+        head_dim=head_dim, swa_head_num=swa_head_num, swa_head_dim=swa_head_dim, v_head_dim=v_head_dim,
+        swa_v_head_dim=swa_v_head_dim, full_attention_layer_ids=full_ids,
+        swa_attention_layer_ids=swa_ids, start_layer=start_layer, end_layer=end_layer - 1, kernels=kernels,
+        total_bytes=total_bytes, tokens=(full_max_total_num_tokens, swa_max_total_num_tokens),
+    )  # fmt: skip
+    memory = pool.memory
+    allocator = UnifiedSWATokenToKVPoolAllocator(pool, need_sort=need_sort, kernels=kernels,
+                                                 forward_stream=forward_stream)  # fmt: skip
+    return UnifiedPoolBundle(memory, pool, allocator, None)
+
+
+def unified_swa_kv_pool(owner: str, *, device: str, kv_cache_dtype: torch.dtype, page_size: int, head_num: int,
+                        head_dim: int, swa_head_num: Optional[int], swa_head_dim: Optional[int],
+                        v_head_dim: Optional[int], swa_v_head_dim: Optional[int],
+                        full_attention_layer_ids: Sequence[int], swa_attention_layer_ids: Sequence[int],
+                        start_layer: int, end_layer: int, kernels: str = "auto", total_bytes: Optional[int] = None,
+                        tokens: tuple[Optional[int], Optional[int]] = (None, None)) -> UnifiedSWAKVPool:  # fmt: skip
+    """A :class:`UnifiedSWAKVPool` over a new memory of ``total_bytes``, or of ``tokens`` = (full tokens, window
+    tokens) at their page bytes (the split pools' bytes); ``end_layer`` inclusive.  What
+    :func:`init_unified_swa_pools` and the plugin build.
+
+    :raises ConfigError: naming ``owner``, for a window page that is not a multiple of 16 bytes, or a budget under
+        one page of each kind.
+    """
+    low = kv_page_bytes(len(full_attention_layer_ids), page_size, head_num, head_dim, kv_cache_dtype)
+    high = kv_page_bytes(len(swa_attention_layer_ids), page_size, swa_head_num or head_num, swa_head_dim or head_dim,
+                         kv_cache_dtype)  # fmt: skip
     if high % ALIGN:
         raise ConfigError(f"{owner}: a window page of every window layer is {high} bytes, not a multiple of "
                           f"{ALIGN}: choose a page_size that makes it one, or build the split pools "
                           "(memory.unified=false)")  # fmt: skip
     if total_bytes is None:
-        if full_max_total_num_tokens is None or swa_max_total_num_tokens is None:
-            raise ConfigError(f"{owner}: pass total_bytes, or both full_max_total_num_tokens and "
-                              "swa_max_total_num_tokens")  # fmt: skip
-        total_bytes = (full_max_total_num_tokens * low + swa_max_total_num_tokens * high) // page_size
+        total_bytes = (tokens[0] * low + tokens[1] * high) // page_size
     if total_bytes < low + high:
         raise ConfigError(f"{owner}: a unified memory of {total_bytes} bytes holds not one full-attention page "
                           f"({low} bytes) and one window page ({high}): raise full_max_total_num_tokens / "
                           "swa_max_total_num_tokens (or total_bytes)")  # fmt: skip
     memory = UnifiedMemory(total_bytes, low, high, device)
-    pool = UnifiedSWAKVPool(memory, page_size, kv_cache_dtype, head_num, head_dim, swa_ids, full_ids, device,
-                            v_head_dim=v_head_dim, swa_head_num=swa_head_num, swa_head_dim=swa_head_dim,
-                            swa_v_head_dim=swa_v_head_dim, start_layer=start_layer, end_layer=end_layer - 1,
-                            kernels=kernels)  # fmt: skip
-    allocator = UnifiedSWATokenToKVPoolAllocator(pool, need_sort=need_sort, kernels=kernels,
-                                                 forward_stream=forward_stream)  # fmt: skip
-    return UnifiedPoolBundle(memory, pool, allocator, None)
+    return UnifiedSWAKVPool(memory, page_size, kv_cache_dtype, head_num, head_dim, swa_attention_layer_ids,
+                            full_attention_layer_ids, device, v_head_dim=v_head_dim, swa_head_num=swa_head_num,
+                            swa_head_dim=swa_head_dim, swa_v_head_dim=swa_v_head_dim, start_layer=start_layer,
+                            end_layer=end_layer, kernels=kernels)  # fmt: skip

@@ -100,11 +100,11 @@ def test_layouts_a_backend_does_not_serve_are_refused_by_selection():
 # -- pages over given memory, virtual pages mapped by their owner ---------------------------------------------------
 
 
-def make_virtual(dtype=torch.bfloat16, kernels="triton", memory_bytes=None, virtual_pages=9):
+def make_virtual(dtype=torch.bfloat16, kernels="triton", memory_bytes=None, virtual_pages=9, **kw):
     page_bytes = L * 2 * PS * H * D * dtype.itemsize
     memory = torch.zeros(memory_bytes or (SIZE // PS + 1) * page_bytes + 64, dtype=torch.uint8, device=test_device())
     pool = PageMajorMHATokenToKVPool(SIZE, PS, dtype, H, D, L, test_device(), kernels=kernels, memory=memory,
-                                     virtual_pages=virtual_pages)  # fmt: skip
+                                     virtual_pages=virtual_pages, **kw)  # fmt: skip
     return pool, memory, page_bytes
 
 
@@ -150,6 +150,20 @@ def test_virtual_pages_store_where_they_are_mapped_and_follow_a_move(dtype, kern
     assert bits_equal(pool.kv_cache[0, 2], pool.kv_cache[0, 3])
     copy = pool.get_cpu_copy(tokens_of(torch.tensor([2], device=dev)))
     assert set(copy) == {"pages"} and bits_equal(copy["pages"][0], pool.kv_cache[0, 3].cpu())
+
+
+@pytest.mark.parametrize("kernels", ["triton", "native"])
+def test_an_owner_chooses_the_padding_page(kernels):
+    """A unified memory's high side pads on its last page: unmapped virtual pages sit there, not on page 0."""
+    dev = test_device()
+    last = SIZE // PS
+    pool, memory, page_bytes = make_virtual(kernels=kernels, padding_page=last)
+    assert pool.translate_loc(torch.tensor([5, 6, 37], device=dev)).tolist() == [last * PS + 1, last * PS + 2,
+                                                                                  last * PS + 1]  # fmt: skip
+    x = torch.ones(1, H, D, device=dev)
+    pool.set_kv_buffer(0, torch.tensor([6], device=dev), x, x)
+    written = memory[: (last + 1) * page_bytes].view(last + 1, page_bytes).any(1)
+    assert written.tolist() == [False] * last + [True], "an unmapped token wrote outside the padding page"
 
 
 def test_unmapped_virtual_pages_sit_on_the_padding_page_and_refusals():
