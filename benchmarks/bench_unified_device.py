@@ -8,6 +8,8 @@ a 32 GiB budget (``memory.budget_gib``), built through ``kvcore.build_pools`` wi
   the virtual -> physical table.  Ratio unified / split (target: within 10%).
 - **translation**: what the decode path adds: ``full_kv_pool.translate_loc`` of the step's tokens and
   ``translate_mamba_indices`` of its requests' state slots (graph replay).
+- **engine loop**: requests arrive (prompts of 1-2048 tokens, a state slot each), decode and finish at random,
+  eager, the device waited for at each step: wall us per step, split against unified.
 - **compaction**: a free that moves envelopes: one request of 4096 tokens (256 pages of every full layer) freed
   below 256 live pages, host time of the free plus the device time of the moves, against the copy ceiling for the
   bytes moved; and a state slot freed below 255 others (one envelope of every linear layer moves).
@@ -57,6 +59,68 @@ def timed_free(what: str, memory, unit_bytes: int, ceiling: float, free) -> tupl
     return f"compaction: {what}", moved, nbytes, host * 1e6, total * 1e6, 2 * nbytes / total / 1e9 / ceiling
 
 
+class _Req:
+    """A request as the request table reads it (its kept state slot)."""
+
+    mamba_pool_idx = None
+
+
+def engine_loop(pools, steps: int = 300, seed: int = 2) -> tuple[float, float, int]:
+    """Continuous batching, eager: each step 0-2 requests arrive with prompts of 1-2048 tokens (a request-table row
+    and state slot, ``alloc_extend``, a store per full-attention layer), every running request decodes one token
+    (``alloc_decode``, a store per layer), 2% of them finish (their tokens and rows freed).  Returns (wall us per
+    step, device waited for at the end of each step; the state slots taken at the peak; steps run)."""
+    import random
+
+    rng = random.Random(seed)
+    alloc, table, pool = pools.token_to_kv_pool_allocator, pools.req_to_token_pool, pools.token_to_kv_pool
+    layers, (h, d) = pool.full_attention_layer_ids, (pool.head_num, pool.head_dim)
+    rows = torch.randn((2048, h, d), device="cuda", dtype=torch.bfloat16)
+    running, peak, spent = [], 0, 0.0
+    zero = torch.zeros(1, dtype=torch.int64)
+    torch.cuda.synchronize()
+    for _ in range(steps):
+        start = time.perf_counter()
+        for _ in range(rng.randint(0, 2)):
+            n, req = rng.randint(1, 2048), _Req()
+            try:
+                slot = table.alloc(1, [req])
+            except RuntimeError:  # no state slot left: the request waits
+                break
+            if slot is None:
+                break
+            seq = torch.tensor([n])
+            loc = alloc.alloc_extend(zero.cuda(), zero, seq.cuda(), seq, torch.tensor([-1], device="cuda"), n)
+            if loc is None:
+                table.free(slot)
+                break
+            for layer in layers:
+                pool.set_kv_buffer(layer, loc, rows[:n], rows[:n])
+            running.append([n, slot[0], [loc]])
+        if running:
+            seq = torch.tensor([r[0] + 1 for r in running])
+            last = torch.cat([r[2][-1][-1:] for r in running])
+            loc = alloc.alloc_decode(seq.cuda(), seq, last)
+            if loc is not None:
+                for layer in layers:
+                    pool.set_kv_buffer(layer, loc, rows[: loc.numel()], rows[: loc.numel()])
+                for i, r in enumerate(running):
+                    r[0] += 1
+                    r[2].append(loc[i : i + 1])
+        done = [r for r in running if rng.random() < 0.02]
+        for r in done:
+            alloc.free(torch.cat(r[2]))
+            table.free(r[1])
+        running = [r for r in running if r not in done]
+        torch.cuda.synchronize()
+        spent += time.perf_counter() - start
+        peak = max(peak, len(running))
+    for r in running:
+        alloc.free(torch.cat(r[2]))
+        table.free(r[1])
+    return spent / steps * 1e6, peak, steps
+
+
 def main() -> None:
     ceiling = copy_ceiling_gbps()
     print(f"{torch.cuda.get_device_name()}: device copy ceiling {ceiling:.0f} GB/s (read + write)")
@@ -65,6 +129,8 @@ def main() -> None:
     for unified in (False, True):
         pools = build(unified)
         name = "unified" if unified else "split"
+        engine_loop(pools, steps=30, seed=1)  # warm
+        results[(name, "loop")] = engine_loop(pools)
         for n in (64, 256, 8192):
             loc, layer, k, v, fn = store_case(pools, n)
             fn()
@@ -94,6 +160,13 @@ def main() -> None:
             rows.append(timed_free("free 1 state slot below 255 live", memory, memory.high_unit, ceiling,
                                    lambda: states.free(slots[:1])))  # the topmost envelope moves into its place
             states.free(slots[1:])
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            one = states.alloc(1)  # its 37 MiB envelope zeroed
+            host = time.perf_counter() - start
+            torch.cuda.synchronize()
+            results["alloc_state"] = (host * 1e6, (time.perf_counter() - start) * 1e6)
+            states.free(one)
         del pools
         torch.cuda.empty_cache()
     print("\nstore of one full-attention layer (graph replay, us per call)")
@@ -101,12 +174,19 @@ def main() -> None:
     for n in (64, 256, 8192):
         s, u = results[("split", n)], results[("unified", n)]
         print(f"{n:>8} {s:>9.2f} {u:>9.2f} {u / s:>14.2f}")
+    print("\nengine loop (Qwen3-Next, page 16, churning requests with prompts of 1-2048 tokens, eager), wall us per "
+          "step, device waited for each step")
+    for name in ("split", "unified"):
+        us, peak, steps = results[(name, "loop")]
+        print(f"  {name:>8}: {us:.0f} us per step over {steps} steps, {peak} requests running at the peak")
     print("\ndecode-path translation (graph replay, us per call)")
     for bs in (64, 256):
         print(f"  batch {bs:>3}: translate_loc {results[('translate_loc', bs)]:.2f}, translate_mamba_indices "
               f"{results[('translate_mamba', bs)]:.2f}; the split store of {bs} tokens {results[('split', bs)]:.2f}")
     print("\ncompaction (host us of the free call, us until the device finished, moved units and bytes, "
           "fraction of the copy ceiling)")
+    print(f"  alloc of 1 state slot (its envelope zeroed): host {results['alloc_state'][0]:.0f} us, total "
+          f"{results['alloc_state'][1]:.0f} us")
     for what, units, nbytes, host, total, frac in rows:
         print(f"  {what}: {units} units, {nbytes / 2**20:.1f} MiB, host {host:.0f} us, total {total:.0f} us, "
               f"{frac:.2f} of the ceiling")
