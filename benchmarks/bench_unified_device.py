@@ -4,9 +4,11 @@ Qwen3-Next-80B on one GPU (12 full-attention layers of 2 KV heads x 256, 36 gate
 a 32 GiB budget (``memory.budget_gib``), built through ``kvcore.build_pools`` with ``memory.unified`` false and true:
 
 - **store**: ``set_kv_buffer`` of one full-attention layer at decode (64 and 256 tokens, one per request) and
-  prefill (8192) sizes, inside CUDA-graph replay; the unified pool's tokens are virtual, so its store gathers through
-  the virtual -> physical table.  Ratio unified / split (target: within 10%).
-- **translation**: what the decode path adds: ``full_kv_pool.translate_loc`` of the step's tokens and
+  prefill (8192) sizes, inside CUDA-graph replay; the unified pool's tokens are virtual, so its store either looks
+  its rows up in the virtual -> physical table (``loc``), or takes the physical tokens the engine translated once
+  for the step (``KVWriteLoc(allocator.translate_write_loc(loc), physical=True)``).  Ratio unified / split (target:
+  within 10%).  The same for Kimi-Linear-48B's MLA layers (``set_mla_kv_buffer``).
+- **translation**: what the decode path adds: ``allocator.translate_write_loc`` of the step's tokens and
   ``translate_mamba_indices`` of its requests' state slots (graph replay).
 - **engine loop**: requests arrive (prompts of 1-2048 tokens, a state slot each), decode and finish at random,
   eager, the device waited for at each step: wall us per step, split against unified.
@@ -25,23 +27,67 @@ import torch
 
 import kvcore
 from kvcore.tools.timing import copy_ceiling_gbps, graph_us
+from kvcore.pools import KVWriteLoc
 
 MODEL = ["model=qwen3-next-80b", "hardware.device=cuda", "memory.budget_gib=32", "kv_cache.page_size=16",
          "memory.max_running_requests=256"]  # fmt: skip
+MLA_MODEL = ["model=kimi-linear-48b", *MODEL[1:]]
 
 
-def build(unified: bool):
-    cfg = kvcore.load_config(*MODEL, f"memory.unified={str(unified).lower()}")
+def build(unified: bool, model=MODEL):
+    cfg = kvcore.load_config(*model, f"memory.unified={str(unified).lower()}")
     return kvcore.build_pools(cfg)
 
 
-def store_case(pools, n: int):
+def store_cases(pools, n: int, unified: bool) -> dict:
+    """The stores of ``n`` new tokens into one full-attention layer, by name (``loc``; on the unified pool also
+    ``physical``: a KVWriteLoc of the step's physical tokens), each checked to read back; and the tokens."""
     pool, alloc = pools.token_to_kv_pool, pools.token_to_kv_pool_allocator
     loc = alloc.alloc(-(-n // 16) * 16)[:n]
     layer = pool.full_attention_layer_ids[0]
-    k = torch.randn((n, pool.head_num, pool.head_dim), device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    return loc, layer, k, v, (lambda: pool.set_kv_buffer(layer, loc, k, v))
+    full = pool.full_kv_pool
+    where = {"loc": loc}
+    if unified:
+        where["physical"] = KVWriteLoc(alloc.translate_write_loc(loc), physical=True)
+    phys = full.translate_loc(loc) if unified else loc.long()
+    cases = {}
+    for name, at in where.items():
+        if pool.use_mla:
+            nope = torch.randn((n, 1, full.kv_lora_rank), device="cuda", dtype=torch.bfloat16)
+            rope = torch.randn((n, 1, full.qk_rope_head_dim), device="cuda", dtype=torch.bfloat16)
+            fn = (lambda at=at, nope=nope, rope=rope: pool.set_mla_kv_buffer(layer, at, nope, rope))
+            want = torch.cat([nope, rope], dim=-1)
+        else:
+            k = torch.randn((n, pool.head_num, pool.head_dim), device="cuda", dtype=torch.bfloat16)
+            fn = (lambda at=at, k=k: pool.set_kv_buffer(layer, at, k, -k))
+            want = k
+        fn()
+        torch.cuda.synchronize()
+        keys = pool.get_key_buffer(layer)
+        got = keys[phys // 16, phys % 16] if unified else keys[phys]
+        assert torch.equal(got.reshape(want.shape), want), f"{name}: the store did not read back at {n} tokens"
+        cases[name] = fn
+    return cases, loc
+
+
+def store_table(model, title: str) -> None:
+    """Split against unified stores of one full-attention layer of ``model`` (graph replay, us per call)."""
+    results = {}
+    for unified in (False, True):
+        pools = build(unified, model)
+        for n in (64, 256, 8192):
+            cases, loc = store_cases(pools, n, unified)
+            for name, fn in cases.items():
+                results[("unified " if unified else "split ") + name, n] = graph_us(fn)
+            pools.token_to_kv_pool_allocator.free(loc)
+        del pools
+        torch.cuda.empty_cache()
+    print(f"\n{title}: store of one full-attention layer (graph replay, us per call)")
+    print(f"{'tokens':>8} {'split':>9} {'unified loc':>12} {'unified physical':>17} {'loc/split':>10} "
+          f"{'physical/split':>15}")
+    for n in (64, 256, 8192):
+        s, u, p = results[("split loc", n)], results[("unified loc", n)], results[("unified physical", n)]
+        print(f"{n:>8} {s:>9.2f} {u:>12.2f} {p:>17.2f} {u / s:>10.2f} {p / s:>15.2f}")
 
 
 def timed_free(what: str, memory, unit_bytes: int, ceiling: float, free) -> tuple:
@@ -131,25 +177,18 @@ def main() -> None:
         name = "unified" if unified else "split"
         engine_loop(pools, steps=30, seed=1)  # warm
         results[(name, "loop")] = engine_loop(pools)
-        for n in (64, 256, 8192):
-            loc, layer, k, v, fn = store_case(pools, n)
-            fn()
-            torch.cuda.synchronize()
-            pool = pools.token_to_kv_pool
-            phys = pool.full_kv_pool.translate_loc(loc) if unified else loc.long()
-            keys = pool.get_key_buffer(layer)
-            got = keys[phys // 16, phys % 16] if keys.dim() == 4 else keys[phys]
-            assert torch.equal(got, k), f"{name}: the store did not read back at {n} tokens"
-            results[(name, n)] = graph_us(fn)
+        for n in (64, 256):
+            cases, loc = store_cases(pools, n, unified)
+            results[(name, n)] = graph_us(cases["loc"])
             pools.token_to_kv_pool_allocator.free(loc)
         if unified:
             pool, table = pools.token_to_kv_pool, pools.req_to_token_pool
-            states = pool.mamba_pool
+            states, alloc = pool.mamba_pool, pools.token_to_kv_pool_allocator
             slots = states.alloc(256)
             for bs in (64, 256):
                 locs = torch.randint(16, 16 * 1000, (bs,), device="cuda")
                 ids = slots[:bs].to(torch.int32)
-                results[("translate_loc", bs)] = graph_us(lambda: pool.full_kv_pool.translate_loc(locs))
+                results[("translate_loc", bs)] = graph_us(lambda: alloc.translate_write_loc(locs))
                 results[("translate_mamba", bs)] = graph_us(lambda: table.translate_mamba_indices(ids))
             alloc, memory = pools.token_to_kv_pool_allocator, states.memory
             first = alloc.alloc(4096)
@@ -169,11 +208,8 @@ def main() -> None:
             states.free(one)
         del pools
         torch.cuda.empty_cache()
-    print("\nstore of one full-attention layer (graph replay, us per call)")
-    print(f"{'tokens':>8} {'split':>9} {'unified':>9} {'unified/split':>14}")
-    for n in (64, 256, 8192):
-        s, u = results[("split", n)], results[("unified", n)]
-        print(f"{n:>8} {s:>9.2f} {u:>9.2f} {u / s:>14.2f}")
+    store_table(MODEL, "Qwen3-Next-80B (MHA, 2 KV heads x 256)")
+    store_table(MLA_MODEL, "Kimi-Linear-48B (MLA, 512 + 64)")
     print("\nengine loop (Qwen3-Next, page 16, churning requests with prompts of 1-2048 tokens, eager), wall us per "
           "step, device waited for each step")
     for name in ("split", "unified"):
@@ -181,7 +217,7 @@ def main() -> None:
         print(f"  {name:>8}: {us:.0f} us per step over {steps} steps, {peak} requests running at the peak")
     print("\ndecode-path translation (graph replay, us per call)")
     for bs in (64, 256):
-        print(f"  batch {bs:>3}: translate_loc {results[('translate_loc', bs)]:.2f}, translate_mamba_indices "
+        print(f"  batch {bs:>3}: translate_write_loc {results[('translate_loc', bs)]:.2f}, translate_mamba_indices "
               f"{results[('translate_mamba', bs)]:.2f}; the split store of {bs} tokens {results[('split', bs)]:.2f}")
     print("\ncompaction (host us of the free call, us until the device finished, moved units and bytes, "
           "fraction of the copy ceiling)")

@@ -208,7 +208,7 @@ def test_public_names_import_from_the_packages():
         "print(light, MHATokenToKVPool.__module__, ReqToTokenPool.__module__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["True", "kvcore_mha.pool", "kvcore.pools"]
+    assert out == ["True", "kvcore_mha.pool", "kvcore.pools.base"]
     import kvcore
 
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):

@@ -183,6 +183,56 @@ def test_sliding_window_rows_go_through_both_sides_mappings(page, agents):
                        src_pool.token_rows()["swa_v"].take(src[page:]).view(torch.uint8))  # fmt: skip
 
 
+def _shuffled(overrides, first: int, page: int):
+    """Pools over a unified memory whose tokens' physical pages differ from their virtual ones: ``first`` pages
+    taken, freed under the pages taken after them, and the memory compacted."""
+    pools = build(*overrides)
+    allocator = pools.token_to_kv_pool_allocator
+    gone = allocator.alloc(first * page)
+    kept = allocator.alloc(3 * page)
+    allocator.free(gone)
+    assert pools.token_to_kv_pool.memory.flush() > 0
+    return pools, kept
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-swa"])
+def test_unified_pools_move_by_physical_places(model, agents):
+    """The source translates its own tokens and state slots; the destination gives its physical places (and holds
+    its moves until the data landed); every token's rows and every state arrive, on pages compaction moved."""
+    page = 4
+    overrides = (f"model={model}", "memory.unified=true", f"kv_cache.page_size={page}", "memory.max_total_tokens=256",
+                 "memory.max_running_requests=8")  # fmt: skip
+    a, src = _shuffled(overrides, 2, page)
+    b, dst = _shuffled(overrides, 5, page)
+    src_pool, dst_pool = a.token_to_kv_pool, b.token_to_kv_pool
+    fill_random(src_pool, 6)
+    fill_random(dst_pool, 7)
+    prefill, decode = agents("prefill", src_pool), agents("decode", dst_pool)
+    prefill.connect(decode.metadata())
+    assert not (decode.physical_loc(dst) == dst.numpy()).all(), "the test moves nothing virtual"
+    dst_memory = dst_pool.memory
+    dst_memory.hold_moves()  # from handing out its places until the data has landed
+    window = {"dst_window_loc": decode.window_loc(dst)} if model == "tiny-swa" else {}
+    prefill.write("decode", src, decode.physical_loc(dst), **window).wait()
+    assert not src_pool.memory.allocator.moves_held, "the source still holds its moves after the write"
+    want, got = src_pool.token_rows(), dst_pool.token_rows()
+    assert sorted(want) == sorted(got) == (["k", "swa_k", "swa_v", "v"] if model == "tiny-swa" else ["k", "v"])
+    for name in want:
+        assert torch.equal(got[name].take(dst).view(torch.uint8), want[name].take(src).view(torch.uint8)), name
+    if model == "tiny-qwen3-next":
+        src_slots, dst_slots = a.req_to_token_pool.mamba_pool.alloc(2), b.req_to_token_pool.mamba_pool.alloc(2)
+        prefill.write_states("decode", src_slots, decode.physical_slots(dst_slots)).wait()
+        for layer in a.req_to_token_pool.mamba_map:
+            mine, theirs = a.req_to_token_pool.mamba2_layer_cache(layer), b.req_to_token_pool.mamba2_layer_cache(layer)
+            ps, pd = a.req_to_token_pool.mamba_pool.translate(src_slots), b.req_to_token_pool.mamba_pool.translate(dst_slots)
+            assert torch.equal(theirs.temporal[pd], mine.temporal[ps]) and torch.equal(theirs.conv[0][pd], mine.conv[0][ps])
+    hole, _above = b.token_to_kv_pool_allocator.alloc(page), b.token_to_kv_pool_allocator.alloc(page)
+    b.token_to_kv_pool_allocator.free(hole)  # a hole below the top
+    assert dst_memory.flush() == 0, "a held memory moved a unit"
+    dst_memory.release_moves()
+    assert dst_memory.flush() > 0
+
+
 def test_runs_of_consecutive_slots_coalesce(agents):
     src_pool, dst_pool = build(*MHA, "hardware.checked=true").token_to_kv_pool, build(*MHA).token_to_kv_pool
     assert type(src_pool).__name__ == "CheckedPool"  # the agent registers the pool it wraps

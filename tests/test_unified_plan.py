@@ -62,8 +62,6 @@ def test_speculative_states_stay_outside_the_range():
 def test_refusals_name_the_key():
     with pytest.raises(PlanningError, match=r"memory.unified=true .* backend 'mha' keeps only \['tokens'\]"):
         kvcore.plan_memory(kvcore.load_config("memory.unified=true"))
-    with pytest.raises(ConfigError, match="memory.unified=true is not available with disaggregation.mode=decode"):
-        kvcore.load_config("model=tiny-qwen3-next", "memory.unified=true", "disaggregation.mode=decode")
     with pytest.raises(ConfigError, match="memory.unified=true with speculative.algorithm=eagle3"):
         kvcore.build_pools(kvcore.load_config("model=tiny-qwen3-next", "memory.unified=true",
                                               "speculative.algorithm=eagle3", "speculative.draft_model=tiny-eagle3"))  # fmt: skip
@@ -80,3 +78,17 @@ def test_kvcore_up_builds_the_unified_pools(model, capsys):
     assert main(["up", f"model={model}", "memory.unified=true", "kv_cache.page_size=16", "memory.budget_gib=0.25"]) == 0
     out = capsys.readouterr().out
     assert "unified   one range of" in out and "kvcore up: ready" in out and "Unified" in out
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_disaggregated_workers_build_the_unified_memory(mode):
+    """A decode worker's request table keeps its pre-allocated rows, its state slots in the unified memory."""
+    pools = kvcore.build_pools(kvcore.load_config("model=tiny-qwen3-next", "memory.unified=true",
+                                                  f"disaggregation.mode={mode}", "memory.max_running_requests=8",
+                                                  "memory.max_total_tokens=256"))  # fmt: skip
+    table, memory = pools.req_to_token_pool, pools.token_to_kv_pool.memory
+    pre_alloc = pools.plan.pre_alloc_size
+    assert (pre_alloc > 0) == (mode == "decode")
+    assert table.req_to_token.shape[0] == 8 + pre_alloc + 1  # the running requests, the pre-allocated ones, padding
+    slots = table.mamba_pool.alloc(2)
+    assert memory.allocator.used("high") == 2 and table.mamba_pool.translate(slots).tolist() != [0, 0]

@@ -126,7 +126,7 @@ class MemoryConfig:
     max_running_requests: Optional[int] = key(None, validator=positive, doc="cap on concurrent requests, over all data-parallel workers")
     swa_full_tokens_ratio: float = key(0.8, doc="hybrid sliding-window models: window-layer tokens per full-attention token")
     budget_gib: Optional[float] = key(None, validator=positive, doc="an explicit KV budget in GiB, replacing the memory arithmetic")
-    unified: bool = key(False, doc="hybrid models: one memory shared by the full-attention tokens and the per-request state (or sliding-window tokens), each growing from one end, instead of split pools of fixed sizes; `kvcore plan` prints what it holds and `kvcore up` builds it (kvcore_unified); not with a speculative draft or disaggregation")
+    unified: bool = key(False, doc="hybrid models: one memory shared by the full-attention tokens and the per-request state (or sliding-window tokens), each growing from one end, instead of split pools of fixed sizes; `kvcore plan` prints what it holds and `kvcore up` builds it (kvcore_unified); not with a speculative draft")
 
     def __attrs_post_init__(self) -> None:
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -299,10 +299,6 @@ def validate(cfg: EngineConfig) -> EngineConfig:
             f"speculative.algorithm={spec.algorithm} needs a draft model: set speculative.draft_model to a shipped "
             "model (e.g. llama-3-8b-eagle3, `kvcore config` lists them) or hf:PATH"
         )
-    if cfg.memory.unified and cfg.disaggregation.mode != "null":
-        raise ConfigError(f"memory.unified=true is not available with disaggregation.mode={cfg.disaggregation.mode} "
-                          "(the unified memory moves units between its ends, which a transfer would have to follow): "
-                          "set memory.unified=false on disaggregated workers")  # fmt: skip
     extra = cfg.disaggregation.decode_extra_slots
     if extra is not None and extra < 0:
         raise ConfigError(f"disaggregation.decode_extra_slots must be 0 or more, got {extra}")

@@ -24,6 +24,13 @@ What is moved is found from the pool's own descriptors, by index space:
 
 Runs of consecutive items (consecutive on both sides) become one descriptor per run and buffer.  The module
 imports NIXL only when an agent is built (``pip install 'kvcore[nixl]'``).  docs/transfer.md has the details.
+
+**Pools whose ids are virtual** (the unified memory's, ``memory.unified=true``): their items move when the memory
+compacts.  The source translates its own tokens and state slots (the pool's ``translate_loc`` and
+``translate_state_slots``) and holds the memory's moves (``pool.memory.hold_moves()``) until the write is done,
+failed or cancelled; the destination gives the source its physical places (:meth:`KVTransferAgent.physical_loc`,
+:meth:`KVTransferAgent.window_loc`, :meth:`KVTransferAgent.physical_slots`) and holds its own moves from then until
+the data has landed (the write's notification).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -83,13 +91,11 @@ def describe_pool(pool: Any) -> dict[str, Any]:
     tokens = _infos(pool.get_contiguous_buf_infos)
     extra = _infos(pool.get_state_buf_infos) if hasattr(pool, "get_state_buf_infos") else []
     named = dict(pool.token_buffers())
-    if "swa_tokens" in groups:  # full sub-pool's infos then the window's; the state infos are the window's alone
-        split = len(tokens) - len(extra)
-        if split < 0 or tokens[split:] != extra:
-            raise TransferError(f"{type(pool).__name__}: the window buffers' infos are not the last of its buffer "
-                                f"infos; kvcore.transfer cannot tell its full and window buffers apart")  # fmt: skip
-        labels = _labels(named, len(tokens))
-        spaces = {PAGES: (tokens[:split], labels[:split]), WINDOW: (extra, labels[split:])}
+    if "swa_tokens" in groups:  # the state infos are the window's alone; the buffer infos list them last, or not
+        split = len(tokens) - len(extra) if len(tokens) >= len(extra) and tokens[len(tokens) - len(extra):] == extra \
+            else len(tokens)  # fmt: skip
+        labels = _labels(named, len(tokens) + len(extra))
+        spaces = {PAGES: (tokens[:split], labels[:split]), WINDOW: (extra, labels[split : split + len(extra)])}
     elif "requests" in groups:
         spaces = {PAGES: (tokens, _labels(named, len(tokens))),
                   STATES: (extra, _labels(pool.request_state_buffers(), len(extra)))}  # fmt: skip
@@ -266,10 +272,11 @@ class KVTransfer:
     ``bytes`` and ``descriptors`` say how much it moves and in how many pieces."""
 
     def __init__(self, agent: Any, handle: Any, peer: str, nbytes: int, descriptors: int, timeout_s: float,
-                 state: str = "PROC"):  # fmt: skip
+                 state: str = "PROC", on_end: Callable[[], None] | None = None):  # fmt: skip
         self._agent, self._handle, self.peer = agent, handle, peer
         self.bytes, self.descriptors, self.timeout_s = nbytes, descriptors, timeout_s
         self._finished = False
+        self._on_end = on_end  # called once, when the transfer is done, failed or cancelled
         self._settle(state)
 
     def _settle(self, state: str) -> bool:
@@ -283,6 +290,9 @@ class KVTransfer:
 
     def _release(self) -> None:
         handle, self._handle = self._handle, None
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
         if handle is not None:
             try:
                 handle.release()
@@ -427,21 +437,57 @@ class KVTransferAgent:
 
     # -- writing --------------------------------------------------------------------------------------------
 
+    def physical_loc(self, loc: Any) -> np.ndarray:
+        """This pool's physical tokens of tokens ``loc`` (int64, on the host): what the destination of a
+        :meth:`write` sends its source as ``dst_loc``.  The tokens themselves for a pool whose ids are physical; a
+        unified pool's are valid while its memory's moves are held (``pool.memory.hold_moves()``)."""
+        flat = self._tokens(loc)
+        translate = getattr(self.pool, "translate_loc", None)
+        if translate is None or flat.size == 0:
+            return flat
+        return _index(translate(torch.as_tensor(flat, device=self.pool.device)), "loc")
+
+    def _tokens(self, loc: Any) -> np.ndarray:
+        """``loc`` as a flat int64 host array, checked to lie in the pool's token slots."""
+        flat = _index(loc, "loc")
+        rows = self.pool.size + self.pool.page_size
+        if flat.size and (flat.min() < 0 or flat.max() >= rows):
+            raise ValueError(f"locations {flat[(flat < 0) | (flat >= rows)][:4].tolist()} are outside the pool's "
+                             f"{rows} token slots")  # fmt: skip
+        return flat
+
+    def physical_slots(self, slots: Any) -> np.ndarray:
+        """This hybrid pool's state items of request-state slots ``slots`` (int64, on the host): what the destination
+        of a :meth:`write_states` sends its source as ``dst_slots``.  The slots themselves unless the pool's slots are
+        virtual (a unified pool's: valid while its memory's moves are held)."""
+        flat = _index(slots, "slots")
+        translate = getattr(self.pool, "translate_state_slots", None)
+        if translate is None or flat.size == 0:
+            return flat
+        return _index(translate(torch.as_tensor(flat, device=self.pool.device)), "slots")
+
+    def _hold_moves(self) -> Callable[[], None] | None:
+        """Hold the pool's memory's moves (a unified pool's) for a transfer in flight: the release, or None."""
+        memory = getattr(self.pool, "memory", None)
+        if memory is None or not hasattr(memory, "hold_moves"):
+            return None
+        memory.hold_moves()
+        return memory.release_moves
+
     def window_loc(self, loc: Any) -> torch.Tensor:
         """This pool's sliding-window slots of full locations ``loc`` (int64, on the CPU; 0 for a token that slid
         out of the window): what the destination of a :meth:`write` sends its source as ``dst_window_loc``.  The
         locations themselves while no full -> window mapping is registered."""
         if WINDOW not in self._regions:
             raise ValueError(f"{type(self.pool).__name__} keeps no sliding-window layers")
-        flat = _index(loc, "loc")
-        rows = self.pool.size + self.pool.page_size
-        if flat.size and (flat.min() < 0 or flat.max() >= rows):
-            raise ValueError(f"locations {flat[(flat < 0) | (flat >= rows)][:4].tolist()} are outside the pool's "
-                             f"{rows} token slots")  # fmt: skip
-        if getattr(self.pool, "full_to_swa_index_mapping", None) is None:
+        flat = self._tokens(loc)
+        mapping = getattr(self.pool, "full_to_swa_index_mapping", None)
+        if mapping is None:
             return torch.as_tensor(flat)
         flat = torch.as_tensor(flat, device=self.pool.device)
-        return self.pool.translate_loc_from_full_to_swa(flat).to("cpu", torch.int64)
+        window = self.pool.translate_loc_from_full_to_swa(flat).long()
+        # a token that slid out is 0 here, whatever its pool's reads find for it (a unified pool's padding page)
+        return torch.where(mapping[flat] == 0, 0, window).to("cpu", torch.int64)
 
     def write(self, peer: str, src_loc: Any, dst_loc: Any, *, dst_window_loc: Any = None,
               notify: bytes | None = None) -> KVTransfer:  # fmt: skip
@@ -458,7 +504,7 @@ class KVTransferAgent:
         :raises ValueError: for locations that do not pair up, lie in the padding page or outside a pool.
         :raises TransferError: for an unknown peer, or when NIXL refuses the transfer."""
         theirs, remote = self._peer(peer)
-        src, dst = _index(src_loc, "src_loc"), _index(dst_loc, "dst_loc")
+        src, dst = self.physical_loc(src_loc), _index(dst_loc, "dst_loc")
         if src.size != dst.size:
             raise ValueError(f"write: {src.size} source locations but {dst.size} destinations")
         page = self.pool.page_size
@@ -471,7 +517,7 @@ class KVTransferAgent:
             if dst_window_loc is None:
                 raise ValueError(f"write: {peer!r} keeps sliding-window layers: pass dst_window_loc=, its window slots "
                                  f"of dst_loc ({peer!r}'s KVTransferAgent.window_loc(dst_loc))")  # fmt: skip
-            src_w, dst_w = self.window_loc(src).numpy(), _index(dst_window_loc, "dst_window_loc")
+            src_w, dst_w = self.window_loc(src_loc).numpy(), _index(dst_window_loc, "dst_window_loc")
             if dst_w.size != dst.size:
                 raise ValueError(f"write: {dst_w.size} dst_window_loc for {dst.size} dst_loc")
             live = (src_w != 0) & (dst_w != 0)
@@ -487,7 +533,7 @@ class KVTransferAgent:
         if STATES not in self._regions:
             raise ValueError(f"{type(self.pool).__name__} keeps no request states (a hybrid linear-attention pool "
                              f"does)")  # fmt: skip
-        src, dst = _index(src_slots, "src_slots"), _index(dst_slots, "dst_slots")
+        src, dst = self.physical_slots(src_slots), _index(dst_slots, "dst_slots")
         if src.size != dst.size:
             raise ValueError(f"write_states: {src.size} source slots but {dst.size} destinations")
         return self._post(peer, theirs, remote, [(STATES, src, dst, False)], notify)
@@ -527,7 +573,8 @@ class KVTransferAgent:
                                            agent.get_xfer_descs(far, theirs["mem_type"]), peer, message)  # fmt: skip
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"NIXL refused a write of {int(local[:, 1].sum())} bytes to {peer!r}: {exc}") from exc
-        transfer = KVTransfer(agent, handle, peer, int(local[:, 1].sum()), len(local), self.timeout_s)
+        transfer = KVTransfer(agent, handle, peer, int(local[:, 1].sum()), len(local), self.timeout_s,
+                              on_end=self._hold_moves())  # fmt: skip
         try:
             state = agent.transfer(handle, message)
         except Exception as exc:  # noqa: BLE001 - a peer that disconnected, ...

@@ -111,6 +111,8 @@ def _store_tile(
     BLOCK_C: tl.constexpr,
     HW_CVT: tl.constexpr,
     HAS_MAP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_ROWS: tl.constexpr,
 ):
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -119,6 +121,8 @@ def _store_tile(
     rows = tl.load(loc_ptr + offs_n.to(tl.int64) * loc_stride, mask=mask_n, other=0).to(tl.int64)
     if HAS_MAP:  # the rows are map[loc] (a sliding-window sub-pool's slots of full-pool locations)
         rows = tl.load(map_ptr + rows, mask=mask_n, other=0).to(tl.int64)
+    if PAGE_ROWS > 0:  # page-major rows: token t's row is (t // PAGE_SIZE) * PAGE_ROWS + t % PAGE_SIZE
+        rows += (rows // PAGE_SIZE) * (PAGE_ROWS - PAGE_SIZE)
 
     if SRC_PACKED:
         src_off = offs_n.to(tl.int64)[:, None] * src_sn + cols[None, :]
@@ -195,6 +199,8 @@ def _store_kv_kernel(
     NUM_CB_K: tl.constexpr,
     HW_CVT: tl.constexpr,
     HAS_MAP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_ROWS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -202,13 +208,15 @@ def _store_kv_kernel(
         _store_tile(
             k_cache_ptr + layer.to(tl.int64) * K_LAYER_STRIDE, k_src_ptr, loc_ptr, loc_stride, map_ptr, n_tokens, pid_n,
             pid_c, k_src_sn, k_src_sh, k_src_sd, k_scale_ptr, k_scale_value,
-            DK, HDK, K_ROW_STRIDE, K_PACKED, OUT, SATURATE, K_SCALE_MODE, BLOCK_N, BLOCK_CK, HW_CVT, HAS_MAP,
+            DK, HDK, K_ROW_STRIDE, K_PACKED, OUT, SATURATE, K_SCALE_MODE, BLOCK_N, BLOCK_CK, HW_CVT, HAS_MAP, PAGE_SIZE,
+            PAGE_ROWS,
         )  # fmt: skip
     else:
         _store_tile(
             v_cache_ptr + layer.to(tl.int64) * V_LAYER_STRIDE, v_src_ptr, loc_ptr, loc_stride, map_ptr, n_tokens, pid_n,
             pid_c - NUM_CB_K, v_src_sn, v_src_sh, v_src_sd, v_scale_ptr, v_scale_value,
-            DV, HDV, V_ROW_STRIDE, V_PACKED, OUT, SATURATE, V_SCALE_MODE, BLOCK_N, BLOCK_CV, HW_CVT, HAS_MAP,
+            DV, HDV, V_ROW_STRIDE, V_PACKED, OUT, SATURATE, V_SCALE_MODE, BLOCK_N, BLOCK_CV, HW_CVT, HAS_MAP, PAGE_SIZE,
+            PAGE_ROWS,
         )  # fmt: skip
 
 
@@ -221,7 +229,7 @@ _STORE_ARGS = KernelArgs(
              "k_src_sn k_src_sh k_src_sd v_src_sn v_src_sh v_src_sd",
              "k_scale_ptr v_scale_ptr k_scale_value v_scale_value"),
     constexprs="DK DV HDK HDV K_LAYER_STRIDE V_LAYER_STRIDE K_ROW_STRIDE V_ROW_STRIDE K_PACKED V_PACKED OUT SATURATE "
-               "K_SCALE_MODE V_SCALE_MODE BLOCK_N BLOCK_CK BLOCK_CV NUM_CB_K HW_CVT HAS_MAP",
+               "K_SCALE_MODE V_SCALE_MODE BLOCK_N BLOCK_CK BLOCK_CV NUM_CB_K HW_CVT HAS_MAP PAGE_SIZE PAGE_ROWS",
     pointers="k_cache_ptr v_cache_ptr k_src_ptr v_src_ptr loc_ptr map_ptr k_scale_ptr v_scale_ptr",
 )  # fmt: skip
 
@@ -274,10 +282,13 @@ class KVStore:
     :param index_map: when given, the store's own map: every call writes rows ``index_map[loc]`` (a page-major
         pool's token -> row map) and passes no map of its own.  1-D int32/int64 on the caches' device, checked here
         once: its shape, dtype and address must stay as they are (its values are read by every launch).
+    :param pages: ``(page_size, rows_per_page)``: the caches' rows are page-major, token ``t`` (after any map) at
+        row ``(t // page_size) * rows_per_page + t % page_size``, computed inside the launch (a page-major pool's
+        physical tokens; no table read).  ``page_size`` a power of two, ``rows_per_page`` at least ``page_size``.
     """
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_dtype: torch.dtype, use_triton: bool = True,
-                 index_map: torch.Tensor | None = None):  # fmt: skip
+                 index_map: torch.Tensor | None = None, pages: tuple[int, int] | None = None):  # fmt: skip
         ks, vs = k_cache.shape, v_cache.shape
         if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3]:
             raise ValueError(f"caches must be [L, R, H, D] alike, got {tuple(ks)} and {tuple(vs)}")
@@ -302,6 +313,11 @@ class KVStore:
         if index_map is not None and index_map.get_device() != self._device_index:
             raise ValueError(f"index_map must be on {k_cache.device}, got {index_map.device}")
         self._own_map, self._own_map_address = index_map, 0 if index_map is None else index_map.data_ptr()
+        self._page_size, self._page_rows = (1, 0) if pages is None else pages
+        if pages is not None and (self._page_size < 1 or self._page_size & (self._page_size - 1)
+                                  or self._page_rows < self._page_size):  # fmt: skip
+            raise ValueError(f"pages=(page_size, rows_per_page) needs a power-of-two page_size and rows_per_page >= "
+                             f"page_size, got {pages}")  # fmt: skip
 
     # -- checks ---------------------------------------------------------------------------------------------
 
@@ -360,7 +376,7 @@ class KVStore:
             K_ROW_STRIDE=kcs[1], V_ROW_STRIDE=vcs[1], K_PACKED=kss[2] == 1 and kss[1] == self.dk,
             V_PACKED=vss[2] == 1 and vss[1] == self.dv, OUT=out, SATURATE=self._saturate, K_SCALE_MODE=k_mode,
             V_SCALE_MODE=v_mode, BLOCK_N=block_n, BLOCK_CK=block_ck, BLOCK_CV=block_cv, NUM_CB_K=num_cb_k,
-            HW_CVT=self._hw_cvt, HAS_MAP=mapped,
+            HW_CVT=self._hw_cvt, HAS_MAP=mapped, PAGE_SIZE=self._page_size, PAGE_ROWS=self._page_rows,
         )  # fmt: skip
         return block_n, num_cb, constexprs
 
@@ -501,6 +517,8 @@ class KVStore:
         if n == 0:
             return
         idx = loc.long() if index_map is None else index_map[loc.long()].long()
+        if self._page_rows:
+            idx = idx + torch.div(idx, self._page_size, rounding_mode="floor") * (self._page_rows - self._page_size)
         self.k_cache[layer_index, idx] = _convert_native(cache_k, self.cache_dtype, k_scale)
         self.v_cache[layer_index, idx] = _convert_native(cache_v, self.cache_dtype, v_scale)
 

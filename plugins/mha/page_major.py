@@ -9,15 +9,17 @@ For kvcore's own paths the pool describes its rows (:meth:`token_rows`): the buf
 ``[head_num, head_dim]`` with a layer stride of ``2 * page_size`` rows, where token ``t``'s key is row
 ``(t // page_size) * (layer_num * 2 * page_size) + t % page_size`` and its value ``page_size`` rows further.
 Those views overlap between layers (distinct layers' rows never share bytes for the same token); the store
-(:class:`kvcore_mha.KVStore`, one launch through a token -> row map), the row moves, CPU offload and the
-conformance kit all work through them.
+(:class:`kvcore_mha.KVStore`, one launch that computes the rows), the row moves, CPU offload and the conformance
+kit all work through them.
 
 **Pages over given memory, mapped** (``memory=`` and ``virtual_pages=``): a composite pool can lay the pages over a
 byte range it owns (a unified memory shared with other state) and hand out *virtual* token ids whose pages it maps
 to physical pages itself, moving pages as it compacts its range (:meth:`PageMajorMHATokenToKVPool.remap_pages`).
-Every virtual token then goes through a virtual -> physical token table (on the pool's device; the store, the row
-moves, CPU offload and the kit read it); a virtual page not mapped is on the padding page.  Attention reads the
-paged views by physical page: :meth:`PageMajorMHATokenToKVPool.translate_loc` gives the physical tokens.
+Every virtual token then goes through a virtual -> physical token table (on the pool's device; the store reads
+its row table inside the launch, the row moves, CPU offload and the kit read it too); a virtual page not mapped is
+on the padding page.  Attention reads the paged views by physical page:
+:meth:`PageMajorMHATokenToKVPool.translate_loc` gives the physical tokens, and an engine that takes them once per
+step passes them to the store as a :class:`~kvcore.pools.KVWriteLoc` marked physical, which reads no table.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from kvcore.pools import KVCache, PageMajorPages, check_post_capture, lay_over
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
+from kvcore.pools import WriteLoc, full_write_loc
 from kvcore_mha.kernels import KVStore
 
 
@@ -76,7 +79,12 @@ class PageMajorMHATokenToKVPool(PageMajorPages, KVCache):
                                                 base + page_size * row)  # fmt: skip
         tokens = self._token_table(size, virtual_pages, padding_page)
         self._row_of_token = self._physical_rows().row_of(tokens)
-        self._store = KVStore(self._k_rows, self._v_rows, dtype, self._use_triton, index_map=self._row_of_token)
+        #: stores by physical token: rows computed in the launch (no table read)
+        self._physical_store = KVStore(self._k_rows, self._v_rows, dtype, self._use_triton,
+                                       pages=(page_size, self.rows_per_page))  # fmt: skip
+        #: stores by the pool's tokens: virtual ones through the token -> row table in the launch
+        self._store = self._physical_store if virtual_pages is None else KVStore(
+            self._k_rows, self._v_rows, dtype, self._use_triton, index_map=self._row_of_token)  # fmt: skip
         self._offsets = torch.arange(page_size, device=device)
         self._finalize_allocation()
 
@@ -120,16 +128,20 @@ class PageMajorMHATokenToKVPool(PageMajorPages, KVCache):
     def get_value_buffer(self, layer_id) -> torch.Tensor:
         return self._view(layer_id, 1)
 
-    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+    def set_kv_buffer(self, layer, loc: WriteLoc, cache_k: torch.Tensor, cache_v: torch.Tensor,
                       k_scale=None, v_scale=None, layer_id_override: int | None = None) -> None:  # fmt: skip
-        """As :meth:`MHATokenToKVPool.set_kv_buffer` (SGLang's arguments; one launch, rows found through the
-        token -> row map inside it: the store's own map, checked once)."""
+        """As :meth:`MHATokenToKVPool.set_kv_buffer` (SGLang's arguments; one launch).  ``loc`` is the pool's tokens
+        (virtual ones found through the token -> row table inside the launch), or a
+        :class:`~kvcore.pools.KVWriteLoc` whose tokens marked physical (:meth:`translate_loc` of the pool's,
+        taken once per step) are written without a table read."""
         local = self.local_layer(layer, layer_id_override)
+        loc, physical = full_write_loc(loc)
+        store = self._physical_store if physical else self._store
         if cache_k.dim() == 2:
             cache_k = cache_k.view(-1, self.head_num, self.head_dim)
             cache_v = cache_v.view(-1, self.head_num, self.v_head_dim)
         try:
-            self._store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k, cache_v, k_scale, v_scale)
+            store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k, cache_v, k_scale, v_scale)
         except ValueError as exc:
             raise ValueError(f"layer {self.start_layer + local}: {exc}") from None
 

@@ -6,6 +6,7 @@ import torch
 
 from kvcore.pools import KVCache, check_post_capture
 from kvcore.sample import random_nonzero
+from kvcore.pools import KVWriteLoc, full_write_loc
 from kvcore_mha.kernels import KVStore
 
 
@@ -96,7 +97,7 @@ class MHATokenToKVPool(KVCache):
     def set_kv_buffer(
         self,
         layer,
-        loc: torch.Tensor,
+        loc: torch.Tensor | KVWriteLoc,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
         k_scale: float | torch.Tensor | None = None,
@@ -111,6 +112,7 @@ class MHATokenToKVPool(KVCache):
         division, one rounding) and converted inside the kernel; inputs already in the cache dtype are copied
         and the scales ignored, as in SGLang.  Unlike SGLang, the inputs themselves are never modified.
 
+        :param loc: the tokens, or a :class:`~kvcore.pools.KVWriteLoc` (its ``full_loc`` or else ``loc``).
         :param index_map: write rows ``index_map[loc]`` instead of ``loc``, translated inside the same launch
             (a sliding-window sub-pool stores full-pool locations this way; kvcore's extension).
         """
@@ -118,6 +120,8 @@ class MHATokenToKVPool(KVCache):
             local = layer - self.start_layer  # local_layer's common case, inlined: this runs per layer and step
         else:
             local = self.local_layer(layer, layer_id_override)
+        if loc.__class__ is KVWriteLoc:  # this pool's tokens are physical: the bundle's full-side tokens
+            loc = full_write_loc(loc)[0]
         if cache_k.dim() == 2:  # [N, H * D], as some attention backends hand them over
             cache_k = cache_k.view(-1, self.head_num, self.head_dim)
             cache_v = cache_v.view(-1, self.head_num, self.v_head_dim)

@@ -48,13 +48,13 @@ def _store_rows_kernel(
     lay = layer.to(tl.int64)
     if pid_c < A_CB:
         _store_tile(a_ptr + lay * A_LS, a_src, loc_ptr, loc_stride, loc_ptr, n_tokens, pid_n, pid_c, a_sn, a_sh, a_sd,
-                    loc_ptr, 1.0, A_D, A_HD, A_RS, A_PACKED, A_OUT, SATURATE, 0, BLOCK_N, A_BC, HW_CVT, False)  # fmt: skip
+                    loc_ptr, 1.0, A_D, A_HD, A_RS, A_PACKED, A_OUT, SATURATE, 0, BLOCK_N, A_BC, HW_CVT, False, 1, 0)  # fmt: skip
     elif pid_c < A_CB + B_CB:
         _store_tile(b_ptr + lay * B_LS, b_src, loc_ptr, loc_stride, loc_ptr, n_tokens, pid_n, pid_c - A_CB, b_sn, b_sh,
-                    b_sd, loc_ptr, 1.0, B_D, B_HD, B_RS, B_PACKED, B_OUT, SATURATE, 0, BLOCK_N, B_BC, HW_CVT, False)  # fmt: skip
+                    b_sd, loc_ptr, 1.0, B_D, B_HD, B_RS, B_PACKED, B_OUT, SATURATE, 0, BLOCK_N, B_BC, HW_CVT, False, 1, 0)  # fmt: skip
     else:
         _store_tile(c_ptr + lay * C_LS, c_src, loc_ptr, loc_stride, loc_ptr, n_tokens, pid_n, pid_c - A_CB - B_CB, c_sn,
-                    c_sh, c_sd, loc_ptr, 1.0, C_D, C_HD, C_RS, C_PACKED, C_OUT, SATURATE, 0, BLOCK_N, C_BC, HW_CVT, False)  # fmt: skip
+                    c_sh, c_sd, loc_ptr, 1.0, C_D, C_HD, C_RS, C_PACKED, C_OUT, SATURATE, 0, BLOCK_N, C_BC, HW_CVT, False, 1, 0)  # fmt: skip
 
 
 #: the per-buffer constexprs of :func:`_store_rows_kernel`, each prefixed with its slot's letter (the last slot has

@@ -172,6 +172,7 @@ def _mla_rows_kernel(
     B_EXT0: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, NUM_CB_A: tl.constexpr,
     A_PACKED: tl.constexpr, B_PACKED: tl.constexpr, GATHER: tl.constexpr, A_IN: tl.constexpr, A_OUT: tl.constexpr, B_IN: tl.constexpr,
     B_OUT: tl.constexpr, SATURATE: tl.constexpr, HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGE_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(token blocks, column blocks of part A + of part B)``: each program copies one tile.  Part A
     (nope) is columns ``[0, A_WIDTH)`` of a row, part B (rope) ``[A_WIDTH, A_WIDTH + B_WIDTH)``; part B's
@@ -180,6 +181,8 @@ def _mla_rows_kernel(
     pid_c = tl.program_id(1)
     mask_n = tok < n_tokens
     rows = tl.load(loc_ptr + tok * loc_stride, mask=mask_n, other=0).to(tl.int64)
+    if PAGE_ROWS > 0:  # page-major rows (LatentRows' pages=)
+        rows += (rows // PAGE_SIZE) * (PAGE_ROWS - PAGE_SIZE)
     cache = cache_ptr + layer.to(tl.int64) * LAYER_STRIDE
     if pid_c < NUM_CB_A:
         _copy_tile(cache, rows, tok, mask_n, a_ptr, a_sn, a_sd, pid_c * BLOCK_A, 0, 0, A_WIDTH, BLOCK_A, ROW,
@@ -195,7 +198,7 @@ def _mla_row_kernel(
     LAYER_STRIDE: tl.constexpr, ROW: tl.constexpr, A_WIDTH: tl.constexpr, B_WIDTH: tl.constexpr,
     B_EXT0: tl.constexpr, BLOCK: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr,
     A_IN: tl.constexpr, A_OUT: tl.constexpr, B_IN: tl.constexpr, B_OUT: tl.constexpr,
-    SATURATE: tl.constexpr, HW_CVT: tl.constexpr,
+    SATURATE: tl.constexpr, HW_CVT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_ROWS: tl.constexpr,
 ):  # fmt: skip
     """The stores at decode sizes.  Grid ``(tokens,)``: each program writes one token's whole row, both parts,
     in one ``BLOCK``-wide tile (a power of two >= ``A_WIDTH + B_WIDTH``), its location read as a scalar; parts
@@ -204,6 +207,8 @@ def _mla_row_kernel(
     several tokens: nothing waits on a vector of locations, and one program fills the row."""
     t = tl.program_id(0).to(tl.int64)
     row = tl.load(loc_ptr + t * loc_stride).to(tl.int64)
+    if PAGE_ROWS > 0:
+        row += (row // PAGE_SIZE) * (PAGE_ROWS - PAGE_SIZE)
     cols = tl.arange(0, BLOCK)
     in_a = cols < A_WIDTH
     in_b = (cols >= A_WIDTH) & (cols < A_WIDTH + B_WIDTH)
@@ -231,12 +236,13 @@ _POINTERS = "cache_ptr loc_ptr a_ptr b_ptr"
 _ROWS_ARGS = KernelArgs(
     _mla_rows_kernel, _RUNTIME,
     constexprs="LAYER_STRIDE ROW A_WIDTH B_WIDTH B_EXT0 BLOCK_A BLOCK_B NUM_CB_A A_PACKED B_PACKED GATHER A_IN A_OUT "
-               "B_IN B_OUT SATURATE HW_CVT BLOCK_N",
+               "B_IN B_OUT SATURATE HW_CVT BLOCK_N PAGE_SIZE PAGE_ROWS",
     pointers=_POINTERS,
 )  # fmt: skip
 _ROW_ARGS = KernelArgs(
     _mla_row_kernel, _RUNTIME,
-    constexprs="LAYER_STRIDE ROW A_WIDTH B_WIDTH B_EXT0 BLOCK A_PACKED B_PACKED A_IN A_OUT B_IN B_OUT SATURATE HW_CVT",
+    constexprs="LAYER_STRIDE ROW A_WIDTH B_WIDTH B_EXT0 BLOCK A_PACKED B_PACKED A_IN A_OUT B_IN B_OUT SATURATE HW_CVT "
+               "PAGE_SIZE PAGE_ROWS",
     pointers=_POINTERS,
 )
 
@@ -293,9 +299,13 @@ class LatentRows:
         ``storage_dtype(cache_dtype)``.
     :param cache_dtype: the cache's logical dtype (``torch.uint8``: raw bytes, copied only).
     :param use_triton: the Triton kernel (True) or the torch reference (False).
+    :param pages: ``(page_size, rows_per_page)``: the rows are page-major, token ``t`` at row ``(t // page_size) *
+        rows_per_page + t % page_size``, computed inside the launch (a page-major pool's physical tokens); every
+        call's ``loc`` is then tokens.  ``page_size`` a power of two, ``rows_per_page`` at least ``page_size``.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, cache_dtype: torch.dtype, use_triton: bool = True):
+    def __init__(self, kv_cache: torch.Tensor, cache_dtype: torch.dtype, use_triton: bool = True,
+                 pages: tuple[int, int] | None = None):  # fmt: skip
         if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
             width, inner = kv_cache.shape[3], kv_cache.stride(3)
         elif kv_cache.dim() == 3:
@@ -318,6 +328,11 @@ class LatentRows:
         self._codes: dict[tuple, tuple[int, int]] = {}
         self._plans: dict[tuple, Plan | None] = {}
         self._empties: dict[torch.dtype, torch.Tensor] = {}
+        self._page_size, self._page_rows = (1, 0) if pages is None else pages
+        if pages is not None and (self._page_size < 1 or self._page_size & (self._page_size - 1)
+                                  or self._page_rows < self._page_size):  # fmt: skip
+            raise ValueError(f"pages=(page_size, rows_per_page) needs a power-of-two page_size and rows_per_page >= "
+                             f"page_size, got {pages}")  # fmt: skip
 
     # -- checks ---------------------------------------------------------------------------------------------
 
@@ -386,7 +401,7 @@ class LatentRows:
         common = dict(LAYER_STRIDE=self._layer_stride, ROW=self._row_stride, A_WIDTH=a_part[0], B_WIDTH=b_part[0],
                       B_EXT0=b_ext0, A_PACKED=a_part[2] == 1, B_PACKED=b_part[2] == 1, A_IN=a_part[3],
                       A_OUT=a_part[4], B_IN=b_part[3], B_OUT=b_part[4], SATURATE=self._saturate,
-                      HW_CVT=self._hw_cvt)  # fmt: skip
+                      HW_CVT=self._hw_cvt, PAGE_SIZE=self._page_size, PAGE_ROWS=self._page_rows)  # fmt: skip
         fixed = (loc.stride(0), a_part[1:3], b_part[1:3])
         views = self._byte_views if fp8 else None
         if n_pad <= ROW_KERNEL_MAX_TOKENS and not gather:  # one program a token
@@ -441,7 +456,7 @@ class LatentRows:
             if geo[0] > self.width:
                 self._check_width((("cache_k", geo),))
             rows = self.kv_cache[layer_index].flatten(1)
-            rows[loc.long(), : geo[0]] = _to_storage(_flat(cache_k, geo[0]), self.cache_dtype)
+            rows[self._rows_of(loc), : geo[0]] = _to_storage(_flat(cache_k, geo[0]), self.cache_dtype)
             return
         lp, ap, n, shape = loc.data_ptr(), cache_k.data_ptr(), loc.numel(), cache_k.shape
         signature = (1, (n - 1).bit_length() if n else -1, loc.stride(), loc.dtype, loc.get_device(), lp & 15,
@@ -516,18 +531,25 @@ class LatentRows:
             self._check_width(((names[0], a_part), (names[1], b_part)))
         return n, a_part[0], b_part[0]
 
+    def _rows_of(self, loc: torch.Tensor) -> torch.Tensor:
+        """The rows of ``loc`` (int64): themselves, or with ``pages`` their page-major rows."""
+        idx = loc.long()
+        if self._page_rows:
+            idx = idx + torch.div(idx, self._page_size, rounding_mode="floor") * (self._page_rows - self._page_size)
+        return idx
+
     def _store_native(self, layer_index: int, loc, cache_k_nope, cache_k_rope) -> None:
         names = ("cache_k_nope", "cache_k_rope")
         n, r, p = self._native_parts(layer_index, loc, cache_k_nope, cache_k_rope, names, False)
         if n:
-            rows, idx = self.kv_cache[layer_index].flatten(1), loc.long()
+            rows, idx = self.kv_cache[layer_index].flatten(1), self._rows_of(loc)
             rows[idx, :r] = _to_storage(_flat(cache_k_nope, r), self.cache_dtype)
             rows[idx, r : r + p] = _to_storage(_flat(cache_k_rope, p), self.cache_dtype)
 
     def _gather_native(self, layer_index: int, loc, out_nope, out_rope) -> None:
         n, r, p = self._native_parts(layer_index, loc, out_nope, out_rope, ("out_nope", "out_rope"), True)
         if n:
-            rows = self.kv_cache[layer_index].flatten(1)[loc.long()]
+            rows = self.kv_cache[layer_index].flatten(1)[self._rows_of(loc)]
             if is_fp8_dtype(self.cache_dtype):
                 rows = rows.view(self.cache_dtype)
             _flat(out_nope, r).copy_(rows[:, :r].to(out_nope.dtype))

@@ -11,16 +11,18 @@ For kvcore's own paths the pool describes its rows (:meth:`PageMajorMLATokenToKV
 as rows of ``[1, kv_cache_dim]`` with a layer stride of ``page_size`` rows, where token ``t``'s row is ``(t //
 page_size) * (layer_num * page_size) + t % page_size``.  Those views overlap between layers (distinct layers' rows
 never share bytes for the same token).  The stores and gathers are :class:`MLATokenToKVPool`'s (the same checks,
-the same one-launch kernels) over those rows, each call's tokens turned into rows by one gather from a token ->
-row table on the pool's device; the row moves, CPU offload and the conformance kit work through the same rows.
+the same one-launch kernels) over those rows, a token's row computed inside the launch; the row moves, CPU offload
+and the conformance kit work through the same rows.
 
 **Pages over given memory, mapped** (``memory=`` and ``virtual_pages=``): a composite pool can lay the pages over a
 byte range it owns (a unified memory shared with other state) and hand out *virtual* token ids whose pages it maps
 to physical pages itself, moving pages as it compacts its range (:meth:`PageMajorMLATokenToKVPool.remap_pages`).
 Every virtual token then goes through a virtual -> physical token table (on the pool's device; the stores, the
-gathers, the row moves, CPU offload and the kit read it); a virtual page not mapped is on the padding page.
-Attention reads the paged views by physical page: :meth:`PageMajorMLATokenToKVPool.translate_loc` gives the
-physical tokens.
+gathers, the row moves, CPU offload and the kit read it: one gather before the launch); a virtual page not mapped
+is on the padding page.  Attention reads the paged views by physical page:
+:meth:`PageMajorMLATokenToKVPool.translate_loc` gives the physical tokens, and an engine that takes them once per
+step passes them to the stores and gathers as a :class:`~kvcore.pools.KVWriteLoc` marked physical, which reads
+no table.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from kvcore.pools import PageMajorPages, lay_over
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
+from kvcore.pools import full_write_loc
 from kvcore_mla.kernels import LatentRows
 from kvcore_mla.pool import MLATokenToKVPool, _latent_output_check
 
@@ -86,7 +89,11 @@ class PageMajorMLATokenToKVPool(PageMajorPages, MLATokenToKVPool):
         self._rows_by_physical_token = TokenRows(self._latent_rows, page, self.rows_per_page)
         tokens = self._token_table(self.size, self._virtual_pages, self._padding_page)
         self._row_of_token = self._physical_rows().row_of(tokens)
-        self._rows = _RowsByToken(LatentRows(self._latent_rows, self.dtype, self._use_triton), self._row_of_token)
+        #: stores and gathers by physical token (rows computed in the launch)
+        self._physical_io = LatentRows(self._latent_rows, self.dtype, self._use_triton,
+                                       pages=(page, self.rows_per_page))  # fmt: skip
+        #: by the pool's tokens: virtual ones through the token table first
+        self._rows = self._physical_io if self._token_of is None else _RowsByToken(self._physical_io, self._token_of)
         self._out_check = _latent_output_check(self.kv_lora_rank, self.qk_rope_head_dim)
         self._offsets = torch.arange(page, device=self.device)
 
@@ -97,6 +104,12 @@ class PageMajorMLATokenToKVPool(PageMajorPages, MLATokenToKVPool):
 
     def _physical_rows(self) -> TokenRows:
         return self._rows_by_physical_token
+
+    def _rows_at(self, loc_info):
+        """A :class:`~kvcore.pools.KVWriteLoc` marked physical goes to the rows by physical token (no table
+        read); one not marked, through the pool's tokens."""
+        loc, physical = full_write_loc(loc_info)
+        return (self._physical_io if physical else self._rows), loc
 
     def move_groups(self) -> list[tuple[TokenRows, TokenRows | None]]:
         """The latent rows by physical token (:meth:`move_kv_cache` translates virtual tokens)."""
@@ -118,26 +131,26 @@ class PageMajorMLATokenToKVPool(PageMajorPages, MLATokenToKVPool):
         return {"kv": expected}
 
 class _RowsByToken:
-    """A pool's :class:`~kvcore_mla.kernels.LatentRows` addressed by token: every call's ``loc`` becomes rows
-    ``row_of_token[loc]`` (one gather on the device, no host sync), then the same launch as
-    :class:`MLATokenToKVPool`'s.  Only the calls the pool makes, with their arguments."""
+    """A pool's :class:`~kvcore_mla.kernels.LatentRows` by physical token, addressed by virtual token: every
+    call's ``loc`` becomes physical tokens ``token_of[loc]`` (one gather on the device, no host sync), then the
+    same launch as :class:`MLATokenToKVPool`'s.  Only the calls the pool makes, with their arguments."""
 
-    __slots__ = ("rows", "row_of_token")
+    __slots__ = ("rows", "token_of")
 
-    def __init__(self, rows: LatentRows, row_of_token: torch.Tensor):
-        self.rows, self.row_of_token = rows, row_of_token
+    def __init__(self, rows: LatentRows, token_of: torch.Tensor):
+        self.rows, self.token_of = rows, token_of
 
     def store(self, layer_index: int, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
               ) -> None:  # fmt: skip
-        self.rows.store(layer_index, self.row_of_token[loc], cache_k_nope, cache_k_rope)
+        self.rows.store(layer_index, self.token_of[loc], cache_k_nope, cache_k_rope)
 
     def store_rows(self, layer_index: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
-        self.rows.store_rows(layer_index, self.row_of_token[loc], cache_k)
+        self.rows.store_rows(layer_index, self.token_of[loc], cache_k)
 
     def gather_new(self, layer_index: int, loc: torch.Tensor, dtype: torch.dtype, a_width: int, b_width: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        return self.rows.gather_new(layer_index, self.row_of_token[loc], dtype, a_width, b_width)
+        return self.rows.gather_new(layer_index, self.token_of[loc], dtype, a_width, b_width)
 
     def gather(self, layer_index: int, loc: torch.Tensor, out_nope: torch.Tensor, out_rope: torch.Tensor,
                check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:  # fmt: skip
-        self.rows.gather(layer_index, self.row_of_token[loc], out_nope, out_rope, check=check)
+        self.rows.gather(layer_index, self.token_of[loc], out_nope, out_rope, check=check)

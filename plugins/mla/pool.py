@@ -6,6 +6,7 @@ import torch
 
 from kvcore.pools import KVCache, gather_outputs
 from kvcore.sample import random_nonzero
+from kvcore.pools import KVWriteLoc, WriteLoc, full_write_loc
 from kvcore_mla.kernels import LatentRows
 from kvcore_mla.layout import mla_row_dim
 
@@ -120,10 +121,19 @@ class MLATokenToKVPool(KVCache):
             launch.
         """
         local = self._read_layer(layer)
+        rows = self._rows
+        if loc.__class__ is KVWriteLoc:
+            rows, loc = self._rows_at(loc)
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
         if out is None:
-            return self._rows.gather_new(local, loc, dst_dtype or self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
-        return self._read_into(self._rows, local, loc, out, dst_dtype)
+            return rows.gather_new(local, loc, dst_dtype or self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
+        return self._read_into(rows, local, loc, out, dst_dtype)
+
+    def _rows_at(self, loc_info: KVWriteLoc):
+        """(the rows' stores and gathers, the tokens) of a :class:`~kvcore.pools.KVWriteLoc`: this pool's
+        tokens are physical, so its ``full_loc`` or ``loc`` through the usual rows (a page-major pool with virtual
+        pages tells them apart)."""
+        return self._rows, full_write_loc(loc_info)[0]
 
     def _read_into(self, rows, local: int, loc: torch.Tensor, out, dst_dtype: torch.dtype | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -151,7 +161,7 @@ class MLATokenToKVPool(KVCache):
     def set_kv_buffer(
         self,
         layer,
-        loc: torch.Tensor,
+        loc: WriteLoc,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor | None = None,
         k_scale=None,
@@ -163,11 +173,14 @@ class MLATokenToKVPool(KVCache):
 
         ``cache_v`` is ignored (the value is a prefix of the key row), as in SGLang.  MLA rows are stored
         unscaled: ``k_scale`` / ``v_scale`` must be None.  ``layer_id_override`` replaces ``layer`` (which may
-        then be None).  The inputs are never modified.
+        then be None).  ``loc`` may be a :class:`~kvcore.pools.KVWriteLoc`.  The inputs are never modified.
         """
         if k_scale is not None or v_scale is not None:
             raise ValueError("MLATokenToKVPool stores latent rows unscaled; pass k_scale=None and v_scale=None")
         local = self.local_layer(layer, layer_id_override)
+        store = self._rows
+        if loc.__class__ is KVWriteLoc:
+            store, loc = self._rows_at(loc)
         width = self.kv_lora_rank + self.qk_rope_head_dim
         if cache_k.shape[-1] != width or cache_k.numel() != loc.numel() * width:
             raise ValueError(
@@ -175,12 +188,12 @@ class MLATokenToKVPool(KVCache):
                 f"kv_lora_rank + qk_rope_head_dim = {width}"
             )
         rows = cache_k if cache_k.dim() in (2, 3) else cache_k.reshape(-1, width)
-        self._rows.store_rows(local, loc if loc.dim() == 1 else loc.reshape(-1), rows)
+        store.store_rows(local, loc if loc.dim() == 1 else loc.reshape(-1), rows)
 
     def set_mla_kv_buffer(
         self,
         layer,
-        loc: torch.Tensor,
+        loc: WriteLoc,
         cache_k_nope: torch.Tensor,
         cache_k_rope: torch.Tensor,
         layer_id_override: int | None = None,
@@ -188,7 +201,7 @@ class MLATokenToKVPool(KVCache):
         """Store the two parts of the latent rows of ``loc.numel()`` tokens in one launch, no concatenation.
 
         :param layer: a global layer id, or anything with ``layer_id`` (or None with ``layer_id_override``).
-        :param loc: ``[N]`` int32/int64 token slots.
+        :param loc: ``[N]`` int32/int64 token slots, or a :class:`~kvcore.pools.KVWriteLoc` of them.
         :param cache_k_nope: ``[N, 1, kv_lora_rank]`` (any strides, e.g. a split of a bigger projection).
         :param cache_k_rope: ``[N, 1, qk_rope_head_dim]`` (any strides).
         :param layer_id_override: the global layer id, replacing ``layer``.
@@ -196,13 +209,16 @@ class MLATokenToKVPool(KVCache):
         are never modified.
         """
         local = self.local_layer(layer, layer_id_override)
+        store = self._rows
+        if loc.__class__ is KVWriteLoc:
+            store, loc = self._rows_at(loc)
         if cache_k_nope.shape[-1] != self.kv_lora_rank or cache_k_rope.shape[-1] != self.qk_rope_head_dim:
             raise ValueError(
                 f"layer {self.start_layer + local}: cache_k_nope {tuple(cache_k_nope.shape)} / cache_k_rope "
                 f"{tuple(cache_k_rope.shape)} must end in kv_lora_rank = {self.kv_lora_rank} / qk_rope_head_dim = "
                 f"{self.qk_rope_head_dim}"
             )
-        self._rows.store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k_nope, cache_k_rope)
+        store.store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k_nope, cache_k_rope)
 
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Random rows through :meth:`set_mla_kv_buffer`, from nope/rope views of one wider projection (from

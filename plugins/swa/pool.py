@@ -11,6 +11,7 @@ import torch
 from kvcore.pools import KVCache, check_pool_class, check_post_capture, layer_id_of, unsupported
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
+from kvcore.pools import KVWriteLoc, WriteLoc
 from kvcore_mha.page_major import PageMajorMHATokenToKVPool
 from kvcore_mha.pool import MHATokenToKVPool
 
@@ -122,6 +123,8 @@ class SWAKVPool(KVCache):
         self.layers_mapping: dict[int, tuple[int, bool]] = {gid: (i, False) for i, gid in enumerate(full_ids)}
         self.layers_mapping.update({gid: (i, True) for i, gid in enumerate(swa_ids)})
         self.full_to_swa_index_mapping: torch.Tensor | None = None
+        #: the last KVWriteLoc a window layer stored by, and what its window sub-pool took of it
+        self._last_write_loc: tuple[KVWriteLoc | None, KVWriteLoc | None] = (None, None)
         self._maps_in_store = self.swa_kv_pool is not None and "index_map" in inspect.signature(
             type(self.swa_kv_pool).set_kv_buffer
         ).parameters
@@ -215,11 +218,24 @@ class SWAKVPool(KVCache):
         pool, index, _ = self._route(layer_id)
         return pool.get_kv_buffer(index)
 
-    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale=None,
+    def set_kv_buffer(self, layer, loc: WriteLoc, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale=None,
                       v_scale=None, layer_id_override: int | None = None) -> None:  # fmt: skip
         """Store K/V of full locations ``loc`` into ``layer`` (routed by layer; window layers write slots
-        ``full_to_swa_index_mapping[loc]``, translated inside the store's launch)."""
+        ``full_to_swa_index_mapping[loc]``, translated inside the store's launch).
+
+        ``loc`` may be a :class:`~kvcore.pools.KVWriteLoc`: full-attention layers get it as it is (their
+        sub-pool reads its ``full_loc`` or ``loc``), window layers write its ``swa_loc`` when it has one (the
+        window tokens, mapped once per step) and else map its full locations as above."""
         pool, index, is_swa = self._route(layer, layer_id_override)
+        if loc.__class__ is KVWriteLoc:
+            if not is_swa:
+                pool.set_kv_buffer(None, loc, cache_k, cache_v, k_scale, v_scale, layer_id_override=index)
+                return
+            window = self._window_write_loc(loc)
+            if window is not None:
+                pool.set_kv_buffer(None, window, cache_k, cache_v, k_scale, v_scale, layer_id_override=index)
+                return
+            loc = loc.loc if loc.full_loc is None else loc.full_loc
         mapping = self.full_to_swa_index_mapping if is_swa else None
         if mapping is None:
             pool.set_kv_buffer(None, loc, cache_k, cache_v, k_scale, v_scale, layer_id_override=index)
@@ -227,6 +243,15 @@ class SWAKVPool(KVCache):
             pool.set_kv_buffer(None, loc, cache_k, cache_v, k_scale, v_scale, layer_id_override=index, index_map=mapping)
         else:  # a sub-pool class without index_map: translate first
             pool.set_kv_buffer(None, mapping[loc.long()], cache_k, cache_v, k_scale, v_scale, layer_id_override=index)
+
+    def _window_write_loc(self, loc_info: KVWriteLoc) -> KVWriteLoc | None:
+        """What the window sub-pool's store takes of ``loc_info``: its ``swa_loc`` with its mark (made once per
+        ``loc_info``, for all the window layers of a step), or None when it has none."""
+        if loc_info.swa_loc is None:
+            return None
+        if self._last_write_loc[0] is not loc_info:
+            self._last_write_loc = (loc_info, KVWriteLoc(loc_info.swa_loc, physical=loc_info.physical))
+        return self._last_write_loc[1]
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """Move full locations ``src_loc`` to ``tgt_loc`` in both sub-pools (window slots through the mapping;

@@ -82,11 +82,13 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
 
     def available_size(self) -> int:
         """Tokens the shared range can still give this side (the high side's units take from the same bytes)."""
+        self.memory.settle_frees()
         return self._ends.available(self.side) * self.page_size
 
     @property
     def free_pages(self) -> torch.Tensor:
         """How many pages are free, as a tensor of that many ids: the ids the next allocations take (inspection)."""
+        self.memory.settle_frees()
         count = self._ends.available(self.side)
         return torch.as_tensor(self._ends.free_ids(self.side)[:count], dtype=torch.int64)
 
@@ -98,9 +100,10 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
 
     def clear(self) -> None:
         """Every page free (their virtual pages back on the padding page); no free group open."""
+        self.memory.settle_frees()
         used = self._ends.virtual(self.side)
         if used.size:
-            self.free(torch.from_numpy((used[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)))
+            self._free_tokens((used[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1))
         self.is_not_in_free_group = True
         self.free_group = []
 
@@ -117,10 +120,35 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
     def restore_state(self, state: Any) -> None:
         raise NotImplementedError("a unified memory's allocator keeps no snapshot: its frees move envelopes")
 
+    # -- translation (virtual tokens -> physical tokens) --------------------------------------------------------
+
+    def translate_kv_loc(self, loc: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The physical tokens (int64, ``loc``'s shape) of this side's tokens ``loc``: what the pool's paged views
+        are indexed by (page ``t // page_size``, row ``t % page_size``), the page-major pool's
+        :meth:`~kvcore.pools.PageMajorPages.translate_loc`.  ``out``: an int64 tensor of ``loc``'s shape written
+        in place (a captured graph's fixed buffer) and returned.  Valid until the next allocation or free."""
+        physical = self._page_pool.translate_loc(loc)
+        if out is None:
+            return physical
+        out.copy_(physical)
+        return out
+
+    def translate_write_loc(self, loc: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                            out_width: Optional[int] = None) -> torch.Tensor:  # fmt: skip
+        """The physical tokens of a step's write locations ``loc`` (``out_cache_loc``), taken once per step after its
+        allocations and frees: wrap them in a :class:`~kvcore.pools.KVWriteLoc` marked ``physical`` for the
+        stores, which then read no table.  ``out`` as :meth:`translate_kv_loc`'s; ``out_width`` (SGLang's, for a
+        decode-context-parallel widening) is refused unless None or ``loc``'s length."""
+        if out_width is not None and out_width != loc.numel():
+            raise ValueError(f"translate_write_loc: out_width={out_width} widens the write ids for decode context "
+                             f"parallelism, which the unified memory does not shard; pass out_width=None")  # fmt: skip
+        return self.translate_kv_loc(loc, out=out)
+
     # -- allocation ---------------------------------------------------------------------------------------
 
     def _take(self, count: int) -> Optional[torch.Tensor]:
         """``count`` new virtual pages, mapped in the pool: int64 on the device, or None (nothing taken)."""
+        self.memory.settle_frees()
         ids = self._ends.alloc(self.side, count)
         if ids is None:
             return None
@@ -171,11 +199,16 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
     # -- frees and compaction -----------------------------------------------------------------------------
 
     def free(self, free_index: torch.Tensor) -> None:
-        """Give back the pages of tokens ``free_index`` (reads them: a sync) and compact the side; inside a
-        free group, at :meth:`free_group_end`."""
+        """Give back the pages of tokens ``free_index`` (inside a free group, at :meth:`free_group_end`).  Does not
+        wait for the device: the tokens reach the host behind the queued work and the pages are given back at the
+        side's next query or allocation (:meth:`UnifiedMemory.free_later`)."""
         if free_index.numel() == 0 or self._hold_in_group(free_index):
             return
-        pages = np.unique(free_index.reshape(-1).cpu().numpy() // self.page_size)
+        self.memory.free_later(free_index, self._free_tokens)
+
+    def _free_tokens(self, tokens: np.ndarray) -> None:
+        """The pages of host ``tokens`` back to the side (the padding page and pages not allocated ignored)."""
+        pages = np.unique(tokens // self.page_size)
         pages = pages[pages > 0]
         self._ends.free(self.side, pages)
         if pages.size:  # the freed virtual pages back on the padding page: a stray write lands nowhere live

@@ -63,7 +63,7 @@ def init_unified_mamba_pools(
     need_sort: bool = False,
     mamba_full_memory_ratio: Optional[float] = None,
     forward_stream: Any = None,
-    lazy_compaction: bool = False,
+    lazy_compaction: bool = True,
     v_head_dim: Optional[int] = None,
     kv_lora_rank: Optional[int] = None,
     qk_rope_head_dim: Optional[int] = None,
@@ -78,8 +78,10 @@ def init_unified_mamba_pools(
 
     SGLang's keywords, with its meaning; ``use_mla_backend`` needs ``kv_lora_rank`` and ``qk_rope_head_dim`` (a
     Kimi-Linear-shaped model).  ``mamba_full_memory_ratio`` only sized the budget (informational, as in SGLang);
-    ``forward_stream`` and ``lazy_compaction`` are accepted: kvcore compacts at every free, on the current stream,
-    after the work queued before it.  ``need_sort`` is accepted: freed pages go straight back to the shared range.
+    ``lazy_compaction`` (SGLang's default, True): a side compacts only when the other needs the bytes its frees left
+    (False: at every free; :class:`~kvcore_unified.memory.UnifiedMemory`).  ``forward_stream`` is accepted: moves run
+    on the current stream, after the work queued before them.  ``need_sort`` is accepted: freed pages go straight
+    back to the shared range.
 
     :raises ConfigError: for a draft worker's pools (``is_draft_worker``, ``fused_draft``), the decode worker's
         pre-allocated rows (``decode_pre_alloc_size``), the memory saver, or a budget that holds not even one request
@@ -118,6 +120,7 @@ def init_unified_mamba_pools(
         full_attention_layer_ids=full_ids, mamba_layer_ids=layer_ids, cache_params=mamba2_cache_params,
         use_mla=use_mla_backend, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
         spec_state_size=spec_rows, speculative_num_draft_tokens=speculative_num_draft_tokens, kernels=kernels,
+        lazy_compaction=lazy_compaction,
     )  # fmt: skip
     states = token_to_kv_pool.mamba_pool
     req_to_token_pool = UnifiedHybridReqToTokenPool(
@@ -138,7 +141,8 @@ def unified_hybrid_linear_kv_pool(*, budget_bytes: int, device: str, kv_cache_dt
                                   mamba_layer_ids: Sequence[int], cache_params: Any, use_mla: bool = False,
                                   kv_lora_rank: Optional[int] = None, qk_rope_head_dim: Optional[int] = None,
                                   spec_state_size: int = 0, speculative_num_draft_tokens: Optional[int] = None,
-                                  kernels: str = "auto") -> "UnifiedHybridLinearKVPool":  # fmt: skip
+                                  kernels: str = "auto", lazy_compaction: bool = True
+                                  ) -> "UnifiedHybridLinearKVPool":  # fmt: skip
     """A :class:`UnifiedHybridLinearKVPool` over a new unified memory of ``budget_bytes``: its
     ``full_kv_pool`` a page-major pool over the low side (virtual pages), its ``mamba_pool`` a
     :class:`~kvcore_unified.states.UnifiedMambaPool` over the high side (``mamba_pool.memory`` is the memory).
@@ -148,7 +152,7 @@ def unified_hybrid_linear_kv_pool(*, budget_bytes: int, device: str, kv_cache_dt
                                  use_mla=use_mla, head_num=head_num, head_dim=head_dim, kv_lora_rank=kv_lora_rank,
                                  qk_rope_head_dim=qk_rope_head_dim)  # fmt: skip
     envelope = state_envelope(cache_params, len(mamba_layer_ids))
-    memory = UnifiedMemory(budget_bytes, page_bytes, envelope.unit_bytes, device)
+    memory = UnifiedMemory(budget_bytes, page_bytes, envelope.unit_bytes, device, lazy_compaction=lazy_compaction)
     pages = memory.allocator.ids(LOW)
     common = dict(size=pages * page_size, page_size=page_size, dtype=kv_cache_dtype, layer_num=len(full_ids),
                   device=device, kernels=kernels, memory=memory.low_memory(), virtual_pages=pages)  # fmt: skip
@@ -174,7 +178,22 @@ def unified_hybrid_linear_kv_pool(*, budget_bytes: int, device: str, kv_cache_dt
 class UnifiedHybridLinearKVPool(HybridLinearKVPool):
     """:class:`~kvcore_mamba.pool.HybridLinearKVPool` over a unified memory (SGLang's name for it): its buffers
     are the memory itself (named ``unified``; the K/V and state views overlay it) and the per-running-request
-    draft states kept outside it."""
+    draft states kept outside it.  Its tokens and state slots are virtual: :meth:`translate_loc` and
+    :meth:`translate_state_slots` give their physical places (what a transfer addresses)."""
+
+    @property
+    def memory(self) -> UnifiedMemory:
+        """The unified memory both sides lie in."""
+        return self.mamba_pool.memory
+
+    def translate_loc(self, loc: torch.Tensor) -> torch.Tensor:
+        """The physical tokens (int64) of tokens ``loc``: the full-attention pages' places in the paged views and in
+        :meth:`get_contiguous_buf_infos` (page ``t // page_size``)."""
+        return self.full_kv_pool.translate_loc(loc)
+
+    def translate_state_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The items of :meth:`get_state_buf_infos` (pages of the high memory) of virtual state slots ``slots``."""
+        return self.mamba_pool.translate(slots)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {"unified": self.mamba_pool.memory.buffer, **self.request_state_buffers()}

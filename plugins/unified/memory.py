@@ -13,13 +13,19 @@ is the high padding; pages below the high side's lowest unit overlap the low sid
 on a 16-byte boundary (``capacity_bytes`` rounded down), so a side whose unit is a multiple of 16 bytes has every
 page aligned for any element type.
 
-When a free compacts a side, the allocator calls the mover the side's owner registered
-(:meth:`UnifiedMemory.on_move`) with the physical units to copy, before it reuses them.
+When a side compacts, the allocator calls the mover the side's owner registered (:meth:`UnifiedMemory.on_move`)
+with the physical units to copy, before it reuses them.
+
+**Frees that do not wait.**  The owners' ``free`` takes the engine's ids as a device tensor; the bookkeeping needs
+them on the host.  :meth:`UnifiedMemory.free_later` starts their copy to pinned host memory behind the work already
+queued and returns; the next query or allocation of either side (:meth:`UnifiedMemory.settle_frees`) waits for that
+copy alone (long done by then, as a rule) and gives the ids back.  No free waits for the device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +43,14 @@ _WHOLE_COPY_BYTES = 1 << 20
 SideMover = Callable[[np.ndarray, np.ndarray], None]
 
 
+class _PendingFree(NamedTuple):
+    """A free whose ids are on their way to the host: ``settle(ids)`` once ``ready`` (None: they are there)."""
+
+    ids: torch.Tensor
+    ready: "torch.cuda.Event | None"
+    settle: Callable[[np.ndarray], None]
+
+
 class UnifiedMemory:
     """One byte range shared by two kinds of units (see the module docstring).
 
@@ -47,14 +61,17 @@ class UnifiedMemory:
     :param device: where the bytes live.
     :param low_ids: virtual ids of the low side (default: as many as the range holds of its units).
     :param high_ids: the same for the high side.
+    :param lazy_compaction: compact a side only when the other needs its freed bytes (True, SGLang's default), or
+        at every free (False): :class:`~kvcore_unified.allocator.MultiEndedAllocator`'s ``lazy``.
     """
 
     def __init__(self, capacity_bytes: int, low_unit_bytes: int, high_unit_bytes: int, device: torch.device | str,
-                 *, low_ids: int | None = None, high_ids: int | None = None):  # fmt: skip
+                 *, low_ids: int | None = None, high_ids: int | None = None, lazy_compaction: bool = True):  # fmt: skip
         self.device = torch.device(device)
         capacity_bytes = (int(low_unit_bytes) + int(capacity_bytes)) // ALIGN * ALIGN - int(low_unit_bytes)
         self.allocator = MultiEndedAllocator(capacity_bytes, low_unit_bytes, high_unit_bytes, low_ids=low_ids,
-                                             high_ids=high_ids, mover=self._move)  # fmt: skip
+                                             high_ids=high_ids, mover=self._move, lazy=lazy_compaction)  # fmt: skip
+        self._pending: list[_PendingFree] = []
         self.low_unit, self.high_unit = int(low_unit_bytes), int(high_unit_bytes)
         self.capacity = int(capacity_bytes)
         self.buffer = torch.zeros(self.low_unit + self.capacity + self.high_unit, dtype=torch.uint8, device=self.device)
@@ -115,6 +132,46 @@ class UnifiedMemory:
         words = pages.view(torch.int64)
         src_t, dst_t = (torch.from_numpy(p).to(self.device) for p in (src_pages, dst_pages))
         words.index_copy_(0, dst_t, words.index_select(0, src_t))
+
+    # -- frees that do not wait ---------------------------------------------------------------------------------
+
+    def free_later(self, ids: torch.Tensor, settle: Callable[[np.ndarray], None]) -> None:
+        """Call ``settle`` with ``ids`` as a flat int64 host array at the next :meth:`settle_frees`, in the order
+        given.  A CUDA tensor is copied to pinned host memory on the current stream, behind the work queued
+        before this call, without waiting; any other is copied now."""
+        flat = ids.reshape(-1)
+        if flat.device.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            self._pending.append(_PendingFree(host, ready, settle))
+        else:
+            self._pending.append(_PendingFree(flat.clone(), None, settle))
+
+    def settle_frees(self) -> None:
+        """Hand every pending free its ids (waiting for their copies alone): what each owner's queries and
+        allocations call first, so that they see every free made before them."""
+        while self._pending:
+            pending = self._pending.pop(0)
+            if pending.ready is not None:
+                pending.ready.synchronize()
+            pending.settle(pending.ids.numpy().astype(np.int64, copy=False))
+
+    def flush(self) -> int:
+        """Settle the pending frees and compact both sides now (the free bytes one range): a time the engine
+        chooses, between steps.  Returns the units moved."""
+        self.settle_frees()
+        return self.allocator.flush()
+
+    def hold_moves(self) -> None:
+        """Keep every unit where it is until :meth:`release_moves` (calls nest): a transfer reads or writes units by
+        their physical places (:meth:`~kvcore_unified.allocator.MultiEndedAllocator.hold_moves`)."""
+        self.allocator.hold_moves()
+
+    def release_moves(self) -> None:
+        """End one :meth:`hold_moves`."""
+        self.allocator.release_moves()
 
     def on_move(self, side: str, mover: SideMover) -> None:
         """Register how ``side``'s envelopes move when a free compacts it (its owner's pool copies them)."""

@@ -130,11 +130,13 @@ class UnifiedMambaPool(MambaPool):
 
     def available_size(self) -> int:
         """Slots the shared bytes can still give (the full-attention pages take from the same bytes)."""
+        self.memory.settle_frees()
         return self._ends.available(HIGH)
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """``need_size`` virtual slots (int64 on the device), their envelopes zeroed; None (nothing taken) when the
         shared bytes hold fewer."""
+        self.memory.settle_frees()
         ids = self._ends.alloc(HIGH, need_size)
         if ids is None:
             return None
@@ -153,11 +155,16 @@ class UnifiedMambaPool(MambaPool):
         return dst
 
     def free(self, free_index: torch.Tensor) -> None:
-        """Give back virtual slots (reads them: a sync; the padding slot, slots not allocated and repeats are
-        ignored) and compact the high side."""
+        """Give back virtual slots (the padding slot, slots not allocated and repeats are ignored).  Does not wait
+        for the device: the slots are given back at the next query or allocation of either side
+        (:meth:`~kvcore_unified.memory.UnifiedMemory.free_later`)."""
         if free_index.numel() == 0:
             return
-        ids = np.unique(free_index.reshape(-1).cpu().numpy().astype(np.int64))
+        self.memory.free_later(free_index, self._free_slots)
+
+    def _free_slots(self, ids: np.ndarray) -> None:
+        """Host virtual slots ``ids`` back to the high side."""
+        ids = np.unique(ids)
         ids = ids[(ids > 0) & (ids < self._slot_of.numel())]
         self._ends.free(HIGH, ids)
         if ids.size:
@@ -165,7 +172,8 @@ class UnifiedMambaPool(MambaPool):
 
     def clear(self) -> None:
         """Free every slot (the padding envelope zeroed)."""
-        self.free(torch.from_numpy(self._ends.virtual(HIGH)))
+        self.memory.settle_frees()
+        self._free_slots(self._ends.virtual(HIGH))
         self._units[self.memory.padding_page(HIGH)].zero_()
         for name, stacked in self.buffers().items():
             if name.startswith("intermediate"):

@@ -32,6 +32,7 @@ from kvcore.errors import ConfigError
 from kvcore.kernels import allocator_kernels as _k
 from kvcore.pools import GB, check_post_capture, unsupported
 from kvcore.token_rows import TokenRows
+from kvcore.pools import KVWriteLoc
 from kvcore_unified.allocator import HIGH, LOW
 from kvcore_unified.bundle import UnifiedPoolBundle
 from kvcore_unified.full_pages import UnifiedPagedAllocator, kv_page_bytes
@@ -102,6 +103,15 @@ class UnifiedSWAKVPool(SWAKVPool):
         :meth:`~kvcore_mha.PageMajorMHATokenToKVPool.translate_loc`.  A token that slid out of the window reads the
         high side's padding page."""
         return self.swa_kv_pool.translate_loc(super().translate_loc_from_full_to_swa(kv_indices)).to(torch.int32)
+
+    def _window_write_loc(self, loc_info: KVWriteLoc) -> KVWriteLoc | None:
+        """SWAKVPool's, refusing physical full tokens without their window tokens (the window side maps virtual
+        full locations only)."""
+        if loc_info.swa_loc is None and loc_info.physical:
+            raise ValueError("a KVWriteLoc marked physical reached a sliding-window layer without swa_loc: pass "
+                             "swa_loc=allocator.translate_loc_from_full_to_swa(out_cache_loc) beside "
+                             "loc=allocator.translate_write_loc(out_cache_loc)")  # fmt: skip
+        return super()._window_write_loc(loc_info)
 
     def token_rows(self) -> dict[str, TokenRows]:
         """SWAKVPool's, with the window rows behind full location -> window token -> physical token: that map is
@@ -178,6 +188,7 @@ class UnifiedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
 
     def _joint_pages(self) -> int:
         """New pages an allocation can open: each takes a full page and a window page of the shared bytes."""
+        self.memory.settle_frees()
         ends = self.memory.allocator
         both = ends.unit_bytes(LOW) + ends.unit_bytes(HIGH)
         return min(ends.free_bytes() // both, ends.available(LOW), ends.available(HIGH))
@@ -186,11 +197,30 @@ class UnifiedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         """Tokens of new pages that fit on both sides together (a full page and a window page each)."""
         return self._joint_pages() * self.page_size
 
-    def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor) -> torch.Tensor:
+    def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor, *, out: Optional[torch.Tensor] = None
+                                       ) -> torch.Tensor:  # fmt: skip
         """Physical window tokens (int64) of full locations, as :meth:`UnifiedSWAKVPool.translate_loc_from_full_to_swa`
-        gives them; negative locations (``-1`` for "none") stay as they are."""
+        gives them; negative locations (``-1`` for "none") stay as they are.  ``out``: an int64 tensor of their
+        shape written in place and returned."""
         slots = self._window_slots(kv_indices)
-        return torch.where(slots >= 0, self._kvcache.swa_kv_pool.translate_loc(slots.clamp(min=0)), slots)
+        physical = torch.where(slots >= 0, self._kvcache.swa_kv_pool.translate_loc(slots.clamp(min=0)), slots)
+        if out is None:
+            return physical
+        out.copy_(physical)
+        return out
+
+    def translate_kv_loc(self, loc: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Full-attention layers' physical tokens (int64) of full locations ``loc`` (the full side's
+        :meth:`~kvcore_unified.full_pages.UnifiedPagedAllocator.translate_kv_loc`)."""
+        return self.full_attn_allocator.translate_kv_loc(loc, out=out)
+
+    def translate_write_loc(self, loc: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                            out_width: Optional[int] = None) -> torch.Tensor:  # fmt: skip
+        """The full-attention side's physical tokens of a step's write locations
+        (:meth:`~kvcore_unified.full_pages.UnifiedPagedAllocator.translate_write_loc`); the window layers' are
+        :meth:`translate_loc_from_full_to_swa` of the same locations, the ``swa_loc`` of the step's
+        :class:`~kvcore.pools.KVWriteLoc`."""
+        return self.full_attn_allocator.translate_write_loc(loc, out=out, out_width=out_width)
 
     # -- allocation and frees -----------------------------------------------------------------------------------
 
@@ -254,7 +284,7 @@ def init_unified_swa_pools(
     post_capture_active: bool = False,
     need_sort: bool = False,
     forward_stream: Any = None,
-    lazy_compaction: bool = False,
+    lazy_compaction: bool = True,
     model_context_len: Optional[int] = None,
     sliding_window_size: Optional[int] = None,
     fused_draft: Any = None,
@@ -268,8 +298,8 @@ def init_unified_swa_pools(
     ``full_max_total_num_tokens`` full-attention tokens and ``swa_max_total_num_tokens`` window tokens at their
     bytes per token; either kind may then take all of it.  ``end_layer`` is exclusive, as the configurator passes
     it: the two layer lists together are this rank's layers ``start_layer .. end_layer - 1``.  ``forward_stream`` is
-    honoured (each free waits for it before compacting); ``lazy_compaction`` is accepted: kvcore compacts at every
-    free.  ``need_sort`` is accepted.  ``kernels`` is kvcore's (``auto``, ``triton`` or ``native``).
+    honoured (each free waits for it); ``lazy_compaction`` (SGLang's default, True): a side compacts only when the
+    other needs the bytes its frees left (False: at every free).  ``need_sort`` is accepted.  ``kernels`` is kvcore's (``auto``, ``triton`` or ``native``).
 
     :raises ConfigError: naming the keyword, for what kvcore does not build: the memory saver, backing after
         CUDA-graph capture, a fused draft, the batch-of-one floor check (``model_context_len`` /
@@ -306,6 +336,7 @@ def init_unified_swa_pools(
         swa_v_head_dim=swa_v_head_dim, full_attention_layer_ids=full_ids,
         swa_attention_layer_ids=swa_ids, start_layer=start_layer, end_layer=end_layer - 1, kernels=kernels,
         total_bytes=total_bytes, tokens=(full_max_total_num_tokens, swa_max_total_num_tokens),
+        lazy_compaction=lazy_compaction,
     )  # fmt: skip
     memory = pool.memory
     allocator = UnifiedSWATokenToKVPoolAllocator(pool, need_sort=need_sort, kernels=kernels,
@@ -318,7 +349,8 @@ def unified_swa_kv_pool(owner: str, *, device: str, kv_cache_dtype: torch.dtype,
                         v_head_dim: Optional[int], swa_v_head_dim: Optional[int],
                         full_attention_layer_ids: Sequence[int], swa_attention_layer_ids: Sequence[int],
                         start_layer: int, end_layer: int, kernels: str = "auto", total_bytes: Optional[int] = None,
-                        tokens: tuple[Optional[int], Optional[int]] = (None, None)) -> UnifiedSWAKVPool:  # fmt: skip
+                        tokens: tuple[Optional[int], Optional[int]] = (None, None),
+                        lazy_compaction: bool = True) -> UnifiedSWAKVPool:  # fmt: skip
     """A :class:`UnifiedSWAKVPool` over a new memory of ``total_bytes``, or of ``tokens`` = (full tokens, window
     tokens) at their page bytes (the split pools' bytes); ``end_layer`` inclusive.  What
     :func:`init_unified_swa_pools` and the plugin build.
@@ -339,7 +371,7 @@ def unified_swa_kv_pool(owner: str, *, device: str, kv_cache_dtype: torch.dtype,
         raise ConfigError(f"{owner}: a unified memory of {total_bytes} bytes holds not one full-attention page "
                           f"({low} bytes) and one window page ({high}): raise full_max_total_num_tokens / "
                           "swa_max_total_num_tokens (or total_bytes)")  # fmt: skip
-    memory = UnifiedMemory(total_bytes, low, high, device)
+    memory = UnifiedMemory(total_bytes, low, high, device, lazy_compaction=lazy_compaction)
     return UnifiedSWAKVPool(memory, page_size, kv_cache_dtype, head_num, head_dim, swa_attention_layer_ids,
                             full_attention_layer_ids, device, v_head_dim=v_head_dim, swa_head_num=swa_head_num,
                             swa_head_dim=swa_head_dim, swa_v_head_dim=swa_v_head_dim, start_layer=start_layer,

@@ -258,6 +258,39 @@ def test_store_kv_through_an_index_map(map_dtype, cache_dtype):
                                 index_map=index_map.float())  # fmt: skip
 
 
+@pytest.mark.parametrize("with_map", [False, True], ids=["tokens", "mapped-tokens"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3fn"])
+def test_store_kv_on_page_major_rows(cache_dtype, with_map):
+    """``pages=(page_size, rows_per_page)``: token ``t`` (after the map, when one is given) lands on row ``(t //
+    page_size) * rows_per_page + t % page_size``, computed in the launch: the same bytes as storing at those rows
+    directly (computed here by hand), nothing else written."""
+    gen = torch.Generator().manual_seed(8)
+    page, rows_per_page, n = 4, 11, 19  # rows_per_page: a page of several layers' key rows, not a power of two
+    tokens = (ROWS // rows_per_page) * page  # every token whose row the cache holds
+    store = dtypes.storage_dtype(cache_dtype)
+    k_cache, v_cache = _poison((L, ROWS, H, DK), store, gen), _poison((L, ROWS, H, DV), store, gen)
+    token = torch.randperm(tokens - 1, generator=gen)[:n] + 1
+    rows = torch.tensor([(t // page) * rows_per_page + t % page for t in token.tolist()])
+    if with_map:  # the call passes full locations whose map gives the tokens
+        index_map = torch.zeros(97, dtype=torch.int64)
+        loc = torch.randperm(96, generator=gen)[:n] + 1
+        index_map[loc] = token
+        loc, index_map = loc.to(DEVICE), index_map.to(DEVICE)
+    else:
+        loc, index_map = token.to(DEVICE), None
+    cache_k, cache_v = _make_inputs(n, torch.float32, "qkv_split", gen, 20.0)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    kernels.store_kv_native(want_k, want_v, 1, rows.to(DEVICE), cache_k, cache_v, cache_dtype=cache_dtype)
+    for use_triton in (True, False):
+        got_k, got_v = k_cache.clone(), v_cache.clone()
+        paged = kernels.KVStore(got_k, got_v, cache_dtype, use_triton, pages=(page, rows_per_page))
+        paged(1, loc, cache_k, cache_v, index_map=index_map)
+        assert _bits_equal(got_k, want_k) and _bits_equal(got_v, want_v), f"use_triton={use_triton}"
+    for bad in ((3, 8), (4, 3), (0, 4)):
+        with pytest.raises(ValueError, match="pages="):
+            kernels.KVStore(k_cache, v_cache, cache_dtype, pages=bad)
+
+
 def test_store_kv_rejects_bad_arguments():
     k_cache = torch.zeros(2, 8, 1, 8, dtype=torch.bfloat16, device=DEVICE)
     v_cache = torch.zeros(2, 8, 1, 8, dtype=torch.bfloat16, device=DEVICE)

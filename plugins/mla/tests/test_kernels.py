@@ -210,6 +210,34 @@ def test_store_and_gather_are_one_launch(monkeypatch, kernel_shape):
     assert launches == [store, store, "_mla_rows_kernel"]
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=_name)
+def test_page_major_rows_store_and_gather(cache_dtype):
+    """``LatentRows(pages=(page_size, rows_per_page))``: token ``t`` is row ``(t // page_size) * rows_per_page + t %
+    page_size`` (computed in the launch) for the split store, the concatenated store and the gather, as rows
+    computed by hand give them through the plain rows."""
+    gen = torch.Generator().manual_seed(15)
+    page, rows_per_page, n = 2, 7, 13
+    cache = _cache("small", cache_dtype, gen)
+    token = torch.randperm((ROWS // rows_per_page) * page - 1, generator=gen)[:n] + 1
+    rows = torch.tensor([(t // page) * rows_per_page + t % page for t in token.tolist()], device=DEVICE)
+    token = token.to(DEVICE)
+    nope, rope = _nope_rope(n, "small", torch.float32, "split", gen, 1.0)
+    for use_triton in (True, False):
+        want, got = cache.clone(), cache.clone()
+        plain, paged = kernels.LatentRows(want, cache_dtype, use_triton), kernels.LatentRows(
+            got, cache_dtype, use_triton, pages=(page, rows_per_page))  # fmt: skip
+        plain.store(2, rows, nope, rope)
+        paged.store(2, token, nope, rope)
+        plain.store_rows(0, rows, torch.cat([nope, rope], -1))
+        paged.store_rows(0, token, torch.cat([nope, rope], -1))
+        assert bits_equal(got, want), f"use_triton={use_triton}"
+        for layer in (0, 2):
+            assert all(bits_equal(a, b) for a, b in zip(paged.gather_new(layer, token, torch.float32, 64, 16),
+                                                         plain.gather_new(layer, rows, torch.float32, 64, 16)))  # fmt: skip
+    with pytest.raises(ValueError, match="pages="):
+        kernels.LatentRows(cache, cache_dtype, pages=(3, 7))
+
+
 # ==========================================================================================================
 # concatenated store: set_kv_buffer
 # ==========================================================================================================

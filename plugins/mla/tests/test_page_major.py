@@ -11,6 +11,7 @@ from kvcore_mla import MLATokenToKVPool, PageMajorMLATokenToKVPool, mla_layout
 
 from kvcore.testing import KVCacheConformance, Variant, randomize
 from kvcore.testing.tensors import bits_equal, randn_nonzero, test_device
+from kvcore.pools import KVWriteLoc
 
 # a 40 + 8 = 48-wide latent row: not a power of two, so the concatenated store splits it (32 + 16)
 RANK, ROPE, L = 40, 8, 3
@@ -33,12 +34,14 @@ def as_raw(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8).reshape(-1)
 
 
+@pytest.mark.parametrize("bundled", [False, True], ids=["loc", "KVWriteLoc"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("kernels", ["triton", "native"])
-def test_stores_and_reads_match_the_token_major_pool(dtype, page_size, kernels):
+def test_stores_and_reads_match_the_token_major_pool(dtype, page_size, kernels, bundled):
     """Both writes (split and concatenated) of an odd number of tokens in every layer leave each layer's paged
-    view holding the token-major pool's rows, byte for byte, and every read returns the token-major pool's."""
+    view holding the token-major pool's rows, byte for byte, and every read returns the token-major pool's; the
+    same with the tokens in a KVWriteLoc (marked physical for the page-major pool, whose tokens are)."""
     size = 13 if page_size == 1 else 3 * page_size
     gen = torch.Generator().manual_seed(page_size)
     pm = make(size, page_size, dtype, kernels, start_layer=2)
@@ -47,11 +50,11 @@ def test_stores_and_reads_match_the_token_major_pool(dtype, page_size, kernels):
     for layer in range(2, 2 + L):
         wide = randn_nonzero((7, 1, WIDTH + 5), torch.float32, gen, 3.0)  # nope / rope as strided views of it
         nope, rope = wide[..., :RANK], wide[..., RANK:WIDTH]
-        for pool in (pm, tm):
-            pool.set_mla_kv_buffer(layer, loc, nope, rope)
+        for pool, physical in ((pm, True), (tm, False)):
+            pool.set_mla_kv_buffer(layer, KVWriteLoc(loc, physical=physical) if bundled else loc, nope, rope)
         concat = randn_nonzero((7, 1, WIDTH), torch.float32, gen, 3.0)
-        for pool in (pm, tm):
-            pool.set_kv_buffer(layer, loc[:4], concat[:4], None)
+        for pool, physical in ((pm, True), (tm, False)):
+            pool.set_kv_buffer(layer, KVWriteLoc(loc[:4], physical=physical) if bundled else loc[:4], concat[:4], None)
     for layer in range(2, 2 + L):
         keys, values = pm.get_key_buffer(layer), pm.get_value_buffer(layer)
         assert keys.shape == (size // page_size + 1, page_size, 1, WIDTH) and keys.dtype == dtype
@@ -59,7 +62,8 @@ def test_stores_and_reads_match_the_token_major_pool(dtype, page_size, kernels):
         assert bits_equal(keys.reshape(-1, 1, WIDTH), tm.get_key_buffer(layer))
         assert bits_equal(values.reshape(-1, 1, RANK), tm.get_value_buffer(layer))
         for dst in (None, torch.float32):
-            for got, want in zip(pm.get_mla_kv_buffer(layer, loc, dst), tm.get_mla_kv_buffer(layer, loc, dst)):
+            where = KVWriteLoc(loc, physical=True) if bundled else loc
+            for got, want in zip(pm.get_mla_kv_buffer(layer, where, dst), tm.get_mla_kv_buffer(layer, loc, dst)):
                 assert bits_equal(got, want)
         out = (torch.empty(7, 1, RANK, dtype=dtype, device=test_device()),
                torch.empty(7, 1, ROPE, dtype=dtype, device=test_device()))  # fmt: skip

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvcore.testing.tensors import bits_equal, test_device
+from kvcore.pools import KVWriteLoc
 from kvcore_mha.pool import MHATokenToKVPool
 from kvcore_swa.pool import SWAKVPool
 
@@ -38,11 +39,12 @@ def test_layers_route_to_their_sub_pool():
         pool.get_key_buffer(6)
 
 
+@pytest.mark.parametrize("write", ["locations", "KVWriteLoc", "KVWriteLoc with swa_loc"])
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_window_writes_go_through_the_map(kernels, page_size):
-    """A window layer's rows of full locations land at their mapped window slots (translated in the store);
-    a full layer's at the locations themselves; nothing else changes."""
+def test_window_writes_go_through_the_map(kernels, page_size, write):
+    """A window layer's rows of full locations land at their mapped window slots (translated in the store, or
+    given as a KVWriteLoc's ``swa_loc``); a full layer's at the locations themselves; nothing else changes."""
     pool = make_pool(kernels, page_size)
     g = torch.Generator().manual_seed(3)
     mapping = torch.zeros(pool.size + page_size, dtype=torch.int64)
@@ -52,8 +54,10 @@ def test_window_writes_go_through_the_map(kernels, page_size):
     loc = loc.to(DEVICE)
     before = {name: buf.clone() for name, buf in pool.buffers().items()}
     k, v = rows(7, 2, 16, 1), rows(7, 2, 16, 2)
-    pool.set_kv_buffer(3, loc, k, v)  # window layer 3 = index 2 of the window sub-pool
-    pool.set_kv_buffer(None, loc, v, k, layer_id_override=5)  # full layer 5 = index 1 of the full sub-pool
+    where = {"locations": loc, "KVWriteLoc": KVWriteLoc(loc),
+             "KVWriteLoc with swa_loc": KVWriteLoc(loc, swa_loc=pool.translate_loc_from_full_to_swa(loc))}[write]
+    pool.set_kv_buffer(3, where, k, v)  # window layer 3 = index 2 of the window sub-pool
+    pool.set_kv_buffer(None, where, v, k, layer_id_override=5)  # full layer 5 = index 1 of the full sub-pool
     slots = mapping.to(DEVICE)[loc]
     assert bits_equal(pool.swa_kv_pool.k_cache[2, slots], k) and bits_equal(pool.swa_kv_pool.v_cache[2, slots], v)
     assert bits_equal(pool.full_kv_pool.k_cache[1, loc], v) and bits_equal(pool.full_kv_pool.v_cache[1, loc], k)

@@ -22,9 +22,9 @@ PAGE_BYTES = L * 2 * PS * H * D * 2  # bf16
 HIGH_BYTES = 700  # a high unit: not a multiple of a page
 
 
-def build(kernels: str, pages: int = 12):
+def build(kernels: str, pages: int = 12, lazy: bool = True):
     dev = test_device()
-    memory = UnifiedMemory(pages * PAGE_BYTES + 100, PAGE_BYTES, HIGH_BYTES, dev)
+    memory = UnifiedMemory(pages * PAGE_BYTES + 100, PAGE_BYTES, HIGH_BYTES, dev, lazy_compaction=lazy)
     ids = memory.allocator.available(LOW)
     pool = PageMajorMHATokenToKVPool(ids * PS, PS, torch.bfloat16, H, D, L, dev, kernels=kernels,
                                      memory=memory.low_memory(), virtual_pages=ids)  # fmt: skip
@@ -67,10 +67,13 @@ def _check(pool, allocator, memory, running):
         assert bool((pages[t % PS != 0] == pages[(t - 1).clamp(min=0)][t % PS != 0]).all())
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 @pytest.mark.parametrize("kernels", ["native", "triton"])
-def test_requests_come_and_go_and_every_token_keeps_its_bytes(kernels):
+def test_requests_come_and_go_and_every_token_keeps_its_bytes(kernels, lazy):
+    """Eager: every free compacts; lazy: frees leave holes that allocations refill, the other side's allocations and
+    an engine's flush between steps compact them."""
     dev = test_device()
-    memory, pool, allocator, high_moves = build(kernels)
+    memory, pool, allocator, high_moves = build(kernels, lazy=lazy)
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     running: list[_Request] = []
     high: list[int] = []
@@ -101,8 +104,11 @@ def test_requests_come_and_go_and_every_token_keeps_its_bytes(kernels):
             if high and rng.random() < 0.5:
                 memory.allocator.free(HIGH, [high.pop(rng.randrange(len(high)))])
             else:
+                memory.settle_frees()
                 got = memory.allocator.alloc(HIGH, 1)
                 high += [] if got is None else got.tolist()
+        if lazy and step % 9 == 8:
+            memory.flush()
         _check(pool, allocator, memory, running)
     assert memory.allocator.moved_units > 0, "no free compacted the low side: the test checks nothing moved"
     for r in running:
@@ -123,10 +129,16 @@ def test_the_two_sides_share_the_bytes():
         allocator.alloc(PS + 1)
 
 
-def test_freed_pages_go_back_to_the_padding_page():
-    memory, pool, allocator, _ = build("native")
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_freed_pages_go_back_to_the_padding_page(lazy):
+    memory, pool, allocator, _ = build("native", lazy=lazy)
     a, b = allocator.alloc(2 * PS), allocator.alloc(PS)
-    allocator.free(a)  # b moves down into a's place
+    allocator.free(a)  # b moves down into a's place (lazy: at the flush)
+    assert memory.allocator.used(LOW) == 3, "a free reads its tokens at the next query or allocation, not before"
+    memory.settle_frees()
+    assert memory.allocator.used(LOW) == 1
+    if lazy:
+        assert memory.allocator.moved_units == 0 and memory.flush() == 1
     assert memory.allocator.moved_units == 1
     assert pool.translate_loc(a).tolist() == list(range(PS)) * 2
     assert pool.translate_loc(b).tolist() == [PS + o for o in range(PS)]

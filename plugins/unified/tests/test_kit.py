@@ -92,6 +92,7 @@ class UnifiedMachine(AllocatorMachine):
     def every_byte_stays(self):
         if not hasattr(self, "a"):
             return
+        self.memory.settle_frees()  # the frees so far reach the tables (as any query of the allocators does)
         self.memory.allocator.check()
         assert self.memory.allocator.used(HIGH) == len(self.slots)
         temporal = self.states.mamba2_layer_cache(0).temporal

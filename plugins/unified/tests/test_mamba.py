@@ -16,6 +16,7 @@ from kvcore_unified.states import state_envelope
 
 from kvcore.errors import ConfigError
 from kvcore.testing.tensors import bits_equal, test_device
+from kvcore.pools import KVWriteLoc
 
 H, D, PS = 2, 8, 4
 FULL, LINEAR = [3], [0, 1, 2]
@@ -56,6 +57,7 @@ def _write_states(bundle, req, gen):
 
 def _check(bundle, running):
     memory = bundle.unified_memory_pool
+    memory.settle_frees()  # the step's frees reach the tables, as the allocators' next query would have them
     memory.allocator.check()
     pool, table = bundle.token_to_kv_pool, bundle.req_to_token_pool
     full = pool.full_kv_pool
@@ -70,9 +72,13 @@ def _check(bundle, running):
             assert bits_equal(cache.temporal[slot], req.state[f"temporal{i}"])
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("physical", [False, True], ids=["virtual-locations", "physical-write-loc"])
 @pytest.mark.parametrize("kernels", ["native", "triton"])
-def test_requests_come_and_go_and_keep_their_tokens_and_states(kernels):
-    bundle = build(kernels)
+def test_requests_come_and_go_and_keep_their_tokens_and_states(kernels, physical, lazy):
+    """Stores by the allocator's (virtual) tokens, or (``physical``) by a KVWriteLoc of their physical tokens;
+    compaction at every free, or (``lazy``) when a side needs the bytes and at an engine's flush between steps."""
+    bundle = build(kernels, lazy_compaction=lazy)
     dev = test_device()
     alloc, table, pool = bundle.token_to_kv_pool_allocator, bundle.req_to_token_pool, bundle.token_to_kv_pool
     memory = bundle.unified_memory_pool
@@ -92,7 +98,8 @@ def test_requests_come_and_go_and_keep_their_tokens_and_states(kernels):
                 else:
                     req.row, req.locs = rows[0], loc
                     req.k = torch.randn((n, H, D), generator=gen).to(torch.bfloat16).to(dev)
-                    pool.set_kv_buffer(FULL[0], loc, req.k, -req.k)
+                    where = KVWriteLoc(alloc.translate_write_loc(loc), physical=True) if physical else loc
+                    pool.set_kv_buffer(FULL[0], where, req.k, -req.k)
                     _write_states(bundle, req, gen)
                     running.append(req)
         if running and rng.random() < 0.4:
@@ -101,11 +108,14 @@ def test_requests_come_and_go_and_keep_their_tokens_and_states(kernels):
                 alloc.free(req.locs)
                 table.free(req.row)
             running = [r for r in running if r not in done]
+        if lazy and step % 9 == 8:
+            bundle.unified_memory_pool.flush()
         _check(bundle, running)
     assert memory.allocator.moved_units > 0, "nothing compacted: the test checks no move"
     for req in running:
         alloc.free(req.locs)
         table.free(req.row)
+    memory.settle_frees()
     assert memory.allocator.used(LOW) == 0 and memory.allocator.used(HIGH) == 0
 
 
@@ -134,8 +144,8 @@ def test_new_slots_are_zeroed_and_copies_translate():
     cache = states.mamba2_layer_cache(0)
     pa = states.translate(a)
     cache.temporal[pa] = 7.0
-    states.free(a)  # b's envelope moves down into a's place
-    assert bundle.unified_memory_pool.allocator.moved_units == 1
+    states.free(a)  # b's envelope moves down into a's place, at the flush (compaction is lazy by default)
+    assert bundle.unified_memory_pool.flush() == 1
     c = states.fork_from(b)
     assert bool((cache.temporal[states.translate(c)] == cache.temporal[states.translate(b)]).all())
     d = states.alloc(1)
@@ -149,8 +159,9 @@ def test_refusals_name_the_keyword():
         build("native", tokens=0, slots=0)
 
 
+@pytest.mark.parametrize("physical", [False, True], ids=["virtual-locations", "physical-write-loc"])
 @pytest.mark.parametrize("kernels", ["native", "triton"])
-def test_mla_full_attention_pages_keep_their_latent_rows(kernels):
+def test_mla_full_attention_pages_keep_their_latent_rows(kernels, physical):
     """A Kimi-Linear-shaped model: MLA latent rows of the full-attention layers on the low side."""
     rank, rope = 16, 8
     bundle = build(kernels, use_mla_backend=True, kv_lora_rank=rank, qk_rope_head_dim=rope)
@@ -162,14 +173,17 @@ def test_mla_full_attention_pages_keep_their_latent_rows(kernels):
         locs = alloc.alloc(-(-n // PS) * PS)
         nope = torch.randn((locs.numel(), 1, rank), generator=gen).to(torch.bfloat16).to(dev)
         rope_part = torch.randn((locs.numel(), 1, rope), generator=gen).to(torch.bfloat16).to(dev)
-        pool.set_mla_kv_buffer(FULL[0], locs, nope, rope_part)
+        where = KVWriteLoc(alloc.translate_write_loc(locs), physical=True) if physical else locs
+        pool.set_mla_kv_buffer(FULL[0], where, nope, rope_part)
         held.append((locs, torch.cat([nope, rope_part], dim=-1)))
         states.alloc(1)  # the high side takes bytes in between
-    alloc.free(held.pop(0)[0])  # the pages above move down
+    alloc.free(held.pop(0)[0])  # the pages above move down (at the flush: compaction is lazy by default)
     alloc.free(held.pop(1)[0])
-    assert bundle.unified_memory_pool.allocator.moved_units > 0
+    assert bundle.unified_memory_pool.flush() > 0
     for locs, rows in held:
         phys = pool.full_kv_pool.translate_loc(locs)
         assert bits_equal(pool.get_key_buffer(FULL[0])[phys // PS, phys % PS], rows)
         nope, rope_part = pool.get_mla_kv_buffer(FULL[0], locs)
+        assert bits_equal(torch.cat([nope, rope_part], dim=-1), rows)
+        nope, rope_part = pool.get_mla_kv_buffer(FULL[0], KVWriteLoc(alloc.translate_kv_loc(locs), physical=True))
         assert bits_equal(torch.cat([nope, rope_part], dim=-1), rows)

@@ -18,6 +18,7 @@ from kvcore_unified.swa import UnifiedSWAKVPool, UnifiedSWATokenToKVPoolAllocato
 
 from kvcore.errors import ConfigError
 from kvcore.testing.tensors import bits_equal, test_device
+from kvcore.pools import KVWriteLoc
 
 FULL_LAYERS, SWA_LAYERS = [1], [0, 2]
 H, D = 2, 8  # full-attention heads: 64 bytes a token in bf16
@@ -35,8 +36,8 @@ def keywords(page_size: int, full_tokens: int, swa_tokens: int, kernels: str = "
                 need_sort=False, forward_stream=None, lazy_compaction=True, kernels=kernels) | extra  # fmt: skip
 
 
-def build(page_size: int, full_tokens: int = 64, swa_tokens: int = 32, kernels: str = "native"):
-    bundle = init_unified_swa_pools(**keywords(page_size, full_tokens, swa_tokens, kernels))
+def build(page_size: int, full_tokens: int = 64, swa_tokens: int = 32, kernels: str = "native", lazy: bool = True):
+    bundle = init_unified_swa_pools(**keywords(page_size, full_tokens, swa_tokens, kernels, lazy_compaction=lazy))
     return bundle.unified_memory_pool, bundle.token_to_kv_pool, bundle.token_to_kv_pool_allocator
 
 
@@ -69,12 +70,22 @@ class _Request:
         self.k = {layer: torch.cat([self.k[layer], rows]) for layer, rows in k.items()}
 
 
-def _store(pool, locs: torch.Tensor, gen: torch.Generator) -> dict[int, torch.Tensor]:
-    """Random K rows (and their negation as V) at full locations ``locs`` of every layer."""
+def _write_loc(allocator, locs: torch.Tensor, physical: bool):
+    """What the stores take: the full locations, or (``physical``) the step's physical tokens of both sides, as an
+    engine translates them once per step."""
+    if not physical:
+        return locs
+    return KVWriteLoc(allocator.translate_write_loc(locs), swa_loc=allocator.translate_loc_from_full_to_swa(locs),
+                      physical=True)  # fmt: skip
+
+
+def _store(pool, locs: torch.Tensor, gen: torch.Generator, where=None) -> dict[int, torch.Tensor]:
+    """Random K rows (and their negation as V) at full locations ``locs`` of every layer (written at ``where``
+    when given: their KVWriteLoc)."""
     rows = {}
     for layer, shape in SHAPES.items():
         k = torch.randn((locs.numel(), *shape), generator=gen).to(torch.bfloat16).to(locs.device)
-        pool.set_kv_buffer(layer, locs, k, -k)
+        pool.set_kv_buffer(layer, locs if where is None else where, k, -k)
         rows[layer] = k
     return rows
 
@@ -89,6 +100,7 @@ def _read(pool, layer: int, phys: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def _check(memory, pool, allocator, running: list[_Request]) -> None:
     ends, page = memory.allocator, pool.page_size
+    memory.settle_frees()  # the step's frees reach the tables, as the allocators' next query would have them
     ends.check()
     assert allocator.full_available_size() == ends.available(LOW) * page
     assert allocator.swa_available_size() == ends.available(HIGH) * page
@@ -128,10 +140,14 @@ def _extend(allocator, request: _Request | None, n: int) -> torch.Tensor | None:
     return allocator.alloc_extend(pre_cpu.to(dev), pre_cpu, seq_cpu.to(dev), seq_cpu, last, n)
 
 
+@pytest.mark.parametrize("lazy,physical", [(False, False), (True, False), (True, True)],
+                         ids=["eager", "lazy", "lazy-physical-write-loc"])
 @pytest.mark.parametrize("kernels", ["native", "triton"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_requests_come_and_go_and_every_token_keeps_its_bytes(page_size, kernels, moves):
-    memory, pool, allocator = build(page_size, kernels=kernels)
+def test_requests_come_and_go_and_every_token_keeps_its_bytes(page_size, kernels, lazy, physical, moves):
+    """Stores by full location, or (``physical``) by the physical tokens of a KVWriteLoc taken once per step;
+    compaction at every free, or (``lazy``) when a side needs the bytes and at an engine's flush between steps."""
+    memory, pool, allocator = build(page_size, kernels=kernels, lazy=lazy)
     rng, gen = random.Random(page_size), torch.Generator().manual_seed(0)
     running: list[_Request] = []
     padding = torch.zeros(2, dtype=torch.int64, device=test_device())
@@ -140,19 +156,19 @@ def test_requests_come_and_go_and_every_token_keeps_its_bytes(page_size, kernels
             request, n = _Request(), rng.randint(1, 9)
             loc = _extend(allocator, None, n)
             if loc is not None:
-                request.add(loc, _store(pool, loc, gen))
+                request.add(loc, _store(pool, loc, gen, _write_loc(allocator, loc, physical)))
                 running.append(request)
         if running and rng.random() < 0.3:  # a request extends after its prefix (continuing its last page)
             request = rng.choice(running)
             loc = _extend(allocator, request, rng.randint(1, 6))
             if loc is not None:
-                request.add(loc, _store(pool, loc, gen))
+                request.add(loc, _store(pool, loc, gen, _write_loc(allocator, loc, physical)))
         if running:  # a decode step of every running request
             seq_cpu = torch.tensor([r.locs.numel() + 1 for r in running])
             last = torch.stack([r.locs[-1] for r in running])
             loc = allocator.alloc_decode(seq_cpu.to(padding.device), seq_cpu, last)
             if loc is not None:
-                rows = _store(pool, loc, gen)
+                rows = _store(pool, loc, gen, _write_loc(allocator, loc, physical))
                 for i, r in enumerate(running):
                     r.add(loc[i : i + 1], {layer: k[i : i + 1] for layer, k in rows.items()})
         for r in running:  # the tokens before the last WINDOW slide out, by whole pages
@@ -168,11 +184,14 @@ def test_requests_come_and_go_and_every_token_keeps_its_bytes(page_size, kernels
             running = [r for r in running if r not in done]
         for layer, (heads, dim) in SHAPES.items():  # a padded batch writes the padding location: lands nowhere live
             junk = torch.full((2, heads, dim), 7.0, dtype=torch.bfloat16, device=padding.device)
-            pool.set_kv_buffer(layer, padding, junk, junk)
+            pool.set_kv_buffer(layer, _write_loc(allocator, padding, physical), junk, junk)
+        if lazy and step % 9 == 8:
+            memory.flush()
         _check(memory, pool, allocator, running)
     assert moves[LOW] > 0 and moves[HIGH] > 0, f"compaction moved {moves}: the test checks nothing moved"
     for r in running:
         allocator.free(r.locs)
+    memory.settle_frees()
     assert memory.allocator.used(LOW) == memory.allocator.used(HIGH) == 0
     assert not bool(allocator.full_to_swa_index_mapping.any())
 
@@ -202,6 +221,7 @@ def test_the_two_sides_trade_bytes():
             assert allocator.full_available_size() == full_before + 8  # a window page's bytes: two full pages
     # it stops where the window's live page and the next page's pair leave no room for another full page
     assert full_tokens == (memory.capacity - 2 * memory.high_unit) // memory.low_unit * 4 == 80 > 64
+    memory.settle_frees()
     assert memory.allocator.used(HIGH) == 1
 
 
@@ -241,6 +261,7 @@ def test_the_rollback_frees_only_the_pages_just_taken(monkeypatch):
     used = memory.allocator.used(LOW)
     monkeypatch.setattr(allocator, "_joint_pages", lambda: 1 << 20)  # the check passes: the window side refuses
     assert _extend(allocator, request, 8) is None  # fills the request's page, then two new pages of each kind
+    memory.settle_frees()
     assert memory.allocator.used(LOW) == used
     monkeypatch.undo()
     _check(memory, pool, allocator, [request])
@@ -254,7 +275,8 @@ def test_moves_and_cpu_copies_take_full_locations():
     _store(pool, b, gen)
     copy = pool.get_cpu_copy(a)
     moved = memory.allocator.moved_units
-    allocator.free(first)  # compaction: b's pages move into first's places, on both sides
+    allocator.free(first)  # compaction (at the flush): b's pages move into first's places, on both sides
+    memory.flush()
     assert memory.allocator.moved_units > moved
     _store(pool, b, gen)
     pool.load_cpu_copy(copy, b)
@@ -299,3 +321,17 @@ def test_the_bundle_and_what_it_refuses():
     # total_bytes instead of the split pools' sizes
     sized = init_unified_swa_pools(**keywords(4, None, None, total_bytes=5000))
     assert sized.unified_memory_pool.capacity <= 5000 and sized.token_to_kv_pool_allocator.available_size() > 0
+
+
+def test_physical_write_locs_need_the_window_tokens():
+    """A KVWriteLoc marked physical carries full-side tokens only: a window layer cannot map them, and says what to
+    pass."""
+    _, pool, allocator = build(4)
+    loc = allocator.alloc(4)
+    k = torch.zeros((4, SH, SD), dtype=torch.bfloat16, device=loc.device)
+    with pytest.raises(ValueError, match="swa_loc=allocator.translate_loc_from_full_to_swa"):
+        pool.set_kv_buffer(SWA_LAYERS[0], KVWriteLoc(allocator.translate_write_loc(loc), physical=True), k, k)
+    with pytest.raises(ValueError, match="out_width"):
+        allocator.translate_write_loc(loc, out_width=8)
+    out = torch.empty(4, dtype=torch.int64, device=loc.device)
+    assert allocator.translate_kv_loc(loc, out=out) is out and torch.equal(out, pool.translate_loc(loc))
