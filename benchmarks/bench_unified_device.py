@@ -11,10 +11,12 @@ a 32 GiB budget (``memory.budget_gib``), built through ``kvcore.build_pools`` wi
 - **translation**: what the decode path adds: ``allocator.translate_write_loc`` of the step's tokens and
   ``translate_mamba_indices`` of its requests' state slots (graph replay).
 - **engine loop**: requests arrive (prompts of 1-2048 tokens, a state slot each), decode and finish at random,
-  eager, the device waited for at each step: wall us per step, split against unified.
-- **compaction**: a free that moves envelopes: one request of 4096 tokens (256 pages of every full layer) freed
-  below 256 live pages, host time of the free plus the device time of the moves, against the copy ceiling for the
-  bytes moved; and a state slot freed below 255 others (one envelope of every linear layer moves).
+  eager, the device waited for at each step (the unified pool's stores take the step's physical tokens): wall us
+  per step, split against unified.
+- **compaction**: a free leaves holes (compaction is lazy) and ``memory.flush()`` moves the envelopes above them:
+  one request of 4096 tokens (256 pages of every full layer) freed below 256 live pages, and a state slot freed below
+  255 others (one envelope of every linear layer moves); host time of each call and until the device finished,
+  against the copy ceiling for the bytes moved.
 
 Correctness first: the unified store must read back what the split one does.
 """
@@ -90,25 +92,35 @@ def store_table(model, title: str) -> None:
         print(f"{n:>8} {s:>9.2f} {u:>12.2f} {p:>17.2f} {u / s:>10.2f} {p / s:>15.2f}")
 
 
-def timed_free(what: str, memory, unit_bytes: int, ceiling: float, free) -> tuple:
-    """One compacting free: (what, units moved, bytes moved, host us of the call, us until the device is done,
-    fraction of the copy ceiling the moves ran at over the whole time)."""
-    torch.cuda.synchronize()
-    moved_before = memory.allocator.moved_units
-    start = time.perf_counter()
-    free()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    total = time.perf_counter() - start
-    moved = memory.allocator.moved_units - moved_before
-    nbytes = moved * unit_bytes
-    return f"compaction: {what}", moved, nbytes, host * 1e6, total * 1e6, 2 * nbytes / total / 1e9 / ceiling
+def timed_free(what: str, memory, unit_bytes: int, ceiling: float, free) -> list[tuple]:
+    """A free, then the compaction it leaves for later (``memory.flush()``): for each, (what, units moved, bytes
+    moved, host us of the call, us until the device is done, fraction of the copy ceiling the moves ran at over the
+    whole time)."""
+    rows = []
+    for name, call in ((f"free {what}", free), (f"flush after it", memory.flush)):
+        torch.cuda.synchronize()
+        moved_before = memory.allocator.moved_units
+        start = time.perf_counter()
+        call()
+        host = time.perf_counter() - start
+        torch.cuda.synchronize()
+        total = time.perf_counter() - start
+        moved = memory.allocator.moved_units - moved_before
+        nbytes = moved * unit_bytes
+        rows.append((name, moved, nbytes, host * 1e6, total * 1e6, 2 * nbytes / total / 1e9 / ceiling))
+    return rows
 
 
 class _Req:
     """A request as the request table reads it (its kept state slot)."""
 
     mamba_pool_idx = None
+
+
+def physical_write_loc(alloc, loc):
+    """What an engine passes to the step's stores: a unified pool's physical tokens, translated once, or ``loc``."""
+    translate = getattr(alloc, "translate_write_loc", None)
+    return loc if translate is None else KVWriteLoc(translate(loc), physical=True)
 
 
 def engine_loop(pools, steps: int = 300, seed: int = 2) -> tuple[float, float, int]:
@@ -140,16 +152,18 @@ def engine_loop(pools, steps: int = 300, seed: int = 2) -> tuple[float, float, i
             if loc is None:
                 table.free(slot)
                 break
+            where = physical_write_loc(alloc, loc)
             for layer in layers:
-                pool.set_kv_buffer(layer, loc, rows[:n], rows[:n])
+                pool.set_kv_buffer(layer, where, rows[:n], rows[:n])
             running.append([n, slot[0], [loc]])
         if running:
             seq = torch.tensor([r[0] + 1 for r in running])
             last = torch.cat([r[2][-1][-1:] for r in running])
             loc = alloc.alloc_decode(seq.cuda(), seq, last)
             if loc is not None:
+                where = physical_write_loc(alloc, loc)
                 for layer in layers:
-                    pool.set_kv_buffer(layer, loc, rows[: loc.numel()], rows[: loc.numel()])
+                    pool.set_kv_buffer(layer, where, rows[: loc.numel()], rows[: loc.numel()])
                 for i, r in enumerate(running):
                     r[0] += 1
                     r[2].append(loc[i : i + 1])
@@ -193,11 +207,11 @@ def main() -> None:
             alloc, memory = pools.token_to_kv_pool_allocator, states.memory
             first = alloc.alloc(4096)
             rest = alloc.alloc(4096)
-            rows.append(timed_free("free 4096 tokens below 4096 live", memory, memory.low_unit, ceiling,
-                                   lambda: alloc.free(first)))  # the 256 pages above move down into its place
+            rows += timed_free("4096 tokens below 4096 live", memory, memory.low_unit, ceiling,
+                               lambda: alloc.free(first))  # the 256 pages above move down into its place
             alloc.free(rest)
-            rows.append(timed_free("free 1 state slot below 255 live", memory, memory.high_unit, ceiling,
-                                   lambda: states.free(slots[:1])))  # the topmost envelope moves into its place
+            rows += timed_free("1 state slot below 255 live", memory, memory.high_unit, ceiling,
+                               lambda: states.free(slots[:1]))  # the topmost envelope moves into its place
             states.free(slots[1:])
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -219,7 +233,7 @@ def main() -> None:
     for bs in (64, 256):
         print(f"  batch {bs:>3}: translate_write_loc {results[('translate_loc', bs)]:.2f}, translate_mamba_indices "
               f"{results[('translate_mamba', bs)]:.2f}; the split store of {bs} tokens {results[('split', bs)]:.2f}")
-    print("\ncompaction (host us of the free call, us until the device finished, moved units and bytes, "
+    print("\nfrees and compaction (host us of the call, us until the device finished, moved units and bytes, "
           "fraction of the copy ceiling)")
     print(f"  alloc of 1 state slot (its envelope zeroed): host {results['alloc_state'][0]:.0f} us, total "
           f"{results['alloc_state'][1]:.0f} us")

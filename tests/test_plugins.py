@@ -531,8 +531,10 @@ BUILTIN_BENCH_CASES = {
     "swa": ["swa set_kv_buffer (window, mapped)"],
     "fp4": ["nvfp4 set_kv_buffer (quantize)", "nvfp4 get_kv_buffer_by_loc", "nvfp4 get_kv_buffer_by_loc (out=)"],
     "mamba": ["mamba copy_from (36 layers)"],
+    "minimax_sparse": [f"minimax-{d} {op}" for d in ("bf16", "fp8") for op in
+                       ("set_index_kv_buffer", "set_index_k_buffer (keys only)", "set_fused_kv_index_buffer")],
 }  # fmt: skip
-BUILTIN = ("mha", "mla", "dsa", "swa", "mamba", "fp4", "k_only", "double_sparse")
+BUILTIN = ("mha", "mla", "dsa", "swa", "mamba", "fp4", "k_only", "double_sparse", "minimax_sparse")
 
 
 def builtin_entry_points():
@@ -567,6 +569,10 @@ def test_the_builtin_plugins_register_every_bench_case():
     assert cases["dsa set_mla_kv_buffer (fp8 quantize)"].bytes_per_token == 1152 + 656
     assert cases["nvfp4 set_kv_buffer (quantize)"].bytes_per_token == 2 * 8 * 128 * 41 // 16
     assert cases["mamba copy_from (36 layers)"].bytes_per_token == 2 * 36 * (4096 * 3 * 2 + 16 * 128 * 128 * 4)
+    # MiniMax's index rows of 128: read as bf16 (256 bytes), written as bf16 (256) or fp8 (128); K and V of 8 x 128
+    assert cases["minimax-bf16 set_index_kv_buffer"].bytes_per_token == 2 * (256 + 256)
+    assert cases["minimax-fp8 set_index_k_buffer (keys only)"].bytes_per_token == 256 + 128
+    assert cases["minimax-fp8 set_fused_kv_index_buffer"].bytes_per_token == 8192 + 2 * (256 + 128)
     assert {op for op, c in cases.items() if c.bytes_per_token is None} == {
         "mha set_kv_buffer fp8<-bf16", "move_kv_cache mha 32 layers", "move_kv_cache mha 32 layers, page 16",
         "move_kv_cache page-major 32 layers, page 16", "dsa set_index_k_scale_buffer", "dsa get_index_k_scale_buffer",

@@ -136,20 +136,27 @@ class AllocatorMachine(RuleBasedStateMachine):
         left to the tokens now."""
         return self.capacity
 
-    def _free_pages(self) -> int:
-        """Pages an allocation can still take: on every side at once."""
+    def window_token_capacity(self) -> int:
+        """Window slots the allocator holds when no token maps into the window: ``window_capacity``, read at the
+        start; a machine whose window side shares its bytes with the full side says what the full pages leave."""
+        return self.window_capacity
+
+    def free_pages(self) -> int:
+        """Pages an allocation can still take: on every side at once (a machine whose sides share their bytes says
+        what a page of both takes of them)."""
         free = self.token_capacity() // self.ps - len(self._used_pages())
         if self.windowed:
-            free = min(free, self.window_capacity // self.ps - self._window_pages_in_use())
+            free = min(free, self.window_token_capacity() // self.ps - self._window_pages_in_use())
         return free
 
     def _window_slots(self, locs: list[int]) -> list[int]:
-        """The window slot each full location maps to (0, the padding slot, for none)."""
+        """The window slot each full location maps to (0, the padding slot, for none): the allocator's map when it
+        keeps one as a tensor (its slots, virtual ones for a unified memory's), else its translation."""
         if not locs:
             return []
         index = self._t(locs)
-        translate = getattr(self.a, "translate_loc_from_full_to_swa", None)
-        slots = translate(index) if callable(translate) else self.a.full_to_swa_index_mapping[index]
+        mapping = getattr(self.a, "full_to_swa_index_mapping", None)
+        slots = mapping[index] if isinstance(mapping, torch.Tensor) else self.a.translate_loc_from_full_to_swa(index)
         return [int(w) for w in slots.tolist()]
 
     def _t(self, values) -> torch.Tensor:
@@ -165,7 +172,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         default."""
 
     def _unchanged(self, before: Any, out, what: str) -> None:
-        assert out is None, f"{what} should not fit ({self._free_pages()} free pages) but returned {out}"
+        assert out is None, f"{what} should not fit ({self.free_pages()} free pages) but returned {out}"
         assert self.refusal_state() == before, f"a refused {what} changed the allocator's state (refusal_state())"
 
     def _lens_call(self, data, method: str, positional: list, keywords: dict[str, Any]):
@@ -195,7 +202,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                               dict(prefix_lens_cpu=pre_cpu, seq_lens=seq_t, seq_lens_cpu=seq_cpu, last_loc=last_t,
                                    extend_num_tokens=sum(adds)))  # fmt: skip
         needed = sum(-(-s // self.ps) - -(-p // self.ps) for p, s in zip(pre, seq))
-        if needed > self._free_pages():
+        if needed > self.free_pages():
             self._unchanged(before, out, f"alloc_extend of {needed} new pages")
             return
         assert out is not None and out.numel() == sum(adds), f"alloc_extend returned {out} for {sum(adds)} tokens"
@@ -221,7 +228,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         out = self._lens_call(data, "alloc_decode", [seq_t, seq_cpu, last_t],
                               dict(seq_lens_cpu=seq_cpu, last_loc=last_t))  # fmt: skip
         needed = sum(len(self.reqs[i]) % self.ps == 0 for i in ids)
-        if needed > self._free_pages():
+        if needed > self.free_pages():
             self._unchanged(before, out, f"alloc_decode of {needed} new pages")
             return
         assert out is not None and out.numel() == len(ids), f"alloc_decode returned {out} for {len(ids)} requests"
@@ -233,7 +240,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def alloc_pages(self, pages):
         before = self.refusal_state()
         out = self.a.alloc(pages * self.ps)
-        if pages > self._free_pages():
+        if pages > self.free_pages():
             self._unchanged(before, out, f"alloc of {pages} pages")
             return
         assert out is not None and out.numel() == pages * self.ps, f"alloc returned {out} for {pages} pages"
@@ -322,7 +329,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if self.windowed:
             got = self.a.full_available_size()
             assert got == expected, f"full_available_size() is {got}, the live and pending pages leave {expected}"
-            expected = self.ps * self._free_pages()
+            expected = self.ps * self.free_pages()
             got = self.a.available_size()
             assert got == expected, f"available_size() is {got}, the smaller side has {expected} tokens free"
         else:
@@ -355,7 +362,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 f"window page {w // ps} is mapped by requests {owner[w // ps]} and {rid} (pages are per request)"
             )  # fmt: skip
         mapped = set(owner) | self.pending_window
-        expected = self.window_capacity - ps * len(mapped)
+        expected = self.window_token_capacity() - ps * len(mapped)
         got = self.a.swa_available_size()
         assert got == expected, (
             f"swa_available_size() is {got}, but live tokens map into {len(owner)} window page(s) and "

@@ -39,3 +39,12 @@ def kvcore_register_backends():
                         model_sections={"minimax_sparse": MiniMaxSparseDims},
                         description="MiniMax sparse attention: K/V of every layer, and each sparse layer's lightning-"
                         "indexer key (and value, unless disabled) per token")]  # fmt: skip
+
+
+@hookimpl
+def kvcore_bench_cases():
+    """``kvcore bench``'s cases of this family (:mod:`kvcore_minimax_sparse.bench`, imported only when the bench
+    runs)."""
+    from kvcore_minimax_sparse.bench import bench_cases
+
+    return bench_cases()

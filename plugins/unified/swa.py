@@ -149,10 +149,13 @@ class UnifiedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
       / ``swa_available_size()`` what either side alone could take, each shrinking as the other takes bytes.
     * An allocation that does not fit returns None and changes nothing: its new pages are checked against both
       sides' ids and the shared free bytes before either side allocates.
-    * :meth:`free` and :meth:`free_swa` read the freed locations to the host (a sync) and compact the sides at once
-      (as UnifiedPagedAllocator's ``free``), after the work queued on ``forward_stream`` when one is given.
-    * :meth:`translate_loc_from_full_to_swa` gives physical window tokens (the pool's), not window slots.
-    * ``backup_state`` / ``restore_state`` raise NotImplementedError: a free moves pages, so no snapshot stays valid.
+    * :meth:`free` and :meth:`free_swa` do not wait for the device: the freed pages reach the sides at their next
+      query or allocation (as UnifiedPagedAllocator's ``free``), after the work queued on ``forward_stream`` when
+      one is given; the memory compacts as it was built to (lazily by default).
+    * :meth:`translate_loc_from_full_to_swa` gives physical window tokens (the pool's), not window slots; the window
+      slots are ``full_to_swa_index_mapping``'s.
+    * ``backup_state`` / ``restore_state`` raise NotImplementedError (``supports_backup`` is False): a compaction
+      moves pages, so no snapshot stays valid.
 
     :param kvcache: a :class:`UnifiedSWAKVPool`; the page size, dtype and device are its own.
     :param need_sort: accepted (freed pages go straight back to the shared range).
@@ -167,6 +170,9 @@ class UnifiedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         super().__init__(memory.allocator.ids(LOW) * page, memory.allocator.ids(HIGH) * page, page, kvcache.dtype,
                          kvcache.device, kvcache, need_sort, kernels)  # fmt: skip
         self.memory, self.forward_stream = memory, forward_stream
+
+    #: no snapshots (the conformance kit reads this and drives none)
+    supports_backup = False
 
     # -- hooks of SWATokenToKVPoolAllocator --------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """The allocator conformance kit on a unified memory's token allocator, with state slots taken and given back
-between its steps (interleaved on the same bytes), at page sizes 1 and 16.
+between its steps (interleaved on the same bytes), and on its sliding-window allocator (full and window pages on
+the two sides of the same bytes), at page sizes 1 and 16.
 
 Beyond the kit's own checks (no location twice, pages per request, exact ``available_size`` — here what the
 bytes the state slots leave hold), this machine writes a K row for every token it is handed and a state for every
@@ -15,6 +16,7 @@ from hypothesis.stateful import invariant, rule
 from kvcore_mamba.layout import LinearStateParams, StateDtype, StateShape
 from kvcore_unified.allocator import HIGH, LOW
 from kvcore_unified.mamba import init_unified_mamba_pools
+from kvcore_unified.swa import init_unified_swa_pools
 
 from kvcore.testing.allocators import AllocatorConformance, AllocatorMachine
 from kvcore.testing.tensors import test_device
@@ -105,6 +107,52 @@ class UnifiedMachine(AllocatorMachine):
             want = torch.stack([self.rows[loc] for loc in live])
             assert torch.equal(keys, want), "a token's K row changed"
         assert self.memory.allocator.used(LOW) == len(self._used_pages()) or self.in_group
+
+
+class UnifiedSWAMachine(AllocatorMachine):
+    """The kit's machine on a unified memory's sliding-window allocator: full pages on one side, window pages on the
+    other, each side's capacity what the other's pages leave of the shared bytes."""
+
+    call_by_keyword = True
+
+    def start(self, allocator) -> None:
+        self.memory = allocator.memory
+        super().start(allocator)
+
+    def _left(self) -> int:
+        """Bytes the live (and pending) full and window pages leave."""
+        m = self.memory
+        return m.capacity - len(self._used_pages()) * m.low_unit - self._window_pages_in_use() * m.high_unit
+
+    def token_capacity(self) -> int:
+        return (self._left() // self.memory.low_unit + len(self._used_pages())) * self.ps
+
+    def window_token_capacity(self) -> int:
+        return (self._left() // self.memory.high_unit + self._window_pages_in_use()) * self.ps
+
+    def free_pages(self) -> int:
+        """A new page takes a full page and a window page of the same bytes."""
+        return self._left() // (self.memory.low_unit + self.memory.high_unit)
+
+
+def _swa_allocator(page_size: int):
+    bundle = init_unified_swa_pools(
+        device=test_device(), kv_cache_dtype=torch.float32, head_num=1, head_dim=4, v_head_dim=4, swa_head_num=1,
+        swa_head_dim=8, swa_v_head_dim=8, page_size=page_size, start_layer=0, end_layer=2,
+        swa_attention_layer_ids=[0], full_attention_layer_ids=[1], full_max_total_num_tokens=8 * page_size,
+        swa_max_total_num_tokens=4 * page_size, kernels="native",
+    )  # fmt: skip
+    return bundle.token_to_kv_pool_allocator
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+class TestUnifiedSWAAllocatorKit(AllocatorConformance):
+    machine = UnifiedSWAMachine
+    examples = 60
+
+    @pytest.fixture
+    def allocator_factory(self, page_size):
+        return lambda: _swa_allocator(page_size)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
