@@ -73,7 +73,8 @@ def draft_config(cfg: EngineConfig, *, registry: Registry | None = None) -> Engi
             draft = loading.load_model(spec.draft_model, registry=registry or get_registry())
         except ConfigError as exc:
             raise ConfigError(f"speculative.draft_model={spec.draft_model!r}: {exc}") from None
-    return attrs.evolve(cfg, model=draft, parallel=attrs.evolve(cfg.parallel, pp_size=1, pp_rank=0))
+    # the draft's pool keeps every layer of its own (no stages, no layer split)
+    return attrs.evolve(cfg, model=draft, parallel=attrs.evolve(cfg.parallel, pp_size=1, pp_rank=0, cp_size=1, cp_rank=0))
 
 
 def _core_request(cfg: EngineConfig, pp_rank: int | None = None, *, is_draft_worker: bool = False) -> PoolRequest:
@@ -100,6 +101,8 @@ def _core_request(cfg: EngineConfig, pp_rank: int | None = None, *, is_draft_wor
         backend=cfg.kv_cache.backend,
         model_name=model.name,
         tp_size=cfg.parallel.tp_size,
+        cp_size=cfg.parallel.cp_size,
+        cp_rank=cfg.parallel.cp_rank,
         kv_format=cfg.kv_format,
         layout=cfg.kv_cache.layout,
         options=cfg.kv_cache.options,
@@ -260,6 +263,8 @@ def build_pools(
     collective = distributed.active(group)
     if collective:
         cfg, _ = distributed.rank_config(cfg, group)
+        if group is None:
+            distributed.init_context_parallel(cfg)
     draft = _draft(cfg, registry)  # resolved once, for the plan and the draft's pool
     if collective and plan is None:
         selection = select_backend(registry, _core_request(cfg))

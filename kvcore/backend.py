@@ -81,6 +81,8 @@ class PoolRequest:
         ``head_dim`` / ``v_head_dim``: what families with per-head rows (MHA/GQA) store; others ignore them.
     :param tp_size: the tensor-parallel size, for families that split more than ``head_num`` over the ranks
         (a sliding-window section's own head count, recurrent state).
+    :param cp_size: / ``cp_rank``: the context-parallel ranks and this one (``parallel.cp_size`` / ``cp_rank``):
+        a family that shards its layers over them (DSA's layer split) stores only this rank's share.
     :param kv_format: the block-scaled format ``kv_cache.dtype`` names (``kv_dtype`` is then ``torch.uint8``),
         or None for a plain dtype.
     :param layout: ``kv_cache.layout``: ``token_major`` or ``page_major`` (served by backends declaring it).
@@ -107,6 +109,8 @@ class PoolRequest:
     backend: str = "auto"
     model_name: str = ""
     tp_size: int = 1
+    cp_size: int = 1
+    cp_rank: int = 0
     kv_format: str | None = None
     layout: str = "token_major"
     options: Any = attrs.field(factory=dict, converter=lambda v: _frozen_mapping(v) if isinstance(v, Mapping) else v)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvcore import load_config, plan_memory
-from kvcore.planning.distributed import placement
+from kvcore.planning.distributed import context_parallel_ranks, placement
 from kvcore.errors import ConfigError
 
 MODEL = ["model=qwen2.5-0.5b", "hardware=cpu", "hardware.kernels=native"]
@@ -105,6 +105,19 @@ def test_a_group_of_the_wrong_size_names_the_keys():
     with pytest.raises(ConfigError, match=r"the process group has 3 ranks, but parallel.tp_size=1 x parallel.pp_size=2"):
         placement(cfg, 0, 3)
     assert [placement(load_config(*MODEL, "parallel.tp_size=2", "parallel.pp_size=2"), r, 4).pp_rank for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_context_parallel_ranks_sit_between_tensor_and_pipeline_ranks():
+    """Global rank = ((dp * pp_size + pp) * cp_size + cp) * tp_size + tp; a context-parallel group is the ranks
+    that differ in their cp rank alone."""
+    cfg = load_config(*MODEL, "parallel.tp_size=2", "parallel.cp_size=2", "parallel.pp_size=2")
+    where = [placement(cfg, r, 8) for r in range(8)]
+    assert [(w.tp_rank, w.cp_rank, w.pp_rank) for w in where] == [
+        (tp, cp, pp) for pp in range(2) for cp in range(2) for tp in range(2)]  # fmt: skip
+    assert context_parallel_ranks(cfg, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert where[3].describe() == "rank 3 of 8 (tp rank 1, cp rank 1, pp rank 0, dp rank 0)"
+    with pytest.raises(ConfigError, match=r"parallel.tp_size=2 x parallel.cp_size=2 x parallel.pp_size=2"):
+        placement(cfg, 0, 4)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")

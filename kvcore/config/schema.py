@@ -144,6 +144,8 @@ class ParallelConfig:
     pp_size: int = key(1, validator=positive, doc="pipeline stages (layers are split over them)")
     pp_rank: int = key(0, doc="this process's pipeline stage")
     dp_size: int = key(1, validator=positive, doc="data-parallel workers sharing memory.max_running_requests")
+    cp_size: int = key(1, validator=positive, doc="context-parallel ranks of a prefill worker (SGLang's attention CP): they hold the same weights and split a prompt's tokens; a DSA model's KV and indexer layers are sharded over them (SGLang's layer split: each rank stores its ceil(layers / cp_size) layers and one scratch layer it receives the others' into), other pools are kept whole on every rank")
+    cp_rank: int = key(0, doc="this process's context-parallel rank (under torch.distributed: from the rank)")
 
 
 SPECULATIVE_ALGORITHMS = ("none", "eagle", "eagle3", "nextn", "standalone")
@@ -280,6 +282,8 @@ def validate(cfg: EngineConfig) -> EngineConfig:
         raise ConfigError(f"parallel.pp_size={p.pp_size} exceeds model.num_hidden_layers={m.num_hidden_layers}")
     if not 0 <= p.pp_rank < p.pp_size:
         raise ConfigError(f"parallel.pp_rank={p.pp_rank} must be in [0, parallel.pp_size={p.pp_size})")
+    if not 0 <= p.cp_rank < p.cp_size:
+        raise ConfigError(f"parallel.cp_rank={p.cp_rank} must be in [0, parallel.cp_size={p.cp_size})")
     if cfg.hardware.device not in ("cpu", "cuda"):
         raise ConfigError(f"hardware.device={cfg.hardware.device!r} is not one of: cpu, cuda")
     _ = cfg.model_dtype, cfg.kv_dtype, cfg.weight_bytes_per_rank  # names errors for unknown dtypes

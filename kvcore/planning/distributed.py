@@ -28,7 +28,8 @@ from kvcore.planning.planner import MemoryPlan, req_to_token_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankPlacement", "active", "agree", "init_from_env", "placement", "rank_config"]
+__all__ = ["RankPlacement", "active", "agree", "context_parallel_group", "context_parallel_ranks", "init_context_parallel",
+           "init_from_env", "placement", "rank_config"]
 
 
 @attrs.frozen
@@ -40,9 +41,13 @@ class RankPlacement:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    cp_rank: int = 0
+    cp_size: int = 1
 
     def describe(self) -> str:
-        return f"rank {self.rank} of {self.world_size} (tp rank {self.tp_rank}, pp rank {self.pp_rank}, dp rank {self.dp_rank})"
+        cp = f", cp rank {self.cp_rank}" if self.cp_size > 1 else ""
+        return (f"rank {self.rank} of {self.world_size} (tp rank {self.tp_rank}{cp}, pp rank {self.pp_rank}, dp rank "
+                f"{self.dp_rank})")  # fmt: skip
 
 
 def active(group=None) -> bool:
@@ -52,22 +57,60 @@ def active(group=None) -> bool:
 
 
 def placement(cfg: EngineConfig, rank: int, world_size: int) -> RankPlacement:
-    """This rank's tensor, pipeline and data-parallel ranks.
+    """This rank's tensor, context-parallel, pipeline and data-parallel ranks (global rank = ``((dp_rank * pp_size +
+    pp_rank) * cp_size + cp_rank) * tp_size + tp_rank``).
 
-    :raises ConfigError: when the group's size is not ``tp_size x pp_size x dp_size``, naming the keys.
+    :raises ConfigError: when the group's size is not ``tp_size x cp_size x pp_size x dp_size``, naming the keys.
     """
     p = cfg.parallel
-    expected = p.tp_size * p.pp_size * p.dp_size
+    expected = p.tp_size * p.cp_size * p.pp_size * p.dp_size
     if world_size != expected:
+        cp = f" x parallel.cp_size={p.cp_size}" if p.cp_size > 1 else ""
         raise ConfigError(
-            f"the process group has {world_size} ranks, but parallel.tp_size={p.tp_size} x parallel.pp_size={p.pp_size}"
-            f" x parallel.dp_size={p.dp_size} = {expected}: set them so that their product is {world_size} (e.g. "
-            f"parallel.tp_size={world_size // (p.pp_size * p.dp_size) or 1}), or start {expected} processes"
-        )
+            f"the process group has {world_size} ranks, but parallel.tp_size={p.tp_size}{cp} x parallel.pp_size="
+            f"{p.pp_size} x parallel.dp_size={p.dp_size} = {expected}: set them so that their product is {world_size} "
+            f"(e.g. parallel.tp_size={world_size // (p.cp_size * p.pp_size * p.dp_size) or 1}), or start {expected} "
+            f"processes"
+        )  # fmt: skip
     tp_rank = rank % p.tp_size
-    pp_rank = (rank // p.tp_size) % p.pp_size
-    dp_rank = rank // (p.tp_size * p.pp_size)
-    return RankPlacement(rank, world_size, tp_rank, pp_rank, dp_rank)
+    cp_rank = (rank // p.tp_size) % p.cp_size
+    pp_rank = (rank // (p.tp_size * p.cp_size)) % p.pp_size
+    dp_rank = rank // (p.tp_size * p.cp_size * p.pp_size)
+    return RankPlacement(rank, world_size, tp_rank, pp_rank, dp_rank, cp_rank, p.cp_size)
+
+
+def context_parallel_ranks(cfg: EngineConfig, world_size: int) -> list[list[int]]:
+    """The global ranks of every context-parallel group (ranks that differ in their cp rank alone), each in cp rank
+    order: what a layer-sharded pool broadcasts its layers among."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for rank in range(world_size):
+        where = placement(cfg, rank, world_size)
+        groups.setdefault((where.tp_rank, where.pp_rank, where.dp_rank), []).append(rank)
+    return list(groups.values())
+
+
+_CONTEXT_PARALLEL_GROUP: list = [None]
+
+
+def init_context_parallel(cfg: EngineConfig) -> None:
+    """Create the context-parallel process groups (collective: every rank of the default group calls it, creating
+    every group in the same order) and keep this rank's (:func:`context_parallel_group`).  Nothing to do with
+    ``parallel.cp_size=1``."""
+    if cfg.parallel.cp_size <= 1:
+        return
+    dist = torch.distributed
+    mine = None
+    for ranks in context_parallel_ranks(cfg, dist.get_world_size()):
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    _CONTEXT_PARALLEL_GROUP[0] = mine
+
+
+def context_parallel_group():
+    """This rank's context-parallel process group (its group ranks are the cp ranks), made by
+    :func:`init_context_parallel`; None before, or in a single process."""
+    return _CONTEXT_PARALLEL_GROUP[0]
 
 
 def rank_config(cfg: EngineConfig, group=None) -> tuple[EngineConfig, RankPlacement]:
@@ -77,12 +120,13 @@ def rank_config(cfg: EngineConfig, group=None) -> tuple[EngineConfig, RankPlacem
     """
     dist = torch.distributed
     where = placement(cfg, dist.get_rank(group), dist.get_world_size(group))
-    if cfg.parallel.pp_rank not in (0, where.pp_rank):
-        raise ConfigError(
-            f"parallel.pp_rank={cfg.parallel.pp_rank} contradicts {where.describe()}: leave parallel.pp_rank unset under "
-            "torch.distributed (each rank takes its stage from its rank)"
-        )
-    return attrs.evolve(cfg, parallel=attrs.evolve(cfg.parallel, pp_rank=where.pp_rank)), where
+    for key, mine in (("pp_rank", where.pp_rank), ("cp_rank", where.cp_rank)):
+        if getattr(cfg.parallel, key) not in (0, mine):
+            raise ConfigError(
+                f"parallel.{key}={getattr(cfg.parallel, key)} contradicts {where.describe()}: leave parallel.{key} unset "
+                "under torch.distributed (each rank takes it from its rank)"
+            )  # fmt: skip
+    return attrs.evolve(cfg, parallel=attrs.evolve(cfg.parallel, pp_rank=where.pp_rank, cp_rank=where.cp_rank)), where
 
 
 def _reduce_device(group) -> str:

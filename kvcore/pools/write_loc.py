@@ -2,8 +2,9 @@
 
 An engine that translates its write locations once per step (a pool whose ids are virtual: the unified memory's
 pools) passes the translated, *physical* tokens to every layer's store in a :class:`KVWriteLoc` marked
-``physical=True``, so that no store looks them up again.  Every other pool takes the bundle too and reads its
-``loc`` (or ``full_loc``): on a pool whose ids are physical by allocation, the two are the same ids.
+``physical=True``, so that no store looks them up again.  The MHA, MLA (and page-major), sliding-window and hybrid
+linear-attention pools take the bundle too and read its ``loc`` (or ``full_loc``; a window layer its ``swa_loc``): on
+a pool whose ids are physical by allocation, the two are the same ids.
 
 Pools unwrap with :func:`unwrap_write_loc` and :func:`write_loc_is_physical`; the names are SGLang's.
 """

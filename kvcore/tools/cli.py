@@ -55,7 +55,9 @@ def _describe_config(cfg: EngineConfig) -> list[str]:
         f"{m.num_parameters / 1e9:.2f}B params, {m.dtype}",
         f"hardware   {cfg.hardware.name}: {cfg.hardware.device} ({cfg.hardware.vendor}), "
         f"{cfg.hardware.memory_gib:g} GiB, kernels={cfg.hardware.kernels}",
-        f"parallel   tp={cfg.parallel.tp_size} pp={cfg.parallel.pp_size} (this rank: layers {start}..{end - 1})",
+        f"parallel   tp={cfg.parallel.tp_size} pp={cfg.parallel.pp_size}"
+        + (f" cp={cfg.parallel.cp_size} (cp rank {cfg.parallel.cp_rank})" if cfg.parallel.cp_size > 1 else "")
+        + f" (this rank: layers {start}..{end - 1})",
         f"kv cache   dtype={cfg.kv_format or str(cfg.kv_dtype).removeprefix('torch.')} page_size={cfg.kv_cache.page_size} "
         f"backend={cfg.kv_cache.backend}",
         *_describe_modes(cfg),

@@ -11,6 +11,8 @@ The indexer's page is 64 tokens, so the pool's page size must be 64: the backend
 
 from __future__ import annotations
 
+import attrs
+
 from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import PoolLayout
@@ -34,13 +36,31 @@ def _dims(request: PoolRequest) -> dict:
 
 
 def layout(request: PoolRequest) -> PoolLayout:
+    """The DSA buffers of this rank's layers; with ``parallel.cp_size`` > 1, of its share of them and the scratch
+    layer (:mod:`kvcore_dsa.layer_split`)."""
     from kvcore_dsa.layout import dsa_layout
 
-    return dsa_layout(backend=BACKEND, page_size=request.page_size, dtype=request.kv_dtype,
-                      layer_num=request.layer_num, **_dims(request))  # fmt: skip
+    if request.cp_size <= 1:
+        return dsa_layout(backend=BACKEND, page_size=request.page_size, dtype=request.kv_dtype,
+                          layer_num=request.layer_num, **_dims(request))  # fmt: skip
+    from kvcore_dsa.layer_split import layer_shard_range, stacked_layers
+
+    stacked = stacked_layers(request.cp_rank, request.cp_size, request.layer_num)
+    split = dsa_layout(backend=BACKEND, page_size=request.page_size, dtype=request.kv_dtype, layer_num=stacked,
+                       **_dims(request))  # fmt: skip
+    start, end = layer_shard_range(request.cp_rank, request.cp_size, request.layer_num)
+    note = (f"layer split over parallel.cp_size={request.cp_size} ranks: this rank (cp rank {request.cp_rank}) stores "
+            f"layers {request.start_layer + start}..{request.start_layer + end - 1} of {request.layer_num} and one "
+            f"scratch layer it receives the others into")  # fmt: skip
+    return attrs.evolve(split, notes=(*split.notes, note))
 
 
 def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
+    if request.cp_size > 1:
+        from kvcore_dsa.layer_split import LayerSplitDSATokenToKVPool
+
+        return LayerSplitDSATokenToKVPool(size=sizes["tokens"], **_dims(request), **request.pool_kwargs(),
+                                          layer_shard_rank=request.cp_rank, layer_shard_size=request.cp_size)  # fmt: skip
     from kvcore_dsa.pool import DSATokenToKVPool
 
     return DSATokenToKVPool(size=sizes["tokens"], **_dims(request), **request.pool_kwargs())

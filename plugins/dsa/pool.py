@@ -120,7 +120,8 @@ class DSATokenToKVPool(MLATokenToKVPool):
         self._index_has_scale = self.index_k_dtype == torch.float8_e4m3fn
         self._index_key_bytes = self.index_head_dim * (1 if self._index_has_scale else self.index_k_dtype.itemsize)
         self.index_k_with_scale_cache = torch.zeros(
-            (self.layer_num, index_pages(self.size, self.page_size), index_page_bytes(self.index_k_dtype, self.index_head_dim)),
+            (self._stacked_layers(), index_pages(self.size, self.page_size),
+             index_page_bytes(self.index_k_dtype, self.index_head_dim)),
             dtype=self.index_k_with_scale_buffer_dtype,
             device=self.device,
         )

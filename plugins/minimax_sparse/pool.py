@@ -140,6 +140,24 @@ class MiniMaxSparseKVPool(KVCache):
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         return self.main_pool.get_contiguous_buf_infos()
 
+    def get_sparse_kv_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """SGLang's: the main K of every sparse layer, then their V (pointer, bytes, bytes of one page)."""
+        return self._layer_kv_buf_infos(sorted(self.sparse_layer_id_mapping))
+
+    def get_dense_kv_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """SGLang's: the same for the dense layers."""
+        return self._layer_kv_buf_infos(self.dense_layer_ids)
+
+    def _layer_kv_buf_infos(self, layers: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        views = [self.main_pool.get_key_buffer(g) for g in layers] + [self.main_pool.get_value_buffer(g) for g in layers]
+        return [t.data_ptr() for t in views], [t.nbytes for t in views], [t[0].nbytes * self.page_size for t in views]
+
+    def get_index_k_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """SGLang's: the index keys of the keys-only sparse layers, per layer (pointer, bytes, bytes of one page);
+        empty without such layers."""
+        layers = list(self._index[_INDEX_K_ONLY].unbind(0)) if _INDEX_K_ONLY in self._index else []
+        return [t.data_ptr() for t in layers], [t.nbytes for t in layers], [t[0].nbytes * self.page_size for t in layers]
+
     def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """The index rows, per layer and buffer: (pointer, bytes, bytes of one page), addressed by the main K/V's
         pages (they share token locations)."""

@@ -76,11 +76,16 @@ class MLATokenToKVPool(KVCache):
         self._create_buffers()
         self._finalize_allocation()
 
+    def _stacked_layers(self) -> int:
+        """How many layers the stacked buffers hold: ``layer_num`` (a pool that keeps a share of its layers, DSA's
+        layer split, says how many it keeps)."""
+        return self.layer_num
+
     def _create_buffers(self) -> None:
         """Allocate the latent rows; a subclass adds its own buffers after ``super()._create_buffers()``."""
         rows = self.size + self.page_size
         self.kv_cache = torch.zeros(
-            (self.layer_num, rows, 1, self.kv_cache_dim), dtype=self.store_dtype, device=self.device
+            (self._stacked_layers(), rows, 1, self.kv_cache_dim), dtype=self.store_dtype, device=self.device
         )
         self.kv_buffer = list(self.kv_cache.unbind(0))
         self._rows = LatentRows(self.kv_cache, self.dtype, self._use_triton)

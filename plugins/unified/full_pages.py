@@ -4,16 +4,17 @@ full-attention pages of a hybrid model on the low side, or a sliding-window mode
 The engine holds *virtual* token ids: page ``v`` (a virtual id of the allocator's side) holds tokens
 ``v * page_size .. v * page_size + page_size - 1``, whatever physical page its envelope sits on.  The allocator
 takes pages from the shared range (so they compete with the high side's units for its bytes), maps them in the
-page-major pool laid over the memory (``remap_pages``), and when a free compacts its side it copies the moved
+page-major pool laid over the memory (``remap_pages``), and when its side compacts it copies the moved
 envelopes (``move_pages``) and maps their virtual pages to the new places, in that order on the pool's device:
 ids the engine holds stay valid, their bytes unchanged.
 
 ``alloc_extend`` and ``alloc_decode`` hand out locations in SGLang's order (a request fills its last page from
 ``last_loc + 1``, then takes new pages), computed by kvcore's allocation kernels from the pages taken.  They count
 the pages a call needs on the host, from the CPU copies of the lengths (``prefix_lens_cpu`` / ``seq_lens_cpu``,
-which SGLang passes; without them the counts are read from the device, a sync).  ``free`` reads the freed
-locations back to the host to give their pages back and compact (a sync, at each free or free group); a sync-free
-free is not built yet.
+which SGLang passes; without them the counts are read from the device, a sync).  ``free`` does not wait for the
+device: the freed locations reach the host behind the queued work and their pages go back at the side's next query
+or allocation (:meth:`~kvcore_unified.memory.UnifiedMemory.free_later`); the memory compacts as it was built to
+(lazily by default: when the other side needs the bytes, or at ``flush``).
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
         """The physical tokens (int64, ``loc``'s shape) of this side's tokens ``loc``: what the pool's paged views
         are indexed by (page ``t // page_size``, row ``t % page_size``), the page-major pool's
         :meth:`~kvcore.pools.PageMajorPages.translate_loc`.  ``out``: an int64 tensor of ``loc``'s shape written
-        in place (a captured graph's fixed buffer) and returned.  Valid until the next allocation or free."""
+        in place (a captured graph's fixed buffer) and returned.  Valid until the memory next compacts (an
+        allocation of either side may, and :meth:`UnifiedMemory.flush` does)."""
         physical = self._page_pool.translate_loc(loc)
         if out is None:
             return physical

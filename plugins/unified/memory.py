@@ -174,7 +174,7 @@ class UnifiedMemory:
         self.allocator.release_moves()
 
     def on_move(self, side: str, mover: SideMover) -> None:
-        """Register how ``side``'s envelopes move when a free compacts it (its owner's pool copies them)."""
+        """Register how ``side``'s envelopes move when it compacts (its owner's pool copies them)."""
         if side not in (LOW, HIGH):
             raise ValueError(f"side must be {LOW!r} or {HIGH!r}, got {side!r}")
         self._movers[side] = mover

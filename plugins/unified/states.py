@@ -11,11 +11,12 @@ request table stores them, and ``alloc`` / ``free`` / ``fork_from`` deal in them
 tensors takes *physical* slots, as in SGLang, whose callers translate first: the linear-attention kernels,
 ``copy_from`` and the KV pool's CPU copies take the slots ``translate_mamba_indices`` of the request table gives (a
 gather in ``mamba_v2p_table``; a virtual id not allocated, the padding one included, maps to the padding
-envelope).  When a free compacts the high side, the
-moved envelopes are copied and their ids remapped before the next launch reads them; ids stay valid.
+envelope).  When the high side compacts, the moved envelopes are copied and their ids remapped before the next
+launch reads them; ids stay valid.
 
 An allocation takes units from the shared bytes (so it competes with the full-attention pages) and zeroes their
-envelopes.  A free reads the freed ids back to the host (a sync), to compact.  Per-draft-token states of
+envelopes.  A free does not wait for the device (the ids reach the host behind the queued work, and go back at
+the next query or allocation).  Per-draft-token states of
 speculative decoding are kept per running request outside the shared range, as the split pool keeps them.
 """
 

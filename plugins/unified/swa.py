@@ -4,7 +4,7 @@ instead of a ratio fixed at start-up.
 
 The pools keep the split pools' interfaces (:class:`~kvcore_swa.pool.SWAKVPool`,
 :class:`~kvcore_swa.allocator.SWATokenToKVPoolAllocator`): the engine allocates, stores, moves and offloads by *full
-locations*, as before.  Those are virtual tokens now: a page keeps its ids while a free compacts the sides and moves
+locations*, as before.  Those are virtual tokens now: a page keeps its ids while the sides compact and move
 its bytes.  What an engine changes is how its attention kernels read the paged views (``get_key_buffer(layer)`` /
 ``get_value_buffer(layer)``, indexed ``[t // page_size, t % page_size]`` by a physical token ``t``):
 
@@ -13,8 +13,9 @@ its bytes.  What an engine changes is how its attention kernels read the paged v
   virtual token through the allocator's map -> the window sub-pool's physical token; the allocator's method of that
   name gives the same tokens, as int64).
 
-Both change when an allocation or a free changes the tables (a free compacts at once): translate after the step's
-allocations and frees, before the kernels that read.  Tokens that slid out of the window (``free_swa``) and the
+Both change when the memory compacts (an allocation of either side may, ``memory.flush()`` does): translate after
+the step's allocations and frees, before the kernels that read; the stores take the same translations as a
+:class:`~kvcore.pools.KVWriteLoc` (``allocator.translate_write_loc`` and ``translate_loc_from_full_to_swa``).  Tokens that slid out of the window (``free_swa``) and the
 padding location read the window side's padding page.
 """
 
@@ -115,7 +116,7 @@ class UnifiedSWAKVPool(SWAKVPool):
 
     def token_rows(self) -> dict[str, TokenRows]:
         """SWAKVPool's, with the window rows behind full location -> window token -> physical token: that map is
-        taken now, so the rows stay valid until the next allocation or free (what CPU offload needs of them)."""
+        taken now, so the rows stay valid until the memory next compacts (what CPU offload needs of them)."""
         rows = super().token_rows()
         window = self.swa_kv_pool
         mapping = self.full_to_swa_index_mapping
@@ -252,14 +253,14 @@ class UnifiedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         return super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
 
     def free(self, free_index: torch.Tensor) -> None:
-        """SWATokenToKVPoolAllocator's: both sides' pages back (a sync: the locations are read), compacted at once;
-        inside a free group, at ``free_group_end``."""
+        """SWATokenToKVPoolAllocator's: both sides' pages back (at their next query or allocation, without waiting
+        for the device); inside a free group, at ``free_group_end``."""
         self._after_forward()
         super().free(free_index)
 
     def free_swa(self, free_index: torch.Tensor) -> None:
-        """SWATokenToKVPoolAllocator's (whole window pages back, their full pages kept), reading the window pages
-        to the host (a sync) and compacting the high side at once."""
+        """SWATokenToKVPoolAllocator's (whole window pages back, their full pages kept), without waiting for the
+        device."""
         self._after_forward()
         super().free_swa(free_index)
 
