@@ -58,6 +58,8 @@ class BufferLayout:
     :param sized_by: the size group the row count follows (see module docstring).
     :param tokens_per_row: tokens held by one row (1, or the page size for page-granular buffers).
     :param pad_tokens: tokens' worth of rows added to the size before dividing (the padding page).
+    :param size_multiple: tokens the buffer covers per token of its size group (1; HiSparse's indexer covers every
+        token its host keeps, ``host_to_device_ratio`` per device slot): rows are those of ``size x size_multiple``.
     :param fixed_rows: a row count that does not grow with the size (per-layer constants such as a global
         scale); the buffer then adds no bytes per token.
     """
@@ -70,6 +72,7 @@ class BufferLayout:
     tokens_per_row: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     pad_tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     fixed_rows: int | None = attrs.field(default=None)
+    size_multiple: int = attrs.field(default=1, validator=attrs.validators.ge(1))
 
     @property
     def row_bytes(self) -> int:
@@ -80,7 +83,7 @@ class BufferLayout:
         """Rows of one layer for a pool of ``size`` tokens (or requests)."""
         if self.fixed_rows is not None:
             return self.fixed_rows
-        return (size + self.pad_tokens) // self.tokens_per_row
+        return (size * self.size_multiple + self.pad_tokens) // self.tokens_per_row
 
     def shape(self, size: int) -> tuple[int, ...]:
         """The stacked tensor shape ``(layers, rows, *row_shape)`` for a pool of ``size``."""
@@ -95,7 +98,7 @@ class BufferLayout:
         """Marginal bytes per token (or per request) across all layers; fractional for page rows."""
         if self.fixed_rows is not None:
             return 0.0
-        return self.layers * self.row_bytes / self.tokens_per_row
+        return self.layers * self.row_bytes * self.size_multiple / self.tokens_per_row
 
     def describe(self) -> str:
         """One line for reports, from the declaration alone: ``kv [1, 656] uint8 per token x 61 layers
@@ -105,6 +108,8 @@ class BufferLayout:
             return f"{self.name} {list(self.row_shape)} {dtype} x {self.fixed_rows} rows x {self.layers} layers (fixed)"
         unit = "request" if self.sized_by in ("requests", "running_requests") else "token"
         per = f"per {self.tokens_per_row} {unit}s" if self.tokens_per_row > 1 else f"per {unit}"
+        if self.size_multiple > 1:
+            per += f" (x {self.size_multiple} {unit}s each)"
         group = "" if self.sized_by in ("tokens", "requests") else f" ({self.sized_by})"
         return (
             f"{self.name} {list(self.row_shape)} {str(self.dtype).removeprefix('torch.')} {per} x {self.layers} "

@@ -307,11 +307,13 @@ _COPY_ARGS = KernelArgs(
 )  # fmt: skip
 
 
-def _launch(binding: KernelArgs, grid: tuple, args: tuple, key: tuple, num_warps: int = 4) -> None:
+def _launch(binding: KernelArgs, grid: tuple, args: tuple, key: tuple, num_warps: int = 4,
+            device: torch.device | None = None) -> None:  # fmt: skip
     """``kernel[grid](*args)`` launched directly (:mod:`kvcore.kernels.launch`).  ``args`` are every parameter in
     the binding's order (its runtime ones, then its constexprs), tensors where the kernel takes pointers; they go
     as addresses, and the key adds their dtypes and 16-byte alignments to ``key``, which must name every other
-    runtime argument Triton specializes on (the launcher adds the constexprs and the warps)."""
+    runtime argument Triton specializes on (the launcher adds the constexprs and the warps).  ``device``: where it
+    runs (default: the first tensor's)."""
     tensors, addresses, meta = [], [], list(key)
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -322,11 +324,13 @@ def _launch(binding: KernelArgs, grid: tuple, args: tuple, key: tuple, num_warps
             meta.append(p % 16 == 0)
         else:
             addresses.append(a)
-    launcher_for(binding, tensors[0].device)(tuple(meta), grid[0], grid[1], addresses, tensors, num_warps, grid[2])
+    launcher_for(binding, device or tensors[0].device)(tuple(meta), grid[0], grid[1], addresses, tensors, num_warps,
+                                                       grid[2])  # fmt: skip
 
 
-def _copy_rows(src, dst, src_idx, dst_idx, n, guard=None, guard_mode=0):
-    """Launch :func:`_copy_rows_kernel` over all layers of ``src``/``dst`` ([Lg, rows, W] word views)."""
+def _copy_rows(src, dst, src_idx, dst_idx, n, guard=None, guard_mode=0, device=None):
+    """Launch :func:`_copy_rows_kernel` over all layers of ``src``/``dst`` ([Lg, rows, W] word views), on ``device``
+    (default: ``src``'s)."""
     row = src.shape[2]
     block_c = min(next_pow2(row), _COPY_MAX_BLOCK_C)
     block_n = max(1, min(_COPY_TILE_WORDS // block_c, next_pow2(n)))
@@ -339,7 +343,7 @@ def _copy_rows(src, dst, src_idx, dst_idx, n, guard=None, guard_mode=0):
     _launch(_COPY_ARGS, grid, (
         src, dst, dummy if src_idx is None else src_idx, dummy if dst_idx is None else dst_idx, strides[0],
         strides[1], n, strides[2], strides[3], guard if guard is not None else dummy, *constexprs,
-    ), strides, _COPY_NUM_WARPS)  # fmt: skip
+    ), strides, _COPY_NUM_WARPS, device)  # fmt: skip
 
 
 def _move_via_scratch(
@@ -511,3 +515,34 @@ def move_rows_triton(
         None for a pool with one buffer (MLA's latent rows).
     """
     move_token_rows_triton(*_identity_rows(k_cache, v_cache), tgt_loc, src_loc)
+
+
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+              use_triton: bool = True) -> None:  # fmt: skip
+    """``dst[:, dst_idx[i]] = src[:, src_idx[i]]`` in every layer of two stacked buffers ``[L, rows, ...]`` of one
+    row shape and dtype (packed rows), in one launch.  One of the two may be pinned host memory while the other is
+    on a CUDA device: the kernel, run on that device, reads or writes the host rows over the bus (unified
+    addressing), so a gather of scattered rows from host memory is one launch.  ``src_idx`` / ``dst_idx``: 1-D
+    int32/int64 of one length, on the device the kernel runs on (the CPU for two CPU buffers); targets distinct.
+
+    :raises ValueError: for buffers of other shapes, dtypes or layers, or indices of other lengths.
+    """
+    if src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:] or src.dtype != dst.dtype:
+        raise ValueError(f"copy_rows: [L, rows, ...] buffers of one row shape and dtype, got {tuple(src.shape)} "
+                         f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}")  # fmt: skip
+    if src_idx.dim() != 1 or src_idx.shape != dst_idx.shape:
+        raise ValueError(f"copy_rows: 1-D indices of one length, got {tuple(src_idx.shape)} and {tuple(dst_idx.shape)}")
+    n = src_idx.numel()
+    if n == 0:
+        return
+    device = dst.device if dst.device.type == "cuda" else src.device
+    if not use_triton:
+        rows = src[:, src_idx.to(src.device).long()]
+        dst[:, dst_idx.to(dst.device).long()] = rows.to(dst.device)
+        return
+    if src_idx.device != device or dst_idx.device != device:
+        raise ValueError(f"copy_rows: the indices must be on {device}, where the copy runs")
+    words = _row_words(src), _row_words(dst)
+    if words[0].dtype != words[1].dtype:  # the two allow different words: move bytes
+        words = tuple(w.view(torch.uint8) for w in words)
+    _copy_rows(*words, src_idx, dst_idx, n, device=device)

@@ -84,6 +84,12 @@ class DSAOptions:
         "fp8", validator=_index_dtype_name,
         doc="the indexer's key cache: fp8 (128 fp8 bytes + a float32 scale per token, SGLang's format) or bfloat16",
     )  # fmt: skip
+    host_to_device_ratio: int = key(
+        1, validator=attrs.validators.ge(1),
+        doc="HiSparse (SGLang's enable_hisparse): 2 or more keeps every token in pinned host memory and this many "
+            "tokens per device slot, the device holding the hot ones' latent rows and every token's indexer keys "
+            "(kvcore_dsa.hisparse); 1: every token on the device",
+    )  # fmt: skip
 
 
 def uses_scaled_fp8(dtype: torch.dtype) -> bool:
@@ -177,8 +183,11 @@ def dsa_layout(
     index_head_dim: int,
     layer_num: int,
     index_dtype: torch.dtype | None = None,
+    host_to_device_ratio: int = 1,
 ) -> PoolLayout:
-    """The buffers of a :class:`~kvcore_dsa.pool.DSATokenToKVPool`: the MLA ``kv`` rows and the ``index_k`` pages.
+    """The buffers of a :class:`~kvcore_dsa.pool.DSATokenToKVPool`: the MLA ``kv`` rows and the ``index_k`` pages;
+    with ``host_to_device_ratio`` > 1 (:class:`~kvcore_dsa.hisparse.HiSparseDSATokenToKVPool`) the size is the device
+    slots and the indexer's pages cover that many tokens per slot.
 
     :raises ConfigError: see :func:`check_dsa_dims` (page size 64 is checked here, before anything else,
         so ``kvcore plan`` reports it).
@@ -199,6 +208,7 @@ def dsa_layout(
         dtype=torch.uint8,
         tokens_per_row=INDEX_PAGE_SIZE,
         pad_tokens=page_size + 1,
+        size_multiple=host_to_device_ratio,
     )
     notes = list(mla.notes)
     if uses_scaled_fp8(dtype):
@@ -206,6 +216,10 @@ def dsa_layout(
             f"DSA fp8 row: {kv_lora_rank} fp8 nope + {kv_lora_rank // QUANT_BLOCK_SIZE} fp32 tile scales "
             f"+ {qk_rope_head_dim} bf16 rope = {kv_cache_dim} bytes"
         )
+    if host_to_device_ratio > 1:
+        notes.append(f"HiSparse: {host_to_device_ratio} tokens per device slot; every token's latent row also in "
+                     f"pinned host memory ({kv_cache_dim * storage_dtype(dtype).itemsize} bytes a token per layer, "
+                     "not in the device budget); the indexer keeps every token on the device")  # fmt: skip
     index_name = "fp8 keys + fp32 scales" if index_dtype == torch.float8_e4m3fn else "bf16 keys"
     notes.append(f"indexer: pages of {INDEX_PAGE_SIZE} tokens, {index_name}, {index.row_bytes} bytes a page")
     if storage_dtype(dtype) != dtype and "fp8 stored as uint8" not in notes:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import attrs
 
 from kvcore.backend import BackendSpec, PoolRequest
+from kvcore.errors import ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import PoolLayout
 from kvcore_dsa.layout import DSADims, DSAOptions
@@ -23,6 +24,11 @@ from kvcore_mla.layout import MLADims
 KVCORE_API_VERSION = "4"
 
 BACKEND = "dsa"
+
+
+def _ratio(request: PoolRequest) -> int:
+    """``kv_cache.options.host_to_device_ratio``: HiSparse above 1."""
+    return request.options.host_to_device_ratio
 
 
 def _dims(request: PoolRequest) -> dict:
@@ -42,7 +48,10 @@ def layout(request: PoolRequest) -> PoolLayout:
 
     if request.cp_size <= 1:
         return dsa_layout(backend=BACKEND, page_size=request.page_size, dtype=request.kv_dtype,
-                          layer_num=request.layer_num, **_dims(request))  # fmt: skip
+                          layer_num=request.layer_num, host_to_device_ratio=_ratio(request), **_dims(request))  # fmt: skip
+    if _ratio(request) > 1:
+        raise ConfigError(f"kv_cache.options.host_to_device_ratio={_ratio(request)} (HiSparse) with parallel.cp_size="
+                          f"{request.cp_size} (layer split): kvcore builds one or the other; set one of them to 1")  # fmt: skip
     from kvcore_dsa.layer_split import layer_shard_range, stacked_layers
 
     stacked = stacked_layers(request.cp_rank, request.cp_size, request.layer_num)
@@ -56,6 +65,11 @@ def layout(request: PoolRequest) -> PoolLayout:
 
 
 def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
+    if _ratio(request) > 1:
+        from kvcore_dsa.hisparse import HiSparseDSATokenToKVPool
+
+        return HiSparseDSATokenToKVPool(size=sizes["tokens"], **_dims(request), **request.pool_kwargs(),
+                                        host_to_device_ratio=_ratio(request))  # fmt: skip
     if request.cp_size > 1:
         from kvcore_dsa.layer_split import LayerSplitDSATokenToKVPool
 
@@ -83,6 +97,18 @@ def kvcore_register_backends():
             ),
         )
     ]
+
+
+@hookimpl
+def kvcore_choose_allocator(backend, request, pool, sizes):
+    """HiSparse's allocator (logical tokens and device slots) for a HiSparse pool; None (the core's choice) else."""
+    if backend.name != BACKEND or _ratio(request) <= 1:
+        return None
+    from kvcore_dsa.hisparse import HiSparseTokenToKVPoolAllocator
+
+    return HiSparseTokenToKVPoolAllocator(sizes["tokens"], request.page_size, request.kv_dtype, request.device, pool,
+                                          need_sort=request.mode.need_sort, host_to_device_ratio=_ratio(request),
+                                          kernels=request.kernels)  # fmt: skip
 
 
 @hookimpl

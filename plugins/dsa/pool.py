@@ -114,13 +114,17 @@ class DSATokenToKVPool(MLATokenToKVPool):
             start_layer, end_layer, kv_cache_dim=row, kernels=kernels,
         )  # fmt: skip
 
+    def _index_tokens(self) -> int:
+        """The tokens the indexer's pages cover: the pool's (HiSparse's cover every token the host keeps)."""
+        return self.size
+
     def _create_buffers(self) -> None:
         """The MLA latent rows, then the indexer's pages (the MLA constructor finalizes the allocation)."""
         super()._create_buffers()
         self._index_has_scale = self.index_k_dtype == torch.float8_e4m3fn
         self._index_key_bytes = self.index_head_dim * (1 if self._index_has_scale else self.index_k_dtype.itemsize)
         self.index_k_with_scale_cache = torch.zeros(
-            (self._stacked_layers(), index_pages(self.size, self.page_size),
+            (self._stacked_layers(), index_pages(self._index_tokens(), self.page_size),
              index_page_bytes(self.index_k_dtype, self.index_head_dim)),
             dtype=self.index_k_with_scale_buffer_dtype,
             device=self.device,
