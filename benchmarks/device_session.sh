@@ -2,7 +2,7 @@
 # One call on a GPU machine that reaches no package registry: install kvcore there, then run the phases named,
 # in order, each with its output kept under $OUT (default /tmp/kvcore-out) and its last lines printed.
 #
-#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax]
+#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse]
 #
 #   tests  the compiled suite: KVCORE_TEST_COMPILED=1 python -m pytest -q -n 12   ($OUT/tests.txt)
 #   alloc  python benchmarks/bench_allocator.py                                     ($OUT/alloc.txt)
@@ -15,6 +15,7 @@
 #   hfgen  python benchmarks/bench_hf_generate.py (transformers generation)          ($OUT/hfgen.txt)
 #   unified  python benchmarks/bench_unified_device.py (the unified memory's costs)   ($OUT/unified.txt)
 #   minimax  kvcore bench --quick of the MiniMax sparse family (and MHA's, the engine step) ($OUT/minimax.txt)
+#   hisparse  python benchmarks/bench_hisparse_device.py (HiSparse's host <-> device gathers)  ($OUT/hisparse.txt)
 #
 # That machine lacks omegaconf: put its wheel under .whl first (ignored by git) and carry .whl with the call:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl omegaconf==2.4.0
@@ -58,7 +59,8 @@ for phase in "$@"; do
         hfgen) run hfgen python3 benchmarks/bench_hf_generate.py ;;
         unified) run unified python3 benchmarks/bench_unified_device.py ;;
         minimax) run minimax env KVCORE_PLUGINS=mha,minimax_sparse python3 -m kvcore bench --quick ;;
-        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax)"; status=2 ;;
+        hisparse) run hisparse python3 benchmarks/bench_hisparse_device.py ;;
+        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse)"; status=2 ;;
     esac
 done
 exit $status
