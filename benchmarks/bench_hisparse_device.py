@@ -48,7 +48,7 @@ def main() -> None:
           f"{SLOTS * RATIO} tokens ({host.nbytes / 2**30:.1f} GiB pinned)")
     print(f"{'op':>7} {'tokens':>7} {'MB':>8} {'kvcore ms':>10} {'torch ms':>9} {'ceiling ms':>11} {'kvcore/ceil':>12} "
           f"{'torch/ceil':>11}")  # fmt: skip
-    for n in (2048, 8192, 32768):
+    for n in (2048, 8192, 32000):
         loc = (torch.randperm(SLOTS * RATIO - 64, generator=gen)[:n] + 64).cuda()
         slots = (torch.randperm(SLOTS - 64, generator=gen)[:n] + 64).cuda()
         nbytes = n * LAYERS * ROW

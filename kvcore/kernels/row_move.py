@@ -542,6 +542,10 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_i
         return
     if src_idx.device != device or dst_idx.device != device:
         raise ValueError(f"copy_rows: the indices must be on {device}, where the copy runs")
+    for name, buf in (("src", src), ("dst", dst)):
+        if device.type == "cuda" and buf.device.type == "cpu" and not buf.is_pinned():
+            raise ValueError(f"copy_rows: {name} is pageable host memory, which a kernel cannot reach: pin it "
+                             "(tensor.pin_memory())")  # fmt: skip
     words = _row_words(src), _row_words(dst)
     if words[0].dtype != words[1].dtype:  # the two allow different words: move bytes
         words = tuple(w.view(torch.uint8) for w in words)
