@@ -34,23 +34,20 @@ class PageMajorPages:
     the host as blocks; and, built with virtual pages, every token goes through a virtual -> physical token table.
 
     The pool sets ``kv_cache``, ``_offsets`` (``arange(page_size)``), ``_token_of`` (the virtual -> physical
-    token table, or None when tokens are physical: :meth:`_token_table`), ``_row_of_token`` (its store's token ->
-    row map) and :meth:`_physical_rows` (its rows by physical token)."""
+    token table, or None when tokens are physical: :meth:`_token_table`) and :meth:`_physical_rows` (its rows by
+    physical token)."""
 
     def _physical_rows(self) -> TokenRows:
         raise NotImplementedError
 
-    def _token_table(self, size: int, virtual_pages: int | None, padding_page: int) -> torch.Tensor:
-        """Set ``_token_of`` and return the physical token of every token the pool addresses (what the store's
-        token -> row map is :meth:`_physical_rows` of): ``0 .. size + page_size - 1`` themselves, or with
-        ``virtual_pages`` the virtual -> physical table, every virtual page (``0 .. virtual_pages``) on physical page
-        ``padding_page``."""
+    def _token_table(self, size: int, virtual_pages: int | None, padding_page: int) -> None:
+        """Set ``_token_of``: None (tokens are physical), or with ``virtual_pages`` the virtual -> physical token
+        table, every virtual page (``0 .. virtual_pages``) on physical page ``padding_page``."""
         page = self.page_size
         if virtual_pages is None:
             self._token_of = None
-            return torch.arange(size + page, device=self.device)
+            return
         self._token_of = (torch.arange(page, device=self.device) + padding_page * page).repeat(int(virtual_pages) + 1)
-        return self._token_of
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """:meth:`KVCache.move_kv_cache`, virtual tokens translated to their physical ones first
@@ -83,7 +80,6 @@ class PageMajorPages:
         tokens = physical.to(torch.int64)[:, None] * page + self._offsets
         virtual = virtual.to(torch.int64)
         self._token_of.view(-1, page)[virtual] = tokens
-        self._row_of_token.view(-1, page)[virtual] = self._physical_rows().row_of(tokens).to(self._row_of_token.dtype)
 
     def translate_loc(self, loc: torch.Tensor) -> torch.Tensor:
         """The physical tokens of tokens ``loc`` (int64, ``loc``'s shape): what indexes the paged views

@@ -77,14 +77,13 @@ class PageMajorMHATokenToKVPool(PageMajorPages, KVCache):
         self._k_rows = self.kv_cache.as_strided((layer_num, rows, head_num, head_dim), (2 * page_size * row, row, head_dim, 1), base)
         self._v_rows = self.kv_cache.as_strided((layer_num, rows, head_num, head_dim), (2 * page_size * row, row, head_dim, 1),
                                                 base + page_size * row)  # fmt: skip
-        tokens = self._token_table(size, virtual_pages, padding_page)
-        self._row_of_token = self._physical_rows().row_of(tokens)
+        self._token_table(size, virtual_pages, padding_page)
+        pages = (page_size, self.rows_per_page)
         #: stores by physical token: rows computed in the launch (no table read)
-        self._physical_store = KVStore(self._k_rows, self._v_rows, dtype, self._use_triton,
-                                       pages=(page_size, self.rows_per_page))  # fmt: skip
-        #: stores by the pool's tokens: virtual ones through the token -> row table in the launch
+        self._physical_store = KVStore(self._k_rows, self._v_rows, dtype, self._use_triton, pages=pages)
+        #: stores by the pool's tokens: virtual ones through the token table in the launch, then their rows
         self._store = self._physical_store if virtual_pages is None else KVStore(
-            self._k_rows, self._v_rows, dtype, self._use_triton, index_map=self._row_of_token)  # fmt: skip
+            self._k_rows, self._v_rows, dtype, self._use_triton, index_map=self._token_of, pages=pages)  # fmt: skip
         self._offsets = torch.arange(page_size, device=device)
         self._finalize_allocation()
 

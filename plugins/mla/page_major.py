@@ -87,8 +87,7 @@ class PageMajorMLATokenToKVPool(PageMajorPages, MLATokenToKVPool):
                                                      self.kv_cache.storage_offset())  # fmt: skip
         #: the rows by physical token
         self._rows_by_physical_token = TokenRows(self._latent_rows, page, self.rows_per_page)
-        tokens = self._token_table(self.size, self._virtual_pages, self._padding_page)
-        self._row_of_token = self._physical_rows().row_of(tokens)
+        self._token_table(self.size, self._virtual_pages, self._padding_page)
         #: stores and gathers by physical token (rows computed in the launch)
         self._physical_io = LatentRows(self._latent_rows, self.dtype, self._use_triton,
                                        pages=(page, self.rows_per_page))  # fmt: skip

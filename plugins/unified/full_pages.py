@@ -154,10 +154,12 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
         ids = self._ends.alloc(self.side, count)
         if ids is None:
             return None
-        pages = torch.from_numpy(ids).to(self.device)
-        if count:
-            physical = torch.from_numpy(self.memory.page_of(self.side, self._ends.physical(self.side, ids))).to(self.device)
-            self._page_pool.remap_pages(pages, physical)
+        if not count:
+            return torch.from_numpy(ids).to(self.device)
+        # the virtual pages and their physical pages in one copy to the device
+        both = torch.from_numpy(np.stack([ids, self.memory.page_of(self.side, self._ends.physical(self.side, ids))]))
+        pages, physical = both.to(self.device).unbind(0)
+        self._page_pool.remap_pages(pages, physical)
         return pages
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:

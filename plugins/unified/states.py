@@ -141,11 +141,13 @@ class UnifiedMambaPool(MambaPool):
         ids = self._ends.alloc(HIGH, need_size)
         if ids is None:
             return None
-        virtual = torch.from_numpy(ids).to(self.device)
-        if need_size:
-            pages = torch.from_numpy(self.memory.page_of(HIGH, self._ends.physical(HIGH, ids))).to(self.device)
-            self._slot_of[virtual] = pages
-            self._units.index_fill_(0, pages, 0)
+        if not need_size:
+            return torch.from_numpy(ids).to(self.device)
+        # the virtual slots and their pages in one copy to the device
+        both = torch.from_numpy(np.stack([ids, self.memory.page_of(HIGH, self._ends.physical(HIGH, ids))]))
+        virtual, pages = both.to(self.device).unbind(0)
+        self._slot_of[virtual] = pages
+        self._units.index_fill_(0, pages, 0)
         return virtual
 
     def fork_from(self, src_index: torch.Tensor) -> Optional[torch.Tensor]:

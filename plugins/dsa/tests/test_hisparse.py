@@ -114,13 +114,12 @@ def test_a_row_copy_between_host_and_device_buffers_matches_torch(n):
     want = torch.zeros_like(device_rows)
     want[:, dst.to(dev)] = host[:, src].to(dev)
     assert torch.equal(device_rows, want)
-    back = torch.zeros_like(host)
-    back = back.pin_memory() if pinned else back
+    back = torch.zeros(host.shape, dtype=host.dtype, pin_memory=pinned)
     copy_rows(device_rows, back, dst.to(dev), src.to(dev))
     assert torch.equal(back[:, src], host[:, src]) and int(back.count_nonzero()) == int(back[:, src].count_nonzero())
     if pinned:  # pageable host memory cannot be read by a kernel: refused, naming it
         with pytest.raises(ValueError, match="pinned"):
-            copy_rows(device_rows, torch.zeros_like(host), dst.to(dev), src.to(dev))
+            copy_rows(device_rows, torch.zeros(host.shape, dtype=host.dtype), dst.to(dev), src.to(dev))
 
 
 class TestHiSparseConformance(KVCacheConformance):
