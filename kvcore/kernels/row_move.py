@@ -522,7 +522,8 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_i
     """``dst[:, dst_idx[i]] = src[:, src_idx[i]]`` in every layer of two stacked buffers ``[L, rows, ...]`` of one
     row shape and dtype (packed rows), in one launch.  One of the two may be pinned host memory while the other is
     on a CUDA device: the kernel, run on that device, reads or writes the host rows over the bus (unified
-    addressing), so a gather of scattered rows from host memory is one launch.  ``src_idx`` / ``dst_idx``: 1-D
+    addressing), so a gather of scattered rows from host memory is one launch; like any launch it is asynchronous:
+    synchronize before the host reads rows it wrote.  ``src_idx`` / ``dst_idx``: 1-D
     int32/int64 of one length, on the device the kernel runs on (the CPU for two CPU buffers); targets distinct.
 
     :raises ValueError: for buffers of other shapes, dtypes or layers, or indices of other lengths.

@@ -127,7 +127,8 @@ class HiSparseDSATokenToKVPool(DSATokenToKVPool):
     # -- the host mirror ------------------------------------------------------------------------------------
 
     def backup_to_host(self, loc: torch.Tensor) -> None:
-        """Copy the latent rows of hot logical tokens ``loc`` (every layer) to the host mirror, one launch."""
+        """Copy the latent rows of hot logical tokens ``loc`` (every layer) to the host mirror, one launch (on the
+        current stream: the host sees them once it has finished)."""
         loc = loc.reshape(-1).long()
         copy_rows(self.kv_cache, self.host_kv_cache, self.translate_loc_to_hisparse_device(loc),
                   loc.to(self.kv_cache.device), self._use_triton)  # fmt: skip
