@@ -54,7 +54,7 @@ def main() -> None:
         nbytes = n * LAYERS * ROW
         block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         block_dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        loc_cpu, slots_cpu = loc.cpu(), slots.cpu()
+        loc_cpu = loc.cpu()
 
         def torch_load():
             device[:, slots] = host[:, loc_cpu].to("cuda", non_blocking=True)

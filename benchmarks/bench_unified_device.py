@@ -97,7 +97,7 @@ def timed_free(what: str, memory, unit_bytes: int, ceiling: float, free) -> list
     moved, host us of the call, us until the device is done, fraction of the copy ceiling the moves ran at over the
     whole time)."""
     rows = []
-    for name, call in ((f"free {what}", free), (f"flush after it", memory.flush)):
+    for name, call in ((f"free {what}", free), ("flush after it", memory.flush)):
         torch.cuda.synchronize()
         moved_before = memory.allocator.moved_units
         start = time.perf_counter()

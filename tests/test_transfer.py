@@ -226,8 +226,9 @@ def test_unified_pools_move_by_physical_places(model, agents):
             mine, theirs = a.req_to_token_pool.mamba2_layer_cache(layer), b.req_to_token_pool.mamba2_layer_cache(layer)
             ps, pd = a.req_to_token_pool.mamba_pool.translate(src_slots), b.req_to_token_pool.mamba_pool.translate(dst_slots)
             assert torch.equal(theirs.temporal[pd], mine.temporal[ps]) and torch.equal(theirs.conv[0][pd], mine.conv[0][ps])
-    hole, _above = b.token_to_kv_pool_allocator.alloc(page), b.token_to_kv_pool_allocator.alloc(page)
-    b.token_to_kv_pool_allocator.free(hole)  # a hole below the top
+    hole = b.token_to_kv_pool_allocator.alloc(page)
+    b.token_to_kv_pool_allocator.alloc(page)  # a page above it, so that its free leaves a hole below the top
+    b.token_to_kv_pool_allocator.free(hole)
     assert dst_memory.flush() == 0, "a held memory moved a unit"
     dst_memory.release_moves()
     assert dst_memory.flush() > 0
