@@ -83,7 +83,9 @@ class CheckedPool:
     # -- checks -------------------------------------------------------------------------------------------
 
     def _locations(self, call: str, name: str, loc: Any, write: bool) -> torch.Tensor:
-        flat = _index(call, name, loc, self._device)
+        from kvcore.pools import tokens_of  # not at import (see _layer)
+
+        flat = _index(call, name, tokens_of(loc), self._device)
         if flat.numel() == 0:
             return flat
         rows = self._pool.size + self._pool.page_size

@@ -24,10 +24,10 @@ from kvcore.pools.base import (
     unsupported,
 )
 from kvcore.pools.page_major import PageMajorPages, lay_over
-from kvcore.pools.write_loc import KVWriteLoc, WriteLoc, full_write_loc, unwrap_write_loc, write_loc_is_physical
+from kvcore.pools.write_loc import KVWriteLoc, WriteLoc, full_write_loc, tokens_of, unwrap_write_loc, write_loc_is_physical
 
 __all__ = [
     "GB", "DecodeReqToTokenPool", "KVCache", "KVWriteLoc", "PageMajorPages", "ReqToTokenPool", "WriteLoc",
     "check_memory_saver", "check_pool_class", "check_post_capture", "empty_of", "full_write_loc", "gather_outputs",
-    "host_buffer", "lay_over", "layer_id_of", "unsupported", "unwrap_write_loc", "write_loc_is_physical",
+    "host_buffer", "lay_over", "layer_id_of", "tokens_of", "unsupported", "unwrap_write_loc", "write_loc_is_physical",
 ]  # fmt: skip

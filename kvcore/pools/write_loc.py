@@ -2,9 +2,9 @@
 
 An engine that translates its write locations once per step (a pool whose ids are virtual: the unified memory's
 pools) passes the translated, *physical* tokens to every layer's store in a :class:`KVWriteLoc` marked
-``physical=True``, so that no store looks them up again.  The MHA, MLA (and page-major), sliding-window and hybrid
-linear-attention pools take the bundle too and read its ``loc`` (or ``full_loc``; a window layer its ``swa_loc``): on
-a pool whose ids are physical by allocation, the two are the same ids.
+``physical=True``, so that no store looks them up again.  Every builtin pool's store takes the bundle too and reads
+its ``loc`` (or ``full_loc``; a window layer its ``swa_loc``; :func:`tokens_of`): on a pool whose ids are physical by
+allocation, the two are the same ids.
 
 Pools unwrap with :func:`unwrap_write_loc` and :func:`write_loc_is_physical`; the names are SGLang's.
 """
@@ -16,7 +16,7 @@ from typing import Optional, Union
 import attrs
 import torch
 
-__all__ = ["KVWriteLoc", "WriteLoc", "full_write_loc", "unwrap_write_loc", "write_loc_is_physical"]
+__all__ = ["KVWriteLoc", "WriteLoc", "full_write_loc", "tokens_of", "unwrap_write_loc", "write_loc_is_physical"]
 
 
 @attrs.frozen
@@ -58,3 +58,11 @@ def full_write_loc(loc_info: WriteLoc) -> tuple[torch.Tensor, bool]:
     if loc_info.__class__ is not KVWriteLoc:
         return loc_info, False
     return (loc_info.loc if loc_info.full_loc is None else loc_info.full_loc), loc_info.physical
+
+
+def tokens_of(loc_info: WriteLoc) -> torch.Tensor:
+    """The tokens a pool whose ids are physical writes: a bare tensor itself, a :class:`KVWriteLoc`'s ``full_loc``
+    or else its ``loc``."""
+    if loc_info.__class__ is not KVWriteLoc:
+        return loc_info
+    return loc_info.loc if loc_info.full_loc is None else loc_info.full_loc

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from kvcore_mha.row_store import RowStore
 
-from kvcore.pools import KVCache
+from kvcore.pools import KVCache, tokens_of
 from kvcore.sample import random_nonzero
 
 
@@ -61,6 +61,7 @@ class DoubleSparseTokenToKVPool(KVCache):
         """Store K, V (``[N, head_num, head_dim]``) and labels (``[N, head_num, heavy_channel_num]``) of
         ``loc.numel()`` tokens into ``layer``, converted to the cache dtype, in one launch."""
         local = self.local_layer(layer, layer_id_override)
+        loc = tokens_of(loc)
         try:
             self._store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k, cache_v, cache_label)
         except ValueError as exc:

@@ -23,7 +23,7 @@ import torch
 
 from kvcore.allocators import BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvcore.kernels.row_move import RowMover, copy_rows, move_token_rows_native
-from kvcore.pools import unsupported
+from kvcore.pools import tokens_of, unsupported
 from kvcore.token_rows import TokenRows
 from kvcore_dsa.pool import DSATokenToKVPool
 
@@ -107,16 +107,16 @@ class HiSparseDSATokenToKVPool(DSATokenToKVPool):
     # -- stores and reads by logical token ----------------------------------------------------------------
 
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope, layer_id_override: int | None = None) -> None:
-        super().set_mla_kv_buffer(layer, self.translate_loc_to_hisparse_device(loc), cache_k_nope, cache_k_rope,
+        super().set_mla_kv_buffer(layer, self.translate_loc_to_hisparse_device(tokens_of(loc)), cache_k_nope, cache_k_rope,
                                   layer_id_override)  # fmt: skip
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v=None, k_scale=None, v_scale=None,
                       layer_id_override: int | None = None) -> None:  # fmt: skip
-        super().set_kv_buffer(layer, self.translate_loc_to_hisparse_device(loc), cache_k, cache_v, k_scale, v_scale,
+        super().set_kv_buffer(layer, self.translate_loc_to_hisparse_device(tokens_of(loc)), cache_k, cache_v, k_scale, v_scale,
                               layer_id_override)  # fmt: skip
 
     def get_mla_kv_buffer(self, layer, loc, dst_dtype: torch.dtype | None = None, *, out=None):
-        return super().get_mla_kv_buffer(layer, self.translate_loc_to_hisparse_device(loc), dst_dtype, out=out)
+        return super().get_mla_kv_buffer(layer, self.translate_loc_to_hisparse_device(tokens_of(loc)), dst_dtype, out=out)
 
     def token_rows(self) -> dict[str, TokenRows]:
         """DSA's rows, the latent ones by logical token through the map (the indexer's are by logical token)."""

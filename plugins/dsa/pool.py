@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.pools import gather_outputs
+from kvcore.pools import gather_outputs, tokens_of
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_dsa import kernels
@@ -188,6 +188,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         if not self.dsa_kv_cache_store_fp8:
             return super().set_mla_kv_buffer(layer, loc, cache_k_nope, cache_k_rope, layer_id_override)
         local = self.local_layer(layer, layer_id_override)
+        loc = tokens_of(loc)
         self._scaled.store(local, loc if loc.dim() == 1 else loc.reshape(-1), cache_k_nope, cache_k_rope)
 
     def set_kv_buffer(
@@ -213,6 +214,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         if k_scale is not None or v_scale is not None:
             raise ValueError("DSA fp8 rows carry per-tile scales; pass k_scale=None and v_scale=None")
         local = self.local_layer(layer, layer_id_override)
+        loc = tokens_of(loc)
         loc = loc.reshape(-1)
         n = loc.numel()
         if cache_k.dtype in (torch.uint8, torch.float8_e4m3fn) and cache_k.shape[-1] == self.kv_cache_dim:
@@ -243,6 +245,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         if not self.dsa_kv_cache_store_fp8:
             return super().get_mla_kv_buffer(layer, loc, dst_dtype, out=out)
         local = self._read_layer(layer)
+        loc = tokens_of(loc)
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
         if out is None:
             return self._scaled.gather_new(local, loc, dst_dtype or ROPE_STORAGE_DTYPE)
@@ -265,6 +268,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
         :param index_k_scale: fp8 indexer: ``[N]`` float32 (or ``[N, 4]`` uint8 holding them); bf16: None.
         """
         local = self.local_layer(layer_id)
+        loc = tokens_of(loc)
         loc = loc if loc.dim() == 1 else loc.reshape(-1)
         if index_k.shape[-1] != self.index_head_dim:
             raise ValueError(f"index_k {tuple(index_k.shape)} must end in index_head_dim = {self.index_head_dim}")

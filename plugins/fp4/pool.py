@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.pools import KVCache, check_post_capture, gather_outputs
+from kvcore.pools import KVCache, check_post_capture, gather_outputs, tokens_of
 from kvcore.sample import random_nonzero
 from kvcore_fp4 import kernels as block_kernels
 from kvcore_fp4.formats import RECIPES, dequantize, quantize
@@ -265,6 +265,7 @@ class MHATokenToKVPoolFP4(_BlockScaledPool):
         if k_scale is not None or v_scale is not None:
             _refuse_scales(self.kv_format, k_scale, v_scale)
         local = self.local_layer(layer, layer_id_override)
+        loc = tokens_of(loc)
         if self._use_triton and self._rows.store(local, loc, cache_k, cache_v, _writes_as_given):
             return  # the usual call ([N, H, D] rows), checked once per call signature
         loc = _flat_loc(loc)
@@ -410,6 +411,7 @@ class MLATokenToKVPoolFP4(_BlockScaledPool):
         """Quantize nope ``[N, 1, kv_lora_rank]`` and rope ``[N, 1, qk_rope_head_dim]`` (or ``[N, W]``) into rows
         ``loc``, each part with its own block scales (one launch)."""
         local = self.local_layer(layer, layer_id_override)
+        loc = tokens_of(loc)
         if self._use_triton and self._rows.store(local, loc, cache_k_nope, cache_k_rope, _writes_as_given):
             return  # the usual call ([N, 1, W] parts), checked once per call signature
         loc = _flat_loc(loc)
@@ -444,6 +446,7 @@ class MLATokenToKVPoolFP4(_BlockScaledPool):
         ignored, as in SGLang; block-scaled rows take no ``k_scale`` / ``v_scale``)."""
         if k_scale is not None or v_scale is not None:
             raise ValueError(f"{self.kv_format} rows carry their own block scales; pass k_scale=None, v_scale=None")
+        loc = tokens_of(loc)
         if self._use_triton:  # the usual call ([N, 1, W] rows): checked once per call signature, no views made
             local = self.local_layer(layer, layer_id_override)
             if self._rows.store_rows(local, loc, cache_k, _latent_rows_as_given):

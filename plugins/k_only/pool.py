@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from kvcore_mha.row_store import RowStore
 
-from kvcore.pools import KVCache
+from kvcore.pools import KVCache, tokens_of
 from kvcore.sample import random_nonzero
 
 
@@ -48,6 +48,7 @@ class MHATokenToKOnlyPool(KVCache):
         if (k_scale is not None or v_scale is not None) and cache_k.dtype != self.dtype:
             raise ValueError(f"{type(self).__name__} stores unscaled keys: pass k_scale=None")
         local = self.local_layer(layer, layer_id_override)
+        loc = tokens_of(loc)
         if cache_k.dim() == 2:
             cache_k = cache_k.view(-1, self.head_num, self.head_dim)
         try:

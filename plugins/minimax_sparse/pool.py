@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from kvcore.kernels.dtypes import storage_dtype
-from kvcore.pools import KVCache, check_pool_class, layer_id_of, unsupported
+from kvcore.pools import KVCache, check_pool_class, layer_id_of, tokens_of, unsupported
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_mha import MHATokenToKVPool, RowStore
@@ -248,7 +248,8 @@ class MiniMaxSparseKVPool(KVCache):
             self.set_index_kv_buffer(layer, loc, cache_idx_k, cache_idx_v, idx_k_scale, idx_v_scale)
 
     @staticmethod
-    def _flat(loc: torch.Tensor) -> torch.Tensor:
+    def _flat(loc) -> torch.Tensor:
+        loc = tokens_of(loc)
         return loc if loc.dim() == 1 else loc.reshape(-1)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
