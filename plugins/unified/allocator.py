@@ -51,7 +51,9 @@ class _Side:
         self.p2v = np.zeros(max(physical, 1), dtype=np.int64)
         self.top = 0
         self.holes: list[int] = []  # physical units below top not allocated
-        self.free_ids: list[int] = list(range(1, ids + 1))
+        #: the free virtual ids as a stack: the next allocation takes from the end (id 1 first, then the most
+        #: recently freed), so neither taking nor giving back shifts the list
+        self.free_ids: list[int] = list(range(ids, 0, -1))
         self.device: torch.Tensor | None = None
 
     @property
@@ -129,7 +131,7 @@ class MultiEndedAllocator:
 
     def free_ids(self, side: str) -> list[int]:
         """``side``'s virtual ids not allocated, in the order :meth:`alloc` takes them."""
-        return list(self._sides[side].free_ids)
+        return self._sides[side].free_ids[::-1]
 
     def physical(self, side: str, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """The physical units of virtual ``ids`` of ``side`` (``-1`` for an id not allocated)."""
@@ -169,8 +171,8 @@ class MultiEndedAllocator:
         other = self._other(side)
         if from_top * s.unit > self.capacity - s.top * s.unit - other.top * other.unit:
             self._compact(other)
-        ids = np.asarray(s.free_ids[:count], dtype=np.int64)
-        del s.free_ids[:count]
+        ids = np.asarray(s.free_ids[len(s.free_ids) - count:][::-1], dtype=np.int64)
+        del s.free_ids[len(s.free_ids) - count:]
         s.holes.sort()
         refill = s.holes[: count - from_top]
         del s.holes[: count - from_top]
@@ -194,8 +196,8 @@ class MultiEndedAllocator:
         units = s.v2p[ids]
         s.v2p[ids] = -1
         s.p2v[units] = 0
-        s.free_ids.extend(int(i) for i in ids)
-        s.holes.extend(int(u) for u in units)
+        s.free_ids.extend(ids[::-1].tolist())
+        s.holes.extend(units.tolist())
         self._lower_top(s)
         self._publish(s, ids)
         if not self.lazy:
@@ -232,7 +234,7 @@ class MultiEndedAllocator:
             s.p2v[:] = 0
             s.top = 0
             s.holes = []
-            s.free_ids = list(range(1, s.ids + 1))
+            s.free_ids = list(range(s.ids, 0, -1))
             if s.device is not None:
                 s.device.copy_(torch.from_numpy(s.v2p))
 
