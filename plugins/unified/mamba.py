@@ -83,17 +83,18 @@ def init_unified_mamba_pools(
     on the current stream, after the work queued before them.  ``need_sort`` is accepted: freed pages go straight
     back to the shared range.
 
-    :raises ConfigError: for a draft worker's pools (``is_draft_worker``, ``fused_draft``), the decode worker's
-        pre-allocated rows (``decode_pre_alloc_size``), the memory saver, or a budget that holds not even one request
-        (a page and its state slots), naming what to change.
+    ``decode_pre_alloc_size`` (a disaggregated decode worker's rows for requests whose KV is still arriving) makes the
+    request table SGLang's ``HybridMambaDecodeReqToTokenPool`` over the same unified state pool.
+
+    :raises ConfigError: for a draft worker's pools (``is_draft_worker``, ``fused_draft``), the memory saver, or a
+        budget that holds not even one request (a page and its state slots), naming what to change.
     """
     owner = "init_unified_mamba_pools"
     check_memory_saver(enable_memory_saver)
-    refused = {"is_draft_worker": (is_draft_worker, False), "fused_draft": (fused_draft, None),
-               "decode_pre_alloc_size": (decode_pre_alloc_size, 0)}  # fmt: skip
+    refused = {"is_draft_worker": (is_draft_worker, False), "fused_draft": (fused_draft, None)}
     for keyword, (value, default) in refused.items():
         if value is not default and value != default:
-            raise unsupported(owner, keyword, value, "a draft worker's or a disaggregated decode worker's unified pools",
+            raise unsupported(owner, keyword, value, "a draft worker's unified pools",
                               f"pass {keyword}={default!r}, or build the split pools (memory.unified=false)")  # fmt: skip
     full_ids = [int(i) for i in full_attention_layer_ids]
     layer_ids = [int(i) for i in mamba_layer_ids]
@@ -123,14 +124,20 @@ def init_unified_mamba_pools(
         lazy_compaction=lazy_compaction,
     )  # fmt: skip
     states = token_to_kv_pool.mamba_pool
-    req_to_token_pool = UnifiedHybridReqToTokenPool(
-        mamba_pool=states, size=max_num_reqs, mamba_spec_state_size=spec_rows,
-        max_context_len=model_context_len + extra_max_context_len, device=device, cache_params=mamba2_cache_params,
-        mamba_layer_ids=layer_ids, enable_mamba_extra_buffer=enable_mamba_extra_buffer,
-        enable_mamba_extra_buffer_lazy=enable_mamba_extra_buffer_lazy,
-        speculative_num_draft_tokens=speculative_num_draft_tokens, enable_overlap_schedule=not disable_overlap_schedule,
-        start_layer=start_layer, kernels=kernels,
-    )  # fmt: skip
+    table = dict(mamba_pool=states, size=max_num_reqs, max_context_len=model_context_len + extra_max_context_len,
+                 device=device, cache_params=mamba2_cache_params, mamba_layer_ids=layer_ids,
+                 enable_mamba_extra_buffer=enable_mamba_extra_buffer,
+                 speculative_num_draft_tokens=speculative_num_draft_tokens,
+                 enable_overlap_schedule=not disable_overlap_schedule, start_layer=start_layer, kernels=kernels)  # fmt: skip
+    if decode_pre_alloc_size:
+        from kvcore_mamba.decode import HybridMambaDecodeReqToTokenPool
+
+        req_to_token_pool = HybridMambaDecodeReqToTokenPool(mamba_size=states.size, pre_alloc_size=decode_pre_alloc_size,
+                                                            **table)  # fmt: skip
+    else:
+        req_to_token_pool = UnifiedHybridReqToTokenPool(mamba_spec_state_size=spec_rows,
+                                                        enable_mamba_extra_buffer_lazy=enable_mamba_extra_buffer_lazy,
+                                                        **table)  # fmt: skip
     allocator = unified_token_allocator(token_to_kv_pool, need_sort=need_sort, kernels=kernels)
     return UnifiedPoolBundle(states.memory, token_to_kv_pool, allocator, req_to_token_pool)
 

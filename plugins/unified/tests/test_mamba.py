@@ -152,6 +152,20 @@ def test_new_slots_are_zeroed_and_copies_translate():
     assert bool((cache.temporal[states.translate(d)] == 0).all()), "a new slot keeps a freed slot's state"
 
 
+def test_a_decode_workers_request_table_pre_allocates_rows_over_the_same_states():
+    """SGLang's decode worker passes decode_pre_alloc_size: its request table has that many more rows, and their
+    state slots come from the unified memory."""
+    bundle = build("native", decode_pre_alloc_size=3)
+    table, memory = bundle.req_to_token_pool, bundle.unified_memory_pool
+    assert type(table).__name__ == "HybridMambaDecodeReqToTokenPool" and table.mamba_pool is bundle.token_to_kv_pool.mamba_pool
+    assert table.req_to_token.shape[0] == 8 + 3 + 1  # max_num_reqs, the pre-allocated rows, padding
+    reqs = [_Req() for _ in range(10)]  # more requests than max_num_reqs: the pre-allocated rows take the rest
+    rows = table.alloc(10, reqs)
+    assert rows is not None and len(rows) == 10 and memory.allocator.used(HIGH) == 10
+    slots = table.translate_mamba_indices(table.get_mamba_indices(torch.as_tensor(rows, device=table.device)))
+    assert slots.unique().numel() == 10 and bool((slots != memory.padding_page(HIGH)).all())
+
+
 def test_refusals_name_the_keyword():
     with pytest.raises(ConfigError, match="is_draft_worker"):
         build("native", is_draft_worker=True)
