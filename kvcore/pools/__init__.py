@@ -14,6 +14,7 @@ from kvcore.pools.base import (
     DecodeReqToTokenPool,
     KVCache,
     ReqToTokenPool,
+    buf_infos,
     check_memory_saver,
     check_pool_class,
     check_post_capture,
@@ -21,6 +22,7 @@ from kvcore.pools.base import (
     gather_outputs,
     host_buffer,
     layer_id_of,
+    pair_by_layers,
     unsupported,
 )
 from kvcore.pools.page_major import PageMajorPages, lay_over
@@ -28,6 +30,6 @@ from kvcore.pools.write_loc import KVWriteLoc, WriteLoc, full_write_loc, tokens_
 
 __all__ = [
     "GB", "DecodeReqToTokenPool", "KVCache", "KVWriteLoc", "PageMajorPages", "ReqToTokenPool", "WriteLoc",
-    "check_memory_saver", "check_pool_class", "check_post_capture", "empty_of", "full_write_loc", "gather_outputs",
-    "host_buffer", "lay_over", "layer_id_of", "tokens_of", "unsupported", "unwrap_write_loc", "write_loc_is_physical",
+    "buf_infos", "check_memory_saver", "check_pool_class", "check_post_capture", "empty_of", "full_write_loc", "gather_outputs",
+    "host_buffer", "lay_over", "layer_id_of", "pair_by_layers", "tokens_of", "unsupported", "unwrap_write_loc", "write_loc_is_physical",
 ]  # fmt: skip

@@ -20,7 +20,7 @@ Conventions every pool follows:
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -108,6 +108,23 @@ def _raise_for_outputs(out: Any, shapes: Sequence[tuple[int, ...]], dst_dtype: t
             raise ValueError(f"{method}: out[{i}] must be a tensor of shape {tuple(shape)}, got {got}")
     want = f" = dst_dtype {dst_dtype}" if dst_dtype is not None else ""
     raise ValueError(f"{method}: out tensors must share one dtype{want}, got {[t.dtype for t in out]}")
+
+
+def pair_by_layers(rows: Iterable[TokenRows]) -> list[tuple[TokenRows, TokenRows | None]]:
+    """``rows`` in the pairs a row move moves together: buffers stacking the same number of layers, two at a time
+    (:meth:`KVCache.move_groups`)."""
+    by_layers: dict[int, list[TokenRows]] = {}
+    for r in rows:
+        by_layers.setdefault(r.rows.shape[0], []).append(r)
+    return [(group[i], group[i + 1] if i + 1 < len(group) else None)
+            for group in by_layers.values() for i in range(0, len(group), 2)]  # fmt: skip
+
+
+def buf_infos(layers: Sequence[torch.Tensor], rows_per_item: int) -> tuple[list[int], list[int], list[int]]:
+    """What transfer engines read of per-layer buffers ``layers`` (rows along dim 0): (data pointers, bytes, bytes
+    of one item of ``rows_per_item`` rows), in the order given."""
+    return ([t.data_ptr() for t in layers], [t.nbytes for t in layers],
+            [t[0].nbytes * rows_per_item for t in layers])  # fmt: skip
 
 
 def empty_of(empties: dict[torch.dtype, torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -373,13 +390,8 @@ class KVCache(abc.ABC):
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """Per layer and buffer: (data pointer, bytes, bytes of one page) for transfer engines."""
-        ptrs, lens, item_lens = [], [], []
-        for stacked in self.token_buffers().values():
-            for layer in stacked.unbind(0):
-                ptrs.append(layer.data_ptr())
-                lens.append(layer.nbytes)
-                item_lens.append(layer[0].nbytes * self.page_size)
-        return ptrs, lens, item_lens
+        return buf_infos([layer for stacked in self.token_buffers().values() for layer in stacked.unbind(0)],
+                         self.page_size)
 
     def _finalize_allocation(self) -> None:
         """Record ``mem_usage``: GiB of the K/V buffers (every buffer but the :meth:`request_state_buffers`, as
@@ -438,14 +450,7 @@ class KVCache(abc.ABC):
         number of layers, two at a time, whatever order ``token_rows()`` names them in.  Built once (the
         buffers never change after allocation)."""
         if self._move_groups is None:
-            by_layers: dict[int, list[TokenRows]] = {}
-            for rows in self.token_rows().values():
-                by_layers.setdefault(rows.rows.shape[0], []).append(rows)
-            self._move_groups = [
-                (group[i], group[i + 1] if i + 1 < len(group) else None)
-                for group in by_layers.values()
-                for i in range(0, len(group), 2)
-            ]
+            self._move_groups = pair_by_layers(self.token_rows().values())
         return self._move_groups
 
     @abc.abstractmethod

@@ -55,9 +55,7 @@ def write_loc_is_physical(loc_info: WriteLoc) -> bool:
 def full_write_loc(loc_info: WriteLoc) -> tuple[torch.Tensor, bool]:
     """``(tokens, physical)`` a full-attention store writes: a bare tensor as it is (not physical), a
     :class:`KVWriteLoc`'s ``full_loc`` or else its ``loc``, with its mark."""
-    if loc_info.__class__ is not KVWriteLoc:
-        return loc_info, False
-    return (loc_info.loc if loc_info.full_loc is None else loc_info.full_loc), loc_info.physical
+    return tokens_of(loc_info), write_loc_is_physical(loc_info)
 
 
 def tokens_of(loc_info: WriteLoc) -> torch.Tensor:

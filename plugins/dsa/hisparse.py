@@ -23,7 +23,7 @@ import torch
 
 from kvcore.allocators import BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvcore.kernels.row_move import RowMover, copy_rows, move_token_rows_native
-from kvcore.pools import tokens_of, unsupported
+from kvcore.pools import pair_by_layers, tokens_of, unsupported
 from kvcore.token_rows import TokenRows
 from kvcore_dsa.pool import DSATokenToKVPool
 
@@ -145,8 +145,7 @@ class HiSparseDSATokenToKVPool(DSATokenToKVPool):
     def move_groups(self) -> list[tuple[TokenRows, TokenRows | None]]:
         """The indexer's rows (by logical token); :meth:`move_kv_cache` moves the latent rows itself."""
         if self._move_groups is None:
-            rows = [r for name, r in super().token_rows().items() if name != "kv"]
-            self._move_groups = [(rows[0], rows[1] if len(rows) > 1 else None)]
+            self._move_groups = pair_by_layers(r for name, r in super().token_rows().items() if name != "kv")
         return self._move_groups
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
@@ -210,11 +209,10 @@ class HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         return min(self.logical_attn_allocator.available_size(), self.hisparse_attn_allocator.available_size())
 
     def clear(self) -> None:
-        for side in ("logical_attn_allocator", "hisparse_attn_allocator"):
-            if hasattr(self, side):
-                getattr(self, side).clear()
-        if hasattr(self, "full_to_hisparse_device_index_mapping"):
-            self.full_to_hisparse_device_index_mapping[:-1].zero_()
+        """Everything free on both sides, every logical token cold."""
+        self.logical_attn_allocator.clear()
+        self.hisparse_attn_allocator.clear()
+        self.full_to_hisparse_device_index_mapping[:-1].zero_()
         self.is_not_in_free_group, self.free_group = True, []
 
     # -- allocation: logical tokens, hot ------------------------------------------------------------------

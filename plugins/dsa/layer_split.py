@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.pools import layer_id_of
+from kvcore.pools import buf_infos, layer_id_of
 from kvcore_dsa.pool import DSATokenToKVPool
 
 __all__ = ["LayerSplitDSATokenToKVPool", "layer_owner", "layer_shard_range", "stacked_layers"]
@@ -210,5 +210,4 @@ class LayerSplitDSATokenToKVPool(DSATokenToKVPool):
 
     def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """Per owned layer: the indexer pages."""
-        layers = self.index_k_with_scale_buffer[: self._scratch]
-        return [t.data_ptr() for t in layers], [t.nbytes for t in layers], [t[0].nbytes for t in layers]
+        return buf_infos(self.index_k_with_scale_buffer[: self._scratch], 1)

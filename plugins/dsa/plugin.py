@@ -65,19 +65,20 @@ def layout(request: PoolRequest) -> PoolLayout:
 
 
 def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
+    """A DSATokenToKVPool; HiSparse's with ``host_to_device_ratio`` > 1, the layer split's with ``cp_size`` > 1."""
     if _ratio(request) > 1:
-        from kvcore_dsa.hisparse import HiSparseDSATokenToKVPool
+        from kvcore_dsa.hisparse import HiSparseDSATokenToKVPool as pool_class
 
-        return HiSparseDSATokenToKVPool(size=sizes["tokens"], **_dims(request), **request.pool_kwargs(),
-                                        host_to_device_ratio=_ratio(request))  # fmt: skip
-    if request.cp_size > 1:
-        from kvcore_dsa.layer_split import LayerSplitDSATokenToKVPool
+        extra = dict(host_to_device_ratio=_ratio(request))
+    elif request.cp_size > 1:
+        from kvcore_dsa.layer_split import LayerSplitDSATokenToKVPool as pool_class
 
-        return LayerSplitDSATokenToKVPool(size=sizes["tokens"], **_dims(request), **request.pool_kwargs(),
-                                          layer_shard_rank=request.cp_rank, layer_shard_size=request.cp_size)  # fmt: skip
-    from kvcore_dsa.pool import DSATokenToKVPool
+        extra = dict(layer_shard_rank=request.cp_rank, layer_shard_size=request.cp_size)
+    else:
+        from kvcore_dsa.pool import DSATokenToKVPool as pool_class
 
-    return DSATokenToKVPool(size=sizes["tokens"], **_dims(request), **request.pool_kwargs())
+        extra = {}
+    return pool_class(size=sizes["tokens"], **_dims(request), **request.pool_kwargs(), **extra)
 
 
 @hookimpl

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.pools import gather_outputs, tokens_of
+from kvcore.pools import buf_infos, gather_outputs, tokens_of
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_dsa import kernels
@@ -163,8 +163,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
 
     def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """Per layer of the indexer: (data pointer, bytes, bytes of one page), for transfer engines."""
-        layers = self.index_k_with_scale_buffer
-        return [t.data_ptr() for t in layers], [t.nbytes for t in layers], [t[0].nbytes for t in layers]
+        return buf_infos(self.index_k_with_scale_buffer, 1)  # a row of the buffer is a page
 
     # -- latent rows -------------------------------------------------------------------------------------
 

@@ -15,9 +15,9 @@ kit all work through them.
 **Pages over given memory, mapped** (``memory=`` and ``virtual_pages=``): a composite pool can lay the pages over a
 byte range it owns (a unified memory shared with other state) and hand out *virtual* token ids whose pages it maps
 to physical pages itself, moving pages as it compacts its range (:meth:`PageMajorMHATokenToKVPool.remap_pages`).
-Every virtual token then goes through a virtual -> physical token table (on the pool's device; the store reads
-its row table inside the launch, the row moves, CPU offload and the kit read it too); a virtual page not mapped is
-on the padding page.  Attention reads the paged views by physical page:
+Every virtual token then goes through a virtual -> physical token table (on the pool's device; the store reads it
+inside the launch, the row moves, CPU offload and the kit read it too); a virtual page not mapped is on the padding
+page.  Attention reads the paged views by physical page:
 :meth:`PageMajorMHATokenToKVPool.translate_loc` gives the physical tokens, and an engine that takes them once per
 step passes them to the store as a :class:`~kvcore.pools.KVWriteLoc` marked physical, which reads no table.
 """
@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.pools import KVCache, PageMajorPages, check_post_capture, lay_over
+from kvcore.pools import KVCache, PageMajorPages, WriteLoc, check_post_capture, full_write_loc, lay_over
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
-from kvcore.pools import WriteLoc, full_write_loc
 from kvcore_mha.kernels import KVStore
 
 
@@ -130,7 +129,7 @@ class PageMajorMHATokenToKVPool(PageMajorPages, KVCache):
     def set_kv_buffer(self, layer, loc: WriteLoc, cache_k: torch.Tensor, cache_v: torch.Tensor,
                       k_scale=None, v_scale=None, layer_id_override: int | None = None) -> None:  # fmt: skip
         """As :meth:`MHATokenToKVPool.set_kv_buffer` (SGLang's arguments; one launch).  ``loc`` is the pool's tokens
-        (virtual ones found through the token -> row table inside the launch), or a
+        (virtual ones found through the token table inside the launch), or a
         :class:`~kvcore.pools.KVWriteLoc` whose tokens marked physical (:meth:`translate_loc` of the pool's,
         taken once per step) are written without a table read."""
         local = self.local_layer(layer, layer_id_override)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.pools import KVCache, check_post_capture
+from kvcore.pools import KVCache, KVWriteLoc, check_post_capture, tokens_of
 from kvcore.sample import random_nonzero
-from kvcore.pools import KVWriteLoc, full_write_loc
 from kvcore_mha.kernels import KVStore
 
 
@@ -121,7 +120,7 @@ class MHATokenToKVPool(KVCache):
         else:
             local = self.local_layer(layer, layer_id_override)
         if loc.__class__ is KVWriteLoc:  # this pool's tokens are physical: the bundle's full-side tokens
-            loc = full_write_loc(loc)[0]
+            loc = tokens_of(loc)
         if cache_k.dim() == 2:  # [N, H * D], as some attention backends hand them over
             cache_k = cache_k.view(-1, self.head_num, self.head_dim)
             cache_v = cache_v.view(-1, self.head_num, self.v_head_dim)

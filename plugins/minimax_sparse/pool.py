@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from kvcore.kernels.dtypes import storage_dtype
-from kvcore.pools import KVCache, check_pool_class, layer_id_of, tokens_of, unsupported
+from kvcore.pools import KVCache, buf_infos, check_pool_class, layer_id_of, tokens_of, unsupported
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
 from kvcore_mha import MHATokenToKVPool, RowStore
@@ -150,20 +150,17 @@ class MiniMaxSparseKVPool(KVCache):
 
     def _layer_kv_buf_infos(self, layers: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
         views = [self.main_pool.get_key_buffer(g) for g in layers] + [self.main_pool.get_value_buffer(g) for g in layers]
-        return [t.data_ptr() for t in views], [t.nbytes for t in views], [t[0].nbytes * self.page_size for t in views]
+        return buf_infos(views, self.page_size)
 
     def get_index_k_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """SGLang's: the index keys of the keys-only sparse layers, per layer (pointer, bytes, bytes of one page);
         empty without such layers."""
-        layers = list(self._index[_INDEX_K_ONLY].unbind(0)) if _INDEX_K_ONLY in self._index else []
-        return [t.data_ptr() for t in layers], [t.nbytes for t in layers], [t[0].nbytes * self.page_size for t in layers]
+        return buf_infos(self._index[_INDEX_K_ONLY].unbind(0) if _INDEX_K_ONLY in self._index else [], self.page_size)
 
     def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """The index rows, per layer and buffer: (pointer, bytes, bytes of one page), addressed by the main K/V's
         pages (they share token locations)."""
-        layers = [layer for buf in self._index.values() for layer in buf.unbind(0)]
-        return ([t.data_ptr() for t in layers], [t.nbytes for t in layers],
-                [t[0].nbytes * self.page_size for t in layers])  # fmt: skip
+        return buf_infos([layer for buf in self._index.values() for layer in buf.unbind(0)], self.page_size)
 
     # -- reads --------------------------------------------------------------------------------------------
 

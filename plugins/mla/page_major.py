@@ -31,10 +31,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvcore.pools import PageMajorPages, lay_over
+from kvcore.pools import PageMajorPages, full_write_loc, lay_over
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
-from kvcore.pools import full_write_loc
 from kvcore_mla.kernels import LatentRows
 from kvcore_mla.pool import MLATokenToKVPool, _latent_output_check
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.pools import KVCache, gather_outputs
+from kvcore.pools import KVCache, KVWriteLoc, WriteLoc, gather_outputs, tokens_of
 from kvcore.sample import random_nonzero
-from kvcore.pools import KVWriteLoc, WriteLoc, full_write_loc
 from kvcore_mla.kernels import LatentRows
 from kvcore_mla.layout import mla_row_dim
 
@@ -138,7 +137,7 @@ class MLATokenToKVPool(KVCache):
         """(the rows' stores and gathers, the tokens) of a :class:`~kvcore.pools.KVWriteLoc`: this pool's
         tokens are physical, so its ``full_loc`` or ``loc`` through the usual rows (a page-major pool with virtual
         pages tells them apart)."""
-        return self._rows, full_write_loc(loc_info)[0]
+        return self._rows, tokens_of(loc_info)
 
     def _read_into(self, rows, local: int, loc: torch.Tensor, out, dst_dtype: torch.dtype | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from kvcore.pools import KVCache, check_pool_class, check_post_capture, layer_id_of, unsupported
+from kvcore.pools import (KVCache, KVWriteLoc, WriteLoc, check_pool_class, check_post_capture, layer_id_of, tokens_of,
+                          unsupported)  # fmt: skip
 from kvcore.sample import random_nonzero
 from kvcore.token_rows import TokenRows
-from kvcore.pools import KVWriteLoc, WriteLoc
 from kvcore_mha.page_major import PageMajorMHATokenToKVPool
 from kvcore_mha.pool import MHATokenToKVPool
 
@@ -235,7 +235,7 @@ class SWAKVPool(KVCache):
             if window is not None:
                 pool.set_kv_buffer(None, window, cache_k, cache_v, k_scale, v_scale, layer_id_override=index)
                 return
-            loc = loc.loc if loc.full_loc is None else loc.full_loc
+            loc = tokens_of(loc)
         mapping = self.full_to_swa_index_mapping if is_swa else None
         if mapping is None:
             pool.set_kv_buffer(None, loc, cache_k, cache_v, k_scale, v_scale, layer_id_override=index)

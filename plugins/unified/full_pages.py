@@ -32,7 +32,7 @@ from kvcore.kernels.free_list import PageSource
 from kvcore_unified.allocator import LOW
 from kvcore_unified.memory import UnifiedMemory
 
-__all__ = ["UnifiedPagedAllocator", "kv_page_bytes", "latent_page_bytes"]
+__all__ = ["UnifiedPagedAllocator", "kv_page_bytes", "latent_page_bytes", "written_into"]
 
 
 def kv_page_bytes(layers: int, page_size: int, head_num: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -43,6 +43,14 @@ def kv_page_bytes(layers: int, page_size: int, head_num: int, head_dim: int, dty
 def latent_page_bytes(layers: int, page_size: int, kv_cache_dim: int, dtype: torch.dtype) -> int:
     """One page of every layer of a page-major MLA pool (its latent rows of ``kv_cache_dim``)."""
     return layers * page_size * kv_cache_dim * storage_dtype(dtype).itemsize
+
+
+def written_into(out: Optional[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
+    """``values``, or copied into ``out`` (a caller's fixed buffer, a captured graph's) and ``out`` returned."""
+    if out is None:
+        return values
+    out.copy_(values)
+    return out
 
 
 class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
@@ -129,11 +137,7 @@ class UnifiedPagedAllocator(BaseTokenToKVPoolAllocator):
         :meth:`~kvcore.pools.PageMajorPages.translate_loc`.  ``out``: an int64 tensor of ``loc``'s shape written
         in place (a captured graph's fixed buffer) and returned.  Valid until the memory next compacts (an
         allocation of either side may, and :meth:`UnifiedMemory.flush` does)."""
-        physical = self._page_pool.translate_loc(loc)
-        if out is None:
-            return physical
-        out.copy_(physical)
-        return out
+        return written_into(out, self._page_pool.translate_loc(loc))
 
     def translate_write_loc(self, loc: torch.Tensor, *, out: Optional[torch.Tensor] = None,
                             out_width: Optional[int] = None) -> torch.Tensor:  # fmt: skip

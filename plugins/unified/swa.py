@@ -31,12 +31,11 @@ from kvcore_swa.pool import SWAKVPool
 
 from kvcore.errors import ConfigError
 from kvcore.kernels import allocator_kernels as _k
-from kvcore.pools import GB, check_post_capture, unsupported
+from kvcore.pools import GB, KVWriteLoc, check_post_capture, unsupported
 from kvcore.token_rows import TokenRows
-from kvcore.pools import KVWriteLoc
 from kvcore_unified.allocator import HIGH, LOW
 from kvcore_unified.bundle import UnifiedPoolBundle
-from kvcore_unified.full_pages import UnifiedPagedAllocator, kv_page_bytes
+from kvcore_unified.full_pages import UnifiedPagedAllocator, kv_page_bytes, written_into
 from kvcore_unified.memory import ALIGN, UnifiedMemory
 
 __all__ = ["UnifiedSWAKVPool", "UnifiedSWATokenToKVPoolAllocator", "init_unified_swa_pools", "unified_swa_kv_pool"]
@@ -210,11 +209,8 @@ class UnifiedSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         gives them; negative locations (``-1`` for "none") stay as they are.  ``out``: an int64 tensor of their
         shape written in place and returned."""
         slots = self._window_slots(kv_indices)
-        physical = torch.where(slots >= 0, self._kvcache.swa_kv_pool.translate_loc(slots.clamp(min=0)), slots)
-        if out is None:
-            return physical
-        out.copy_(physical)
-        return out
+        return written_into(out, torch.where(slots >= 0, self._kvcache.swa_kv_pool.translate_loc(slots.clamp(min=0)),
+                                             slots))  # fmt: skip
 
     def translate_kv_loc(self, loc: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Full-attention layers' physical tokens (int64) of full locations ``loc`` (the full side's

@@ -80,6 +80,8 @@ def test_cold_tokens_come_back_from_the_host_byte_for_byte(kernels):
     assert allocator.available_size() == 64 and allocator.logical_attn_allocator.available_size() == 192
     slots = allocator.load_to_device(first[:64])  # one page's worth brought back
     assert slots is not None and allocator.load_to_device(first[64:]) is None  # no device page left for the rest
+    hot = pool.translate_loc_to_hisparse_device(torch.cat([second, first[:64]]))
+    assert hot.unique().numel() == hot.numel() and bool((hot >= 64).all()), "two hot tokens on one device slot"
     got = _read(pool, first[:64])
     assert all(torch.equal(g, w[:64]) for g, w in zip(got[0], want[0]))  # latent rows from the host
     assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(_read(pool, second)[0], other[0]))
