@@ -109,7 +109,7 @@ class BufferLayout:
         unit = "request" if self.sized_by in ("requests", "running_requests") else "token"
         per = f"per {self.tokens_per_row} {unit}s" if self.tokens_per_row > 1 else f"per {unit}"
         if self.size_multiple > 1:
-            per += f" (x {self.size_multiple} {unit}s each)"
+            per += f" (x {self.size_multiple} {'rows' if unit == 'request' else 'tokens'} each)"
         group = "" if self.sized_by in ("tokens", "requests") else f" ({self.sized_by})"
         return (
             f"{self.name} {list(self.row_shape)} {str(self.dtype).removeprefix('torch.')} {per} x {self.layers} "
@@ -135,6 +135,10 @@ class RequestStateSizing:
         ``slots x (1 + draft_tokens / slots_per_request)`` states from the share; ``memory.max_running_requests``
         must be set).
     :param keys: the config keys behind ``slots``, ``memory_ratio`` and ``draft_tokens``, for error messages.
+    :param per_request_table_row: the slots are the request table's rows instead: one per running request plus the
+        table's padding row (SGLang's ``num_req_slots = max_running_requests + 1``, plus a decode worker's
+        pre-allocated rows), from ``memory.max_running_requests`` or, unset, SGLang's estimate of it from the
+        tokens that fit beside no state (an over-estimate, as SGLang's DeepSeek-V4 sizing takes it).
     """
 
     slots: int | None = None
@@ -143,6 +147,16 @@ class RequestStateSizing:
     slots_per_request: int = 1
     draft_tokens: int = 0
     keys: tuple[str, ...] = ("", "", "")
+    per_request_table_row: bool = False
+
+    @property
+    def spare_slots(self) -> int:
+        """Slots kept beyond ``slots_per_request`` per running request (the request table's padding row)."""
+        return 1 if self.per_request_table_row else 0
+
+
+#: SGLang's ``swa_full_tokens_ratio`` default, for families that set no other (:attr:`PoolLayout.swa_full_tokens_ratio`)
+DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8
 
 
 @attrs.frozen
@@ -155,6 +169,10 @@ class PoolLayout:
     :param min_sizes: the least size of a group that can serve one request, with why (e.g. a sliding window
         plus a page: ``{"swa_tokens": (1088, "model.swa.sliding_window=1024 plus a page of 64")}``); the
         planner refuses a plan below it and says which setting would reach it.
+    :param swa_full_tokens_ratio: window tokens per full token when ``memory.swa_full_tokens_ratio`` is not set
+        (SGLang's 0.8; DeepSeek-V4's window pool is sized at 0.1).
+    :param derived_sizes: sizes the family's pools derive from a size group, by SGLang's name, for reports:
+        ``{"c4_max_total_num_tokens": ("tokens", 4)}`` is the ``tokens`` group's size divided by 4.
     """
 
     backend: str
@@ -162,6 +180,8 @@ class PoolLayout:
     notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     min_sizes: Mapping[str, tuple[int, str]] = attrs.field(factory=dict, converter=lambda m: MappingProxyType(dict(m)))
     request_state: RequestStateSizing | None = None
+    swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO
+    derived_sizes: Mapping[str, tuple[str, int]] = attrs.field(factory=dict, converter=lambda m: MappingProxyType(dict(m)))
 
     def without(self, sized_by: str) -> PoolLayout:
         """This layout less the buffers of one size group (the planner sizes the token groups apart from the

@@ -124,14 +124,14 @@ class MemoryConfig:
     mem_fraction_static: float = key(0.88, doc="share of device memory for weights + KV cache; the rest is runtime slack")
     max_total_tokens: Optional[int] = key(None, validator=positive, doc="cap on the KV pool's tokens (a warning when it exceeds what fits)")
     max_running_requests: Optional[int] = key(None, validator=positive, doc="cap on concurrent requests, over all data-parallel workers")
-    swa_full_tokens_ratio: float = key(0.8, doc="hybrid sliding-window models: window-layer tokens per full-attention token")
+    swa_full_tokens_ratio: Optional[float] = key(None, doc="hybrid sliding-window models: window-layer tokens per full-attention token; default: the family's (SGLang's: 0.8, DeepSeek-V4 0.1)")
     budget_gib: Optional[float] = key(None, validator=positive, doc="an explicit KV budget in GiB, replacing the memory arithmetic")
     unified: bool = key(False, doc="hybrid models: one memory shared by the full-attention tokens and the per-request state (or sliding-window tokens), each growing from one end, instead of split pools of fixed sizes; `kvcore plan` prints what it holds and `kvcore up` builds it (kvcore_unified); not with a speculative draft")
 
     def __attrs_post_init__(self) -> None:
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
-        if not self.swa_full_tokens_ratio > 0.0:
+        if self.swa_full_tokens_ratio is not None and not self.swa_full_tokens_ratio > 0.0:
             raise ValueError(f"swa_full_tokens_ratio must be positive (window-layer tokens per full-attention token; "
                              f"SGLang's default 0.8), got {self.swa_full_tokens_ratio}")  # fmt: skip
 

@@ -114,6 +114,11 @@ class MemoryPlan:
         return self.sizes.get("requests")
 
     @property
+    def derived_sizes(self) -> dict[str, int]:
+        """The sizes the layout derives from its groups, by SGLang's names (:attr:`PoolLayout.derived_sizes`)."""
+        return {name: self.sizes[group] // divisor for name, (group, divisor) in self.layout.derived_sizes.items()}
+
+    @property
     def full_max_total_num_tokens(self) -> int | None:
         """Tokens of the full-attention side of a hybrid sliding-window pool (SGLang's name; equal to
         ``max_total_num_tokens``); None for a pool without a sliding-window sub-pool."""
@@ -344,8 +349,8 @@ def plan_from_layouts(
     layouts = [with_draft(layout, draft_layout) for layout in layouts]
     warnings: list[str] = []
     page_size = cfg.kv_cache.page_size
-    ratio = cfg.memory.swa_full_tokens_ratio
-    slots, kv_budgets = _request_slots(cfg, layouts, budget.kv_budget_bytes)
+    ratio = swa_ratio(cfg, target)
+    slots, kv_budgets = _request_slots(cfg, layouts, budget.kv_budget_bytes, ratio)
     per_rank = [_tokens_of_rank(cfg, layout, kv_budget, ratio) for layout, kv_budget in zip(layouts, kv_budgets)]
     limiting = min(range(len(per_rank)), key=per_rank.__getitem__)
     tokens = per_rank[limiting]
@@ -402,7 +407,18 @@ def plan_from_layouts(
         max_running_requests = _cap_by_state_slots(cfg, layout, slots, max_running_requests, warnings)
         if "running_requests" in layout.groups:
             sizes["running_requests"] = max_running_requests
-        if pre_alloc:
+        sizing = layout.request_state or RequestStateSizing()
+        if sizing.per_request_table_row:  # the table's rows as resolved (the reservation may have been larger)
+            sizes["requests"] = max_running_requests + pre_alloc + sizing.spare_slots
+            unused = sum(b.total_bytes(slots) - b.total_bytes(sizes["requests"]) for b in layout.group("requests"))
+            if unused > 0:
+                message = (f"the per-request state was reserved for {slots} request slots, SGLang's estimate before the "
+                           f"tokens were known, and {sizes['requests']} are kept: {unused / GiB:.2f} GiB of the KV "
+                           f"budget stay unused; set memory.max_running_requests={max_running_requests} to give them "
+                           "to the tokens")  # fmt: skip
+                logger.warning(message)
+                warnings.append(message)
+        elif pre_alloc:
             sizes["requests"] = _with_pre_allocated(layout, slots, max_running_requests, pre_alloc, warnings)
     extra_context = extra_context_len(cfg)
     table_bytes = req_to_token_bytes(max_running_requests + pre_alloc, cfg.model.context_length + extra_context)
@@ -439,6 +455,12 @@ def plan_from_layouts(
     )
 
 
+def swa_ratio(cfg: EngineConfig, layout: PoolLayout) -> float:
+    """Window tokens per full token: ``memory.swa_full_tokens_ratio``, or the family's default when it is unset."""
+    ratio = cfg.memory.swa_full_tokens_ratio
+    return layout.swa_full_tokens_ratio if ratio is None else ratio
+
+
 def _tokens_of_rank(cfg: EngineConfig, layout: PoolLayout, kv_budget: int, ratio: float) -> int:
     """The tokens one pipeline rank's layout fits in its budget; for a layout that stores nothing per token (a
     prefill-only pool keeping placeholders), the caps instead: memory does not bound it.
@@ -460,14 +482,18 @@ def _tokens_of_rank(cfg: EngineConfig, layout: PoolLayout, kv_budget: int, ratio
     )
 
 
-def _request_slots(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget_bytes: int) -> tuple[int | None, list[int]]:
+def _request_slots(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget_bytes: int, ratio: float
+                   ) -> tuple[int | None, list[int]]:
     """SGLang's reservation of per-request state before the KV tokens (``_handle_max_mamba_cache``): the
     state slots every rank keeps (None without a ``requests`` group), and each rank's budget left for tokens.
 
     Slots come from the layout's :class:`~kvcore.layout.RequestStateSizing`: explicit, or
     ``memory.max_running_requests`` when the family asks for it, or the state's share ``r / (1 + r)`` of the
     budget (shared with the draft tokens' states under speculative decoding); all divided over data-parallel
-    workers.  Every rank keeps the fewest slots any rank can afford.
+    workers.  Every rank keeps the fewest slots any rank can afford.  A family whose state follows the request
+    table (``per_request_table_row``) keeps one slot per running request plus the table's padding row, the running
+    requests estimated as SGLang does from the tokens that would fit without the state when
+    ``memory.max_running_requests`` is unset.
     """
     stateful = [layout for layout in layouts if "requests" in layout.groups]
     if not stateful:
@@ -481,7 +507,16 @@ def _request_slots(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget_byte
             f"speculative decoding ({draft_key}={first.draft_tokens}) keeps states per running request: set "
             "memory.max_running_requests"
         )
-    if first.slots is not None:
+    if first.per_request_table_row:
+        if running is None:
+            tokens = min(tokens_that_fit(layout.without("requests").without("running_requests"), budget_bytes,
+                                         ratio)["tokens"] for layout in layouts)  # fmt: skip
+            slots = resolve_max_running_requests(cfg, max(tokens, 2))[0] + first.spare_slots
+            source = f"{slots - first.spare_slots} running requests estimated from {tokens} tokens"
+        else:
+            slots = running // dp + first.spare_slots
+            source = f"memory.max_running_requests={running}"
+    elif first.slots is not None:
         slots = first.slots // dp
         source = f"{slots_key}={first.slots}"
     elif first.from_running_requests and running is not None:
@@ -496,8 +531,8 @@ def _request_slots(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget_byte
             for layout in stateful
         )  # fmt: skip
         source = f"{ratio_key}={first.memory_ratio:g} of a {budget_bytes / GiB:.3f} GiB KV budget"
-    if first.from_running_requests and running is not None:
-        drafting = slots
+    if first.per_request_table_row or (first.from_running_requests and running is not None):
+        drafting = slots - first.spare_slots
     else:
         drafting = min(running // dp, slots // per_request) if running is not None else 0
     state_bytes = [
@@ -509,7 +544,8 @@ def _request_slots(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget_byte
     if slots <= 0 or any(state >= budget_bytes for state in state_bytes):
         raise PlanningError(
             f"per-request state of {per_slot / 2**20:.2f} MiB per slot leaves no memory for the KV cache or gets "
-            f"no slot ({source}: {slots} slots): lower {slots_key} or memory.max_running_requests"
+            f"no slot ({source}: {slots} slots): lower "
+            + " or ".join(dict.fromkeys(k for k in (slots_key, "memory.max_running_requests") if k))
             + (f" or {draft_key}" if first.draft_tokens else "")
             + ", raise memory.mem_fraction_static or memory.budget_gib, or use more tensor-parallel ranks "
             "(parallel.tp_size)"
@@ -521,8 +557,9 @@ def _with_pre_allocated(layout: PoolLayout, slots: int, requests: int, pre_alloc
     """The state slots of a decode worker: enough for the running and the pre-allocated requests (SGLang's
     ``HybridMambaDecodeReqToTokenPool`` raises its state pool to ``(requests + pre_alloc) x`` the slots a request
     holds, beyond the budget's share, and says so)."""
-    per_request = max(1, (layout.request_state or RequestStateSizing()).slots_per_request)
-    needed = (requests + pre_alloc) * per_request
+    sizing = layout.request_state or RequestStateSizing()
+    per_request = max(1, sizing.slots_per_request)
+    needed = (requests + pre_alloc) * per_request + sizing.spare_slots
     if needed <= slots:
         return slots
     message = (f"state slots raised from {slots} to {needed} for {requests} running and {pre_alloc} pre-allocated "
@@ -537,7 +574,7 @@ def _cap_by_state_slots(cfg: EngineConfig, layout: PoolLayout, slots: int, reque
     """``max_running_requests`` no larger than the state slots allow (SGLang's ``resolve_max_num_reqs``)."""
     sizing = layout.request_state or RequestStateSizing()
     per_request = max(1, sizing.slots_per_request)
-    capped = min(requests, slots // per_request)
+    capped = min(requests, (slots - sizing.spare_slots) // per_request)
     if capped <= 0:
         raise PlanningError(
             f"{slots} per-request state slots serve no request at {per_request} slots per running request: raise "
@@ -564,7 +601,7 @@ def _check_min_sizes(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget: M
         if group == "swa_tokens":
             ratio = _ratio_reaching(cfg, layouts, budget.kv_budget_bytes, minimum)
             if ratio is not None:
-                fix = f"set memory.swa_full_tokens_ratio={ratio:g} (now {cfg.memory.swa_full_tokens_ratio:g}), or {fix}"
+                fix = f"set memory.swa_full_tokens_ratio={ratio:g} (now {swa_ratio(cfg, layout):g}), or {fix}"
         raise PlanningError(
             f"backend {layout.backend!r}: the plan gives {group} = {got}, fewer than the {minimum} one request needs "
             f"({why}): {fix}"
@@ -583,7 +620,7 @@ def _ratio_reaching(cfg: EngineConfig, layouts: Sequence[PoolLayout], budget_byt
         tokens = tokens // page * page
         return tokens, int(tokens * ratio) // page * page
 
-    low = high = max(cfg.memory.swa_full_tokens_ratio, 1e-3)
+    low = high = max(swa_ratio(cfg, layouts[cfg.parallel.pp_rank]), 1e-3)
     while split(high)[1] < minimum:  # window tokens grow with the ratio until the full tokens drop below a page
         low, high = high, high * 2
         if split(high)[0] < page or high > 1e6:

@@ -305,6 +305,7 @@ class BaseLossyTests(_Base):
         bound = float(kv_pool.lossy_bound)
         randomize(kv_pool, generator, kv_pool.token_buffers())  # per-layer constants (global scales) stay valid
         before = {name: buf.clone() for name, buf in kv_pool.buffers().items()}
+        rows_before = {name: rows.rows.clone() for name, rows in kv_pool.token_rows().items()}  # views, by row name
         layer = kv_pool.token_layers()[-1]
         loc = self.free_slots(kv_pool, n, generator)
         written = kv_pool.self_test_values(layer, loc, generator)
@@ -319,7 +320,7 @@ class BaseLossyTests(_Base):
         for name, rows in kv_pool.token_rows().items():
             at = kv_pool.layer_in_buffer(name, layer)
             if at is not None:
-                rows.rows[at, rows.row_of(loc).long()] = before[name][at, rows.row_of(loc).long()]
+                rows.rows[at, rows.row_of(loc).long()] = rows_before[name][at, rows.row_of(loc).long()]
         for name, buf in kv_pool.buffers().items():
             assert_same_bytes(buf, before[name], f"buffer {name} outside the written rows after a lossy write")
 

@@ -98,11 +98,17 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
             f"           = full_max_total_num_tokens; swa_max_total_num_tokens = {plan.swa_max_total_num_tokens} "
             f"(memory.swa_full_tokens_ratio = {plan.swa_max_total_num_tokens / max(1, plan.max_total_num_tokens):.3f})"
         ]
+    lines += [f"           {name} = {size} ({group} / {divisor})" for name, size, (group, divisor)
+              in zip(plan.derived_sizes, plan.derived_sizes.values(), plan.layout.derived_sizes.values())]  # fmt: skip
     if plan.max_mamba_cache_size is not None:
         state = sum(b.total_bytes(plan.sizes[b.sized_by]) for b in plan.layout.buffers
                     if b.sized_by in ("requests", "running_requests"))  # fmt: skip
-        lines.append(f"state      max_mamba_cache_size = {plan.max_mamba_cache_size} slots of per-request state, "
-                     f"{_gib(state)} (reserved before the KV tokens: {_gib(plan.kv_cache_bytes - state)})")
+        sizing = plan.layout.request_state
+        slots = (f"{plan.max_mamba_cache_size} request slots (the request table's rows: max_running_requests + 1)"
+                 if sizing is not None and sizing.per_request_table_row else
+                 f"max_mamba_cache_size = {plan.max_mamba_cache_size} slots")  # fmt: skip
+        lines.append(f"state      {slots} of per-request state, {_gib(state)} (reserved before the KV tokens: "
+                     f"{_gib(plan.kv_cache_bytes - state)})")
     if plan.draft_layout is not None:
         lines += [
             f"draft      {plan.draft_layout.backend}: the draft model's pool, at the target's tokens",
