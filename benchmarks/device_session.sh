@@ -2,7 +2,7 @@
 # One call on a GPU machine that reaches no package registry: install kvcore there, then run the phases named,
 # in order, each with its output kept under $OUT (default /tmp/kvcore-out) and its last lines printed.
 #
-#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse]
+#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse]
 #
 #   tests  the compiled suite: KVCORE_TEST_COMPILED=1 python -m pytest -q -n 12   ($OUT/tests.txt)
 #   alloc  python benchmarks/bench_allocator.py                                     ($OUT/alloc.txt)
@@ -16,6 +16,8 @@
 #   unified  python benchmarks/bench_unified_device.py (the unified memory's costs)   ($OUT/unified.txt)
 #   minimax  kvcore bench --quick of the MiniMax sparse family (and MHA's, the engine step) ($OUT/minimax.txt)
 #   hisparse  python benchmarks/bench_hisparse_device.py (HiSparse's host <-> device gathers)  ($OUT/hisparse.txt)
+#   dsv4   the DeepSeek-V4 family's tests, compiled                                   ($OUT/dsv4.txt)
+#   sparse  kvcore bench of the DeepSeek-V4 and MiniMax sparse families, every size (32k tokens included)  ($OUT/sparse.txt)
 #
 # That machine lacks omegaconf: put its wheel under .whl first (ignored by git) and carry .whl with the call:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl omegaconf==2.4.0
@@ -60,7 +62,9 @@ for phase in "$@"; do
         unified) run unified python3 benchmarks/bench_unified_device.py ;;
         minimax) run minimax env KVCORE_PLUGINS=mha,minimax_sparse python3 -m kvcore bench --quick ;;
         hisparse) run hisparse python3 benchmarks/bench_hisparse_device.py ;;
-        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse)"; status=2 ;;
+        dsv4) run dsv4 env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -p no:cacheprovider plugins/dsv4 ;;
+        sparse) run sparse env KVCORE_PLUGINS=minimax_sparse,dsv4 python3 -m kvcore bench ;;
+        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse)"; status=2 ;;
     esac
 done
 exit $status

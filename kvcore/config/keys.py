@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import attrs
 from omegaconf import MISSING
