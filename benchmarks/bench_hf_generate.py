@@ -1,96 +1,228 @@
-"""transformers generation on kvcore's PagedKVCache (as built, and with ``contiguous_rows=True``) beside
-DynamicCache, on a GPU: tokens per second of each,
-side by side in one process, for batch 1 and 8, prompts of 100 and 4000 tokens, bf16 and fp8 caches.
+"""transformers generation on kvcore's PagedKVCache beside DynamicCache (issue 31): tokens per second of each, side by
+side in one process, for batch 1 and 8, prompts of 100 and 4000 tokens, bf16 and fp8 caches.
 
-A random-weight Llama of Llama-3-8B's attention shape (8 layers, 32 heads, 8 KV heads of 128), eager, greedy,
-64 new tokens after a warm-up run.  The three caches run in turn, five rounds of one run each (the host's noisy
-stretches last seconds: interleaving spreads them over all three); each figure is a cache's best round, the
-median beside it.  Before timing, one prefill and one decode step run through each cache and DynamicCache again,
-and their logits are compared bit for bit (bf16 caches; an fp8 cache rounds every key and value, which
-tests/test_transformers_cache.py checks against an fp8-rounded DynamicCache on the CPU): ``identical`` is whether
-kvcore's caches gave DynamicCache's logits, ``dynamic_repeatable`` whether DynamicCache gave its own again.
-``generate`` itself is not compared token for token: on a GPU it is not deterministic from run to run at batch 8,
-DynamicCache against itself included.
+A random-weight Llama of Llama-3-8B's attention shape (8 layers, hidden 4096, 32 heads, 8 KV heads of 128), bf16,
+``attn_implementation`` eager (``--attn sdpa`` for SDPA), greedy.  Per case, in this order:
 
-    python benchmarks/bench_hf_generate.py        # results also in $OUT/hf_generate.json (default /tmp)
+1. **Logit identity**: one prefill and two decode steps through each cache, and through DynamicCache again; their
+   logits are compared bit for bit.  A bf16 cache is compared with DynamicCache, an fp8 cache with a DynamicCache
+   whose keys and values are rounded through fp8 the same way (what the fp8 cache stores).  ``dyn==dyn`` says
+   whether DynamicCache gave its own logits again (on a GPU it need not: a difference there is the GPU's, not
+   the cache's).
+2. **Host time per layer and decode step**: ``cache.update`` alone, every layer, over ``--steps`` decode steps
+   after the prompt, no synchronization inside (launches are asynchronous, so this is the host's time; when the
+   device falls behind, it is the device's).  Layers 1..L-1 (``us/layer``) apart from layer 0 (which also gives
+   the rows their slots).
+3. **Tokens per second**: ``model.generate`` of ``--new`` tokens after a warm-up run, the caches interleaved over
+   ``--rounds`` rounds (the host's noisy stretches last seconds: interleaving spreads them over all caches); the
+   best round of each, and the ratios of the medians.
+
+Caches: ``dynamic`` (DynamicCache), ``kvcore`` (PagedKVCache as built: pages of 16 allocated as the rows grow,
+keys and values gathered for attention in one launch a layer) and ``contig`` (``contiguous_rows=True``: one
+reserved run per row, attention reads strided views of the pool when the cache keeps the model's dtype).
+
+    python benchmarks/bench_hf_generate.py                    # on the GPU; results also in $OUT/hf_generate.json
+    python benchmarks/bench_hf_generate.py --device cpu --small   # a quick smoke run on the CPU
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
+import inspect
 import json
 import os
+import platform
 import statistics
 import time
 
 import torch
+import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.models.llama.modeling_llama import LlamaModel
 
 from kvcore.integrations.transformers import PagedKVCache
 
-NEW = 64
-ROUNDS = 5
+FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+#: the keyword a forward and generate take a cache by: ``cache`` since transformers renamed ``past_key_values``
+CACHE_KW = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+class RoundedLayer(DynamicLayer):
+    """A DynamicLayer holding its keys/values rounded through an fp8 dtype: what an fp8 PagedKVCache stores."""
+
+    def __init__(self, fp8: torch.dtype):
+        super().__init__()
+        self.fp8 = fp8
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(key_states.to(self.fp8).to(key_states.dtype),
+                              value_states.to(self.fp8).to(value_states.dtype))  # fmt: skip
+
+
+def build_model(args):
+    if args.small:
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)  # fmt: skip
+    else:
+        cfg = LlamaConfig(hidden_size=4096, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192)  # fmt: skip
+    cfg._attn_implementation = args.attn
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(args.device, torch.bfloat16).eval()
+
+
+def sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192)  # fmt: skip
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="a tiny model, short prompts, few tokens (a smoke run)")
+    parser.add_argument("--attn", default="eager", help="the model's attn_implementation (eager, sdpa)")
+    parser.add_argument("--new", type=int, default=None, help="new tokens per generate (256; --small: 16)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed generate rounds per cache (3; --small: 1)")
+    parser.add_argument("--steps", type=int, default=None, help="decode steps of the host-time loop (64; --small: 16)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
+    args = parser.parse_args()
+    new = args.new or (16 if args.small else 256)
+    rounds = args.rounds or (1 if args.small else 3)
+    steps = args.steps or (16 if args.small else 64)
+    prompts = [int(p) for p in (args.prompts or ("20,200" if args.small else "100,4000")).split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    device = args.device
+    if args.small:
+        torch.set_num_threads(1)  # tiny ops: one thread is the least noisy
+    model = build_model(args)
+    cfg = model.config
+    vocab = cfg.vocab_size
+    where = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else platform.processor() or "cpu"
+    print(f"{where}; torch {torch.__version__}, transformers {transformers.__version__}; Llama {cfg.num_hidden_layers} "
+          f"layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads, "
+          f"bf16, {args.attn}; {new} new tokens, best of {rounds} rounds; page {args.page_size}",
+          flush=True)  # fmt: skip
     results = []
-    for dtype in ("bfloat16", "float8_e4m3fn"):
-        for batch, prompt in ((1, 100), (8, 100), (1, 4000), (8, 4000)):
-            ids = torch.randint(1, 32000, (batch, prompt), device="cuda")
-            mask = torch.ones_like(ids)
-
-            def paged(contiguous_rows=False):
-                return PagedKVCache.from_model(model, max_total_tokens=batch * (prompt + NEW + 64), page_size=16,
-                                               dtype=dtype, max_batch_size=batch, contiguous_rows=contiguous_rows)  # fmt: skip
-
-            def run(cache, new=NEW) -> float:
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                with torch.no_grad():
-                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                   do_sample=False, past_key_values=cache, pad_token_id=0)  # fmt: skip
-                torch.cuda.synchronize()
-                return time.perf_counter() - start
-
-            identical = repeatable = None
-            if dtype == "bfloat16":  # one prefill and one decode step through each cache: the same logits
-
-                def two_steps(cache):
-                    with torch.no_grad():
-                        first = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
-                        nxt = first[:, -1:].argmax(-1)
-                        mask2 = torch.cat([mask, torch.ones_like(nxt)], 1)
-                        return first, model(input_ids=nxt, attention_mask=mask2, past_key_values=cache).logits
-
-                want = two_steps(DynamicCache(config=model.config))
-                repeatable = all(map(torch.equal, two_steps(DynamicCache(config=model.config)), want))
-                identical = all(all(map(torch.equal, two_steps(paged(contiguous)), want)) for contiguous in (False, True))
-            makers = {"dynamic": DynamicCache, "kvcore": paged, "contiguous_rows": lambda: paged(True)}
-            for make in makers.values():
-                run(make(), 4)  # warm-up: every kernel compiled, every plan made
-            times = {name: [] for name in makers}
-            for _ in range(ROUNDS):
-                for name, make in makers.items():
-                    times[name].append(run(make()))
-            tok_s = {name: batch * NEW / min(t) for name, t in times.items()}
-            median = {name: batch * NEW / statistics.median(t) for name, t in times.items()}
-            row = dict(dtype=dtype, batch=batch, prompt=prompt, dynamic_tok_s=tok_s["dynamic"],
-                       kvcore_tok_s=tok_s["kvcore"], contiguous_rows_tok_s=tok_s["contiguous_rows"],
-                       ratio=tok_s["kvcore"] / tok_s["dynamic"],
-                       contiguous_rows_ratio=tok_s["contiguous_rows"] / tok_s["dynamic"],
-                       median_tok_s=median, logits_identical=identical, dynamic_repeatable=repeatable)  # fmt: skip
-            results.append(row)
-            print(f"{dtype:<14} batch {batch} prompt {prompt:>5}: DynamicCache {tok_s['dynamic']:7.1f} tok/s "
-                  f"(median {median['dynamic']:7.1f}), PagedKVCache {tok_s['kvcore']:7.1f} ({row['ratio']:.2f}x; "
-                  f"median {median['kvcore']:7.1f}), contiguous_rows {tok_s['contiguous_rows']:7.1f} "
-                  f"({row['contiguous_rows_ratio']:.2f}x; median {median['contiguous_rows']:7.1f})"
-                  + ("" if identical is None else f", logits identical {identical} (DynamicCache repeatable "
-                                                  f"{repeatable})"), flush=True)  # fmt: skip
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "hf_generate.json"), "w") as f:
+    header = (f"{'dtype':<10} {'batch':>5} {'prompt':>6}  {'logits':<14}  {'host us/layer: dyn':>18} {'kvcore':>7} "
+              f"{'contig':>7}  {'layer 0: dyn':>12} {'kvcore':>7} {'contig':>7}  {'tok/s: dyn':>10} {'kvcore':>7} "
+              f"{'':>6} {'contig':>7} {'':>6}  {'median: kvcore':>14} {'contig':>7}")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    for dtype in args.dtypes.split(","):
+        for batch in batches:
+            for prompt in prompts:
+                row = run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, vocab)
+                results.append(row)
+                t, m, us = row["tok_s"], row["median_tok_s"], row["host_us"]
+                differ = [name for name, same in row["identical_by_cache"].items() if not same]
+                logits = ("same" if not differ else "DIFFER: " + ",".join(differ)) + \
+                    ("" if row["dynamic_repeatable"] else " (dyn!=dyn)")
+                print(f"{dtype.replace('float8_', 'fp8 '):<10} {batch:>5} {prompt:>6}  {logits:<14}  "
+                      f"{us['dynamic'][1]:18.1f} {us['kvcore'][1]:7.1f} {us['contig'][1]:7.1f}  "
+                      f"{us['dynamic'][0]:12.1f} {us['kvcore'][0]:7.1f} {us['contig'][0]:7.1f}  "
+                      f"{t['dynamic']:10.1f} {t['kvcore']:7.1f} {t['kvcore'] / t['dynamic']:5.2f}x "
+                      f"{t['contig']:7.1f} {t['contig'] / t['dynamic']:5.2f}x  "
+                      f"{m['kvcore'] / m['dynamic']:13.2f}x {m['contig'] / m['dynamic']:6.2f}x",
+                      flush=True)  # fmt: skip
+    out = os.path.join(os.environ.get("OUT", "/tmp"), "hf_generate.json")
+    with open(out, "w") as f:
         json.dump(results, f, indent=1)
+    print(f"results in {out}")
+
+
+def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, vocab) -> dict:
+    gen = torch.Generator().manual_seed(batch * 10007 + prompt)
+    ids = torch.randint(1, vocab, (batch, prompt), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+    if batch > 1:  # a padded batch, as generate gets one: row 0's prompt is a third shorter
+        mask[0, : prompt // 3] = 0
+    layers = model.config.num_hidden_layers
+    capacity = batch * (prompt + max(new, steps) + 64)
+
+    def paged(contiguous_rows: bool = False):
+        return PagedKVCache.from_model(model, max_total_tokens=capacity, page_size=args.page_size, dtype=dtype,
+                                       max_batch_size=batch, contiguous_rows=contiguous_rows)  # fmt: skip
+
+    def dynamic():
+        return DynamicCache(config=model.config)
+
+    makers = {"dynamic": dynamic, "kvcore": paged, "contig": lambda: paged(True)}
+
+    # 1. logit identity: a prefill and two decode steps
+    def three_steps(cache):
+        with torch.no_grad():
+            logits = [model(input_ids=ids, attention_mask=mask, **{CACHE_KW: cache}).logits]
+            step_mask = mask
+            for _ in range(2):
+                nxt = logits[-1][:, -1:].argmax(-1)
+                step_mask = torch.cat([step_mask, torch.ones_like(nxt)], 1)
+                logits.append(model(input_ids=nxt, attention_mask=step_mask, **{CACHE_KW: cache}).logits)
+        return logits
+
+    if dtype in FP8:  # what the fp8 cache stores: every key and value rounded through fp8 once
+        reference = lambda: Cache(layers=[RoundedLayer(FP8[dtype]) for _ in range(layers)])  # noqa: E731
+    else:
+        reference = dynamic
+    want = three_steps(reference())
+    repeatable = all(map(torch.equal, three_steps(reference()), want))
+    identical = {name: all(map(torch.equal, three_steps(make()), want)) for name, make in makers.items()
+                 if name != "dynamic"}  # fmt: skip
+
+    # 2. host time per layer and decode step, cache.update alone
+    heads, dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    kv = torch.randn(2, batch, heads, prompt + 1, dim, generator=gen).to(device, torch.bfloat16)
+    prompt_kv, step_kv = (kv[0, :, :, :prompt], kv[1, :, :, :prompt]), (kv[0, :, :, prompt:], kv[1, :, :, prompt:])
+
+    def host_us(make):
+        cache = make()
+        for layer in range(layers):
+            cache.update(*prompt_kv, layer)
+        for layer in range(layers):  # one step unmeasured: every plan made
+            cache.update(*step_kv, layer)
+        sync(device)
+        clock = time.perf_counter_ns
+        first = rest = 0
+        for _ in range(steps):
+            start = clock()
+            cache.update(*step_kv, 0)
+            middle = clock()
+            for layer in range(1, layers):
+                cache.update(*step_kv, layer)
+            first, rest = first + middle - start, rest + clock() - middle
+        sync(device)
+        return first / steps / 1e3, rest / steps / (layers - 1) / 1e3
+
+    host = {name: min((host_us(make) for _ in range(3)), key=lambda t: t[1]) for name, make in makers.items()}
+
+    # 3. generate: tokens per second
+    def run(cache, tokens) -> float:
+        gc.collect()  # the caches of earlier runs (cycles: a cache and its layers) gone before the clock starts
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                           do_sample=False, pad_token_id=0, **{CACHE_KW: cache})  # fmt: skip
+        sync(device)
+        return time.perf_counter() - start
+
+    for make in makers.values():
+        run(make(), 4)  # warm-up: every kernel compiled, every plan made
+    times = {name: [] for name in makers}
+    for _ in range(rounds):
+        for name, make in makers.items():
+            times[name].append(run(make(), new))
+    return dict(
+        dtype=dtype, batch=batch, prompt=prompt, new_tokens=new, attn=args.attn,
+        tok_s={name: batch * new / min(t) for name, t in times.items()},
+        median_tok_s={name: batch * new / statistics.median(t) for name, t in times.items()},
+        host_us=host, identical=all(identical.values()), identical_by_cache=identical, dynamic_repeatable=repeatable,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

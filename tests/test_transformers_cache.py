@@ -7,6 +7,7 @@ comparison is against what DynamicCache produced in the same process, nothing is
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import math
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip(
     "transformers", reason='the transformers integration needs transformers: pip install "kvcore[hf]"'
@@ -391,6 +393,169 @@ def test_beam_search_matches_dynamic_cache():
     cache = paged(model, page_size=16, max_batch_size=9)
     out = generate(model, cache, 24, **kwargs)
     assert torch.equal(out.sequences, ref.sequences)
+    cache.free_all()
+    assert cache.available_tokens == cache.capacity_tokens
+
+
+# -- the per-step path: slots once a page, locations once a step, nothing read back from the device -------------
+
+
+def long_prompts(rows: int, length: int, short_by: int = 37) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` prompts of ``length`` tokens, left-padded: row 0 is ``short_by`` tokens shorter (one row: none)."""
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 256, (rows, length), generator=gen)
+    mask = torch.ones_like(ids)
+    if rows > 1:
+        ids[0, :short_by], mask[0, :short_by] = 0, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("contiguous_rows", [False, True], ids=["paged", "contiguous_rows"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_long_prompt_then_decoding_keeps_every_logit(rows, page_size, contiguous_rows):
+    """A 600-token prompt (batch 1, or 2 rows left-padded), then 40 decode steps across page boundaries: the
+    logits of every step are DynamicCache's, bit for bit."""
+    model = tiny_model("llama", torch.bfloat16)
+    ids, mask = long_prompts(rows, 600)
+    ref = generate(model, DynamicCache(config=model.config), 40, ids, mask)
+    cache = paged(model, page_size=page_size, contiguous_rows=contiguous_rows)
+    out = generate(model, cache, 40, ids, mask)
+    assert (cache._row_base is not None) == contiguous_rows
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    cache.free_all()
+    assert cache.available_tokens == cache.capacity_tokens
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_long_prompt_in_an_fp8_cache_equals_an_fp8_rounded_dynamic_cache(rows):
+    """The same in a scaled e4m3fn cache (gathered and converted, reserved runs or not): the logits of a
+    DynamicCache whose keys and values are rounded through fp8 the same way."""
+    model = tiny_model("llama", torch.bfloat16)
+    ids, mask = long_prompts(rows, 600)
+    layers = model.config.num_hidden_layers
+    rounded = Cache(layers=[RoundTripLayer(torch.float8_e4m3fn, 0.5, 0.25) for _ in range(layers)])
+    ref = generate(model, rounded, 40, ids, mask)
+    for contiguous_rows in (False, True):
+        cache = paged(model, page_size=16, dtype="float8_e4m3fn", k_scale=0.5, v_scale=0.25,
+                      contiguous_rows=contiguous_rows)  # fmt: skip
+        out = generate(model, cache, 40, ids, mask)
+        assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+
+
+class CountCalls:
+    """Counts the calls of some methods of an object (its own attributes shadow them while counting)."""
+
+    def __init__(self, obj, *names):
+        self.calls = dict.fromkeys(names, 0)
+        for name in names:
+            method = getattr(obj, name)
+
+            def counted(*args, name=name, method=method, **kwargs):
+                self.calls[name] += 1
+                return method(*args, **kwargs)
+
+            setattr(obj, name, counted)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_rows_take_whole_pages_once_a_page(page_size):
+    """The allocator is called once for every row by the forward that reaches a page the rows do not hold: at
+    the prompt, then every ``page_size`` decode steps (every step with one-token pages); the pages are those
+    ``alloc_extend`` / ``alloc_decode`` hand out (position ``p`` at offset ``p % page_size``), and the request
+    table holds each page's locations from the step that took it."""
+    model = tiny_model("llama", torch.float32)
+    ref, _ = reference("llama", torch.float32, 60)
+    cache = paged(model, page_size=page_size)
+    counter = CountCalls(cache.allocator, "alloc", "alloc_extend", "alloc_decode")
+    out = generate(model, cache, 60)
+    assert torch.equal(out.sequences, ref.sequences)
+    width, seq_len = prompts()[0].shape[1], cache.get_seq_length()
+    pages = -(-seq_len // page_size)  # whole pages each row holds
+    assert counter.calls == {"alloc": 1 + pages - -(-width // page_size), "alloc_extend": 0, "alloc_decode": 0}
+    table = cache.req_to_token_pool.req_to_token
+    for row in range(len(PROMPT_LENS)):
+        held = table[cache.request_slot(row), : pages * page_size].to(torch.int64)
+        assert torch.equal(held[:seq_len], cache.token_locations(row))
+        assert torch.equal(held // page_size, (held[::page_size] // page_size).repeat_interleave(page_size))
+        assert torch.equal(held % page_size, torch.arange(held.numel()) % page_size)
+    assert cache.capacity_tokens - cache.available_tokens == stored_tokens(seq_len, page_size)
+
+
+#: aten ops that wait for the device on a GPU (a value read back, or an output sized by the data)
+SYNCING_OPS = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "unique", "_unique2",
+               "unique_consecutive", "argwhere"}  # fmt: skip
+
+
+class RecordOps(TorchDispatchMode):
+    """The aten ops of each of a cache's ``update`` calls: ``calls`` holds ``(layer, new tokens, op counts)``."""
+
+    def __init__(self, cache):
+        super().__init__()
+        self.calls = []
+        update = cache.update
+
+        def recorded(key_states, value_states, layer_idx, *args, **kwargs):
+            self.ops = collections.Counter()
+            with self:
+                out = update(key_states, value_states, layer_idx, *args, **kwargs)
+            self.calls.append((layer_idx, key_states.shape[-2], self.ops))
+            return out
+
+        cache.update = recorded
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("contiguous_rows", [False, True], ids=["paged", "contiguous_rows"])
+def test_decode_steps_read_nothing_back_and_later_layers_only_store_and_read(contiguous_rows):
+    """No decode step makes an op that waits for the device, and the layers after a step's first make the same
+    ops at every step, page boundaries included: the store and the read, nothing of the locations' work."""
+    model = tiny_model("llama", torch.float32, layers=3)
+    cache = paged(model, page_size=16, contiguous_rows=contiguous_rows)
+    recorder = RecordOps(cache)
+    generate(model, cache, 40)
+    decode = [(layer, ops) for layer, q, ops in recorder.calls if q == 1]
+    assert len(decode) == 3 * 39
+    for layer, ops in decode:
+        assert not SYNCING_OPS & ops.keys(), f"layer {layer} waits for the device: {dict(ops)}"
+    later = {tuple(sorted(ops.items())) for layer, ops in decode if layer}
+    assert len(later) == 1, f"the layers after the first differ from step to step: {later}"
+    assert not {"full", "arange", "cumsum", "_to_copy"} & dict(*later).keys()
+
+
+def test_scattered_request_slots_read_through_the_table():
+    """Rows in request slots that are not one run: their locations are taken from the table by slot (no view
+    of it), with the same logits."""
+    model = tiny_model("llama", torch.bfloat16)
+    ref, _ = reference("llama", torch.bfloat16, 40)
+    cache = paged(model, page_size=16)
+    free_slots = cache.req_to_token_pool.free_slots
+    cache.req_to_token_pool.free_slots = [5, 2, 9] + [s for s in free_slots if s not in (5, 2, 9)]
+    out = generate(model, cache, 40)
+    assert [cache.request_slot(i) for i in range(3)] == [5, 2, 9] and cache._rows is None
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    cache.free_all()
+    assert cache.available_tokens == cache.capacity_tokens
+
+
+def test_a_last_page_past_max_context_len_is_held_and_given_back():
+    """``max_context_len`` inside a page: the rows hold the whole last page, the table records it up to
+    ``max_context_len``, the rows fill it exactly, one token more is refused, and every slot goes back."""
+    model = tiny_model("llama", torch.float32)
+    width = prompts()[0].shape[1]
+    max_len = width + 30  # 47: inside the third page of 16
+    ref, _ = reference("llama", torch.float32, 30)
+    cache = paged(model, page_size=16, max_context_len=max_len)
+    out = generate(model, cache, 31)  # the 31st token is generated, never stored: the rows end at max_len
+    assert torch.equal(out.sequences[:, :-1], ref.sequences)
+    assert cache.get_seq_length() == max_len
+    assert cache.capacity_tokens - cache.available_tokens == stored_tokens(max_len, 16)
+    with pytest.raises(KVCacheFullError, match="max_context_len"):
+        generate(model, cache, 2, ids=out.sequences, mask=torch.ones_like(out.sequences))
     cache.free_all()
     assert cache.available_tokens == cache.capacity_tokens
 

@@ -11,13 +11,18 @@ kvcore's allocator, one :class:`~kvcore.pools.ReqToTokenPool` row per batch row:
     cache.free_all()                       # every slot back to the allocator; the cache takes a new batch
 
 How it works.  A batch row owns a request slot; its tokens' locations are that slot's row of the request
-table.  When a forward brings ``q`` new tokens, the first layer to see them allocates their locations
-(``alloc_extend`` for a prompt or a chunk, ``alloc_decode`` for one token; pages of ``page_size`` tokens
-when it is above 1).  Every layer then writes its keys and values there with ``set_kv_buffer`` (fp8 caches
-convert on the way, optionally divided by ``k_scale`` / ``v_scale``) and hands attention the keys and values
-of all the row's tokens, gathered by location and converted back to the model's dtype, as
-``[batch, kv_heads, seq, head_dim]``.  Left padding of prompts of different lengths is stored like any
-token; the attention mask hides it, exactly as with ``DynamicCache``.
+table.  When a forward brings ``q`` new tokens, the first layer to see them gives the rows the locations they
+lack: whole pages of ``page_size`` tokens (one slot a page at ``page_size=1``), one allocator call for every
+row, each page's locations written to the table at once, so a decode step inside a page allocates nothing.  It
+also works out, once for every layer, where the new tokens go and where every token is read from (views of
+the request table when the rows sit in consecutive request slots, as a new batch's do).  Every layer then
+writes its keys and values there with one ``set_kv_buffer`` (fp8 caches convert on the way, optionally divided
+by ``k_scale`` / ``v_scale``) and hands attention the keys and values of all the row's tokens, gathered by
+location in one launch and converted back to the model's dtype, as ``[batch, kv_heads, seq, head_dim]`` (or,
+with ``contiguous_rows``, strided views of the pool).  No forward waits for the device, but when the pool is
+nearly full (the allocator then counts its free pages exactly) and, with ``contiguous_rows``, once per batch.
+Left padding of prompts of different lengths is stored like any token; the attention mask hides it, exactly as
+with ``DynamicCache``.
 
 With a bf16/fp16/fp32 cache in the model's own dtype the tensors attention receives are bit-identical to
 ``DynamicCache``'s, so greedy generation is token-identical; an fp8 cache rounds every key and value once.
@@ -103,13 +108,9 @@ class PagedKVLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new tokens' keys/values and return those of every token so far (in the dtype of
-        ``key_states``).  Extra arguments (``cache_kwargs`` of older transformers) are not needed."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.seq_len + key_states.shape[-2]
-        keys, values = self._cache._store_and_gather(self, key_states, value_states, end)
-        self.seq_len = end
-        return keys, values
+        ``key_states``): :meth:`PagedKVCache.update` of this layer.  Extra arguments (``cache_kwargs`` of older
+        transformers) are not needed."""
+        return self._cache._update(self, key_states, value_states)
 
     def get_seq_length(self) -> int:
         return self.seq_len
@@ -150,6 +151,22 @@ class PagedKVLayer(CacheLayerMixin):
         self._cache.batch_select_indices(indices)
 
 
+class _Step:
+    """What the first layer of a forward works out for every layer of it (:meth:`PagedKVCache._begin_step`).
+
+    ``end``, ``q``: the rows' length after the forward and its new tokens.  ``live``: the batch rows that store
+    (None: all of them).  ``write_locs``: the new tokens' locations, live row after live row (``[rows]`` or
+    ``[rows, q]``: entries of the request table, often a view of it; int64 copies on the torch path).  Attention
+    reads ``gather(layer, read_locs)`` (``read_locs``: ``[batch, end]`` locations, freed rows at the padding slot)
+    or, when ``gather`` is None, strided views of the reserved runs, ``[*view_shape, dim]``."""
+
+    __slots__ = ("end", "q", "live", "write_locs", "read_locs", "gather", "view_shape")
+
+    def __init__(self, end: int, q: int):
+        self.end, self.q = end, q
+        self.live = self.write_locs = self.read_locs = self.gather = self.view_shape = None
+
+
 class PagedKVCache(Cache):
     """A ``transformers.Cache`` over a kvcore MHA pool, its allocator and a request table.
 
@@ -162,7 +179,7 @@ class PagedKVCache(Cache):
     :param pool: a token-to-KV pool with ``set_kv_buffer`` / ``get_key_buffer`` / ``get_value_buffer``
         (the ``mha`` backend's pool, token-major, or page-major with ``kv_cache.layout=page_major``) holding
         every layer of the model, global ids ``0 .. L-1``.
-    :param allocator: its token or paged allocator.
+    :param allocator: its token or paged allocator (rows take whole pages from it with ``alloc``).
     :param req_to_token_pool: the request table (``max_context_len`` bounds a row's tokens).
     :param k_scale: fp8 caches: keys are stored divided by it and multiplied back when read (float32).
     :param v_scale: the same for values.
@@ -209,15 +226,16 @@ class PagedKVCache(Cache):
         self._slots: list[int] = []  # request slot of each batch row; 0 once the row is freed
         self._slot_t = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._live_t = torch.empty((0,), dtype=torch.int64, device=self.device)
-        self._allocated = 0  # positions of every live row that have a location
-        self._locs: tuple[int, torch.Tensor] | None = None  # (length, [batch, length] int64 locations)
-        self._new_locs: tuple[int, int, torch.Tensor] | None = None  # (end, new tokens, their live rows' locations)
         self._live_slots = self._slot_t  # the live rows' request slots
+        self._rows: torch.Tensor | None = None  # the batch's rows of the request table, a view (see _set_slots)
+        self._allocated = 0  # positions of every live row that have a location: whole pages (or the reserved run)
+        self._step: _Step | None = None  # what the current forward's layers share (see _begin_step)
         self._layer_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # each layer's K and V rows
         self._gathers: dict[torch.dtype, HeadGather] = {}  # the read into attention's layout, by its dtype
         self.contiguous_rows = bool(contiguous_rows)
         self._row_base: int | None = None  # first slot of row 0 while the batch runs on reserved contiguous rows
         self._row_cap = 0  # tokens reserved per row then
+        self._row_views: list[tuple] | None = None  # each layer's K and V strides and offsets over the reserved runs
         super().__init__(layers=[PagedKVLayer(self, i) for i in range(pool.layer_num)])
 
     # -- construction -------------------------------------------------------------------------------------
@@ -356,7 +374,7 @@ class PagedKVCache(Cache):
         """Pool locations of batch row ``batch_index``'s tokens, oldest first (int64 ``[seq_len]``)."""
         if not self._slots[batch_index]:
             raise ValueError(f"batch row {batch_index} was freed")
-        return self._locations(self.get_seq_length())[batch_index].clone()
+        return self._locations(self.get_seq_length())[batch_index]
 
     def __repr__(self) -> str:
         return (
@@ -365,6 +383,51 @@ class PagedKVCache(Cache):
         )
 
     # -- storage ------------------------------------------------------------------------------------------
+    #
+    # Per forward, the first layer runs _begin_step: a new batch takes its request slots; rows that reach a page
+    # they do not hold take whole pages (one allocator call for every row; a decode step inside a page takes
+    # none); the new tokens' locations (the store's) and the rows' locations (the gather's) are worked out once,
+    # as views of the request table when the rows sit in consecutive request slots.  Every layer then runs
+    # _update: one store (set_kv_buffer) and one gather (or, over reserved runs, two strided views).
+    # Nothing here reads the device back, except once per batch (contiguous_rows checks its run) and when the
+    # pool is nearly full (the allocator counts its free pages exactly).
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store layer ``layer_idx``'s new keys/values (``[batch, kv_heads, q, head_dim]``) and return those of
+        every token so far, ``[batch, kv_heads, seq, head_dim]`` in the dtype of ``key_states`` (transformers'
+        per-layer call; no offloading: the pool stays where it is).
+
+        What attention receives is a gathered copy (converted from the cache dtype), or, with ``contiguous_rows``
+        over reserved runs and the cache in the model's dtype, a strided view of the pool itself (no copy).  The
+        first layer of a forward works out what all of its layers share (:meth:`_begin_step`); each layer then
+        makes one store and one read, and nothing in it waits for the device."""
+        return self._update(self.layers[layer_idx], key_states, value_states)
+
+    def _update(self, layer: PagedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+        """:meth:`update`, for ``layer``: the hot path, run per layer and step."""
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        end = layer.seq_len + q
+        step = self._step
+        if step is None or step.end != end or step.q != q:
+            step = self._begin_step(key_states, end)
+        k, v = key_states, value_states
+        if step.live is not None:  # some rows freed: only the others store
+            k, v = k[step.live], v[step.live]
+        if q == 1:  # a decode step: [rows, heads, 1, dim] -> [rows, heads, dim], one view each
+            k, v = k.select(2, 0), v.select(2, 0)
+        else:  # [rows, heads, q, dim] -> [rows * q, heads, dim], row after row
+            k = k.transpose(1, 2).reshape(-1, k.shape[1], k.shape[3])
+            v = v.transpose(1, 2).reshape(-1, v.shape[1], v.shape[3])
+        layer_id = layer.layer_id
+        self.pool.set_kv_buffer(layer_id, step.write_locs, k, v, self.k_scale, self.v_scale)
+        layer.seq_len = end
+        if step.gather is not None:
+            return step.gather(layer_id, step.read_locs)
+        k_buf, k_dim, k_stride, k_offset, v_buf, v_dim, v_stride, v_offset = self._row_views[layer_id]
+        return (k_buf.as_strided((*step.view_shape, k_dim), k_stride, k_offset),
+                v_buf.as_strided((*step.view_shape, v_dim), v_stride, v_offset))  # fmt: skip
 
     def _begin_batch(self, batch: int) -> None:
         slots = self.req_to_token_pool.alloc(batch)
@@ -379,85 +442,79 @@ class PagedKVCache(Cache):
 
     def _reserve_rows(self, batch: int) -> None:
         """Give each row of a new batch its run of slots (see ``contiguous_rows``), or leave the batch to allocate
-        as it grows when the allocator's free slots are not one run."""
+        as it grows when the allocator's free slots are not one run.  Reads the device (once per batch)."""
         page = self.page_size
         cap = min(self.available_tokens // batch, self.req_to_token_pool.max_context_len) // page * page
         locs = self.allocator.alloc(batch * cap) if cap else None
         if locs is None:  # not a page a row: the rows allocate as they grow (and say so when the pool is full)
             return
-        first = int(locs[0])  # one read of the device per batch
+        first = int(locs[0])
         if not torch.equal(locs, torch.arange(first, first + batch * cap, device=locs.device, dtype=locs.dtype)):
             self.allocator.free(locs)
             return
         table = self.req_to_token_pool.req_to_token
         table[self._slot_t, :cap] = locs.view(batch, cap).to(table.dtype)
-        self._row_base, self._row_cap = first, cap
+        self._row_base, self._row_cap, self._allocated = first, cap, cap
 
     def _set_slots(self, slots: list[int]) -> None:
         self._slots = slots
-        self._slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        self._live_t = torch.tensor([i for i, s in enumerate(slots) if s], dtype=torch.int64, device=self.device)
-        self._live_slots = torch.tensor([s for s in slots if s], dtype=torch.int64, device=self.device)
-        self._locs = self._new_locs = None
+        live = [i for i, s in enumerate(slots) if s]
 
-    def _extend(self, end: int) -> None:
-        """Give every live row a location for positions ``self._allocated .. end - 1``."""
-        if self._row_base is not None:  # reserved runs: the locations are in the table already
-            if end > self._row_cap:
-                raise KVCacheFullError(
-                    f"rows of {end} tokens exceed the {self._row_cap} reserved for each of the batch's "
-                    f"{len(self._slots)} rows (contiguous_rows: the pool's free slots over the rows, at most "
-                    f"max_context_len={self.req_to_token_pool.max_context_len}); raise max_total_tokens"
-                )
-            self._allocated = end
-            self._locs = self._new_locs = None
-            return
+        def on_device(values: list[int]) -> torch.Tensor:  # copied without waiting for the device
+            return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+        self._slot_t = on_device(slots)
+        self._live_t = on_device(live)
+        self._live_slots = on_device([slots[i] for i in live])
+        # every row live in consecutive request slots (what a fresh batch gets): its table rows are one view
+        first = slots[0] if slots else 0
+        consecutive = slots and len(live) == len(slots) and slots == list(range(first, first + len(slots)))
+        self._rows = self.req_to_token_pool.req_to_token[first : first + len(slots)] if consecutive else None
+        self._step = None
+
+    def _grow(self, end: int) -> None:
+        """Give every live row locations for positions ``self._allocated .. end - 1``: whole pages, taken in one
+        ``alloc`` (row after row, each its pages in order; position ``p`` at offset ``p % page_size`` of its page,
+        as ``alloc_extend`` / ``alloc_decode`` would place it) and written to the rows' table entries, the rest of
+        the last page included, so the next tokens up to the page's end need no allocation."""
+        if self._row_base is not None:  # reserved runs: every location is in the table already
+            raise KVCacheFullError(
+                f"rows of {end} tokens exceed the {self._row_cap} reserved for each of the batch's "
+                f"{len(self._slots)} rows (contiguous_rows: the pool's free slots over the rows, at most "
+                f"max_context_len={self.req_to_token_pool.max_context_len}); raise max_total_tokens"
+            )
         max_len = self.req_to_token_pool.max_context_len
         if end > max_len:
             raise KVCacheFullError(
                 f"rows of {end} tokens exceed the request table's max_context_len={max_len} (raise max_context_len)"
             )
-        prefix, n_new = self._allocated, end - self._allocated
+        start, page = self._allocated, self.page_size
+        stop = -(-end // page) * page
         n = len(self._live_slots)
-        if n:
+        out = self.allocator.alloc(n * (stop - start))
+        if out is None:
+            raise KVCacheFullError(
+                f"{n} row(s) growing from {start} to {end} tokens need {n * (stop - start)} more token slots "
+                f"(in pages of {page}); {self.available_tokens} are free of {self.capacity_tokens}: "
+                "raise max_total_tokens, or free finished rows"
+            )
+        cols = min(stop, max_len) - start  # a last page past max_context_len is held, its tail not recorded
+        new = out.view(n, stop - start)[:, :cols]
+        if self._rows is not None:
+            self._rows[:, start : start + cols].copy_(new)
+        else:
             table = self.req_to_token_pool.req_to_token
-            live_slots = self._live_slots
-            seq_lens = torch.full((n,), end, dtype=torch.int64, device=self.device)
-            seq_lens_cpu = torch.full((n,), end, dtype=torch.int64)
-            if prefix:
-                last_loc = table[live_slots, prefix - 1].to(torch.int64)
-            else:
-                last_loc = torch.full((n,), -1, dtype=torch.int64, device=self.device)
-            if prefix and n_new == 1:
-                out = self.allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
-            else:
-                prefix_lens = torch.full((n,), prefix, dtype=torch.int64, device=self.device)
-                prefix_lens_cpu = torch.full((n,), prefix, dtype=torch.int64)
-                out = self.allocator.alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n * n_new)
-            if out is None:
-                raise KVCacheFullError(
-                    f"{n} row(s) growing from {prefix} to {end} tokens need {n * n_new} more token slots "
-                    f"(in pages of {self.page_size}); {self.available_tokens} are free of {self.capacity_tokens}: "
-                    "raise max_total_tokens, or free finished rows"
-                )
-            if n_new == 1:
-                table[live_slots, prefix] = out.to(table.dtype)
-            else:
-                table[live_slots, prefix:end] = out.view(n, n_new).to(table.dtype)
-        self._allocated = end
-        self._locs = self._new_locs = None
+            table[self._live_slots, start : start + cols] = new.to(table.dtype)
+        self._allocated = stop
 
-    def _locations(self, length: int) -> torch.Tensor:
-        """``[batch, length]`` int64 locations (freed rows read the padding row: slot 0)."""
-        if self._locs is None or self._locs[0] != length:
-            table = self.req_to_token_pool.req_to_token
-            self._locs = (length, table[self._slot_t, :length].to(torch.int64))
-        return self._locs[1]
-
-    def _store_and_gather(self, layer: PagedKVLayer, key_states, value_states, end: int):
-        batch, heads, q, _ = key_states.shape
+    def _begin_step(self, key_states: torch.Tensor, end: int) -> _Step:
+        """The first layer of a forward bringing ``key_states`` (``[batch, heads, q, dim]``) for positions
+        ``end - q .. end - 1``: the batch's slots (a new batch), the rows' locations, and what every layer's
+        :meth:`_update` takes from them (kept in ``self._step``)."""
+        batch, _, q, _ = key_states.shape
+        prefix = end - q
         if not self._slots:
-            if layer.seq_len:
+            if prefix:
                 raise RuntimeError("PagedKVCache lost its rows mid-sequence (freed during a forward?)")
             self._begin_batch(batch)
         elif batch != len(self._slots):
@@ -465,45 +522,56 @@ class PagedKVCache(Cache):
                 f"this cache holds a batch of {len(self._slots)} rows, the forward brings {batch}; "
                 "call free_all() before starting another batch"
             )
-        if end > self._allocated:
-            self._extend(end)
-        locs = self._locations(end)
-        new = self._new_locs
-        if new is None or new[0] != end or new[1] != q:  # the step's first layer: its new tokens' locations
-            rows = locs[:, end - q : end]
-            new = self._new_locs = (end, q, (rows[self._live_t] if len(self._live_t) != batch else rows).reshape(-1))
-        k, v = key_states, value_states
-        if len(self._live_t) != batch:  # some rows freed: store only the live ones
-            k, v = k[self._live_t], v[self._live_t]
-        if new[2].numel():
-            if q == 1:  # a decode step: [rows, heads, 1, dim] -> [rows, heads, dim], one view each
-                k_rows, v_rows = k.select(2, 0), v.select(2, 0)
-            else:
-                k_rows = k.transpose(1, 2).reshape(-1, heads, k.shape[-1])
-                v_rows = v.transpose(1, 2).reshape(-1, heads, v.shape[-1])
-            self.pool.set_kv_buffer(layer.layer_id, new[2], k_rows, v_rows, self.k_scale, self.v_scale)
-        buffers = self._layer_buffers
-        if buffers is None:
-            buffers = self._layer_buffers = [(self.pool.get_key_buffer(i), self.pool.get_value_buffer(i))
-                                             for i in range(len(self.layers))]  # fmt: skip
-        k_buf, v_buf = buffers[layer.layer_id]
+        if end > self._allocated or end > self.req_to_token_pool.max_context_len:
+            self._grow(end)  # (which refuses rows longer than the table's)
+        step = _Step(end, q)
+        rows = self._rows
+        table = self.req_to_token_pool.req_to_token
+        if rows is not None:  # every row live in consecutive request slots: views of the table, no copy
+            step.write_locs = rows[:, prefix] if q == 1 else rows[:, prefix:end]
+        else:  # some rows freed (they store nothing, and read the padding slot), or scattered request slots
+            if len(self._live_slots) != batch:
+                step.live = self._live_t
+            step.write_locs = table[self._live_slots, prefix] if q == 1 else table[self._live_slots, prefix:end]
+        if self._layer_buffers is None:
+            self._layer_buffers = [(self.pool.get_key_buffer(i), self.pool.get_value_buffer(i))
+                                   for i in range(len(self.layers))]  # fmt: skip
+        k_buf = self._layer_buffers[0][0]
         if self._row_base is not None and k_buf.dtype == key_states.dtype and k_buf.dim() == 3:
-            return self._row_view(k_buf, batch, end), self._row_view(v_buf, batch, end)
-        gather = self._gathers.get(key_states.dtype)
+            if self._row_views is None:
+                self._row_views = [self._row_geometry(k) + self._row_geometry(v) for k, v in self._layer_buffers]
+            step.view_shape = (batch, k_buf.shape[1], end)
+        else:
+            step.read_locs = rows[:, :end] if rows is not None else table[self._slot_t, :end]
+            step.gather = self._gather_for(key_states.dtype)
+        if not self._triton_gather:  # the torch paths index with int64: converted once here, not in every layer
+            step.write_locs = step.write_locs.to(torch.int64)
+            if step.read_locs is not None:
+                step.read_locs = step.read_locs.to(torch.int64)
+        self._step = step
+        return step
+
+    def _row_geometry(self, buffer: torch.Tensor) -> tuple:
+        """``(buffer, head dim, strides, storage offset)`` of the view ``[batch, heads, length, dim]`` of a layer's
+        token rows ``[rows, heads, dim]`` over the reserved runs (row ``b``'s token ``t`` is slot ``base + b * cap +
+        t``)."""
+        row, head, elem = buffer.stride()
+        offset = buffer.storage_offset() + self._row_base * row
+        return buffer, buffer.shape[2], (self._row_cap * row, head, row, elem), offset
+
+    def _gather_for(self, dtype: torch.dtype) -> HeadGather:
+        gather = self._gathers.get(dtype)
         if gather is None:
-            gather = self._gathers[key_states.dtype] = HeadGather(
-                [b[0] for b in buffers], [b[1] for b in buffers], key_states.dtype, self.k_scale, self.v_scale,
+            buffers = self._layer_buffers
+            gather = self._gathers[dtype] = HeadGather(
+                [b[0] for b in buffers], [b[1] for b in buffers], dtype, self.k_scale, self.v_scale,
                 use_triton=self._triton_gather,
             )
-        return gather(layer.layer_id, locs)
+        return gather
 
-    def _row_view(self, buffer: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-        """The first ``length`` tokens of every row, ``[batch, heads, length, dim]``, as a strided view of a layer's
-        token rows ``[rows, heads, dim]`` (reserved runs: row ``b``'s token ``t`` is slot ``base + b * cap + t``)."""
-        row, head, elem = buffer.stride()
-        return buffer.as_strided((batch, buffer.shape[1], length, buffer.shape[2]),
-                                 (self._row_cap * row, head, row, elem),
-                                 buffer.storage_offset() + self._row_base * row)  # fmt: skip
+    def _locations(self, length: int) -> torch.Tensor:
+        """``[batch, length]`` int64 locations (freed rows read the padding row: slot 0)."""
+        return self.req_to_token_pool.req_to_token[self._slot_t, :length].to(torch.int64)
 
     def _buffer(self, layer_id: int, which: str) -> torch.Tensor:
         return self.pool.get_key_buffer(layer_id) if which == "k" else self.pool.get_value_buffer(layer_id)
@@ -552,7 +620,7 @@ class PagedKVCache(Cache):
     def _clear_state(self) -> None:
         self._set_slots([])
         self._allocated = 0
-        self._row_base, self._row_cap = None, 0
+        self._row_base, self._row_cap, self._row_views = None, 0, None
         for layer in self.layers:
             layer.reset()
 
@@ -573,13 +641,13 @@ class PagedKVCache(Cache):
             return
         for layer in self.layers:
             layer.seq_len = min(layer.seq_len, new_len)
-        keep = -(-new_len // self.page_size) * self.page_size
-        if self._allocated > keep and len(self._live_t) and self._row_base is None:  # reserved runs stay whole
-            live_slots = self._slot_t[self._live_t]
-            dropped = self.req_to_token_pool.req_to_token[live_slots, keep : self._allocated]
-            self.allocator.free(dropped.reshape(-1).to(torch.int64))
-        self._allocated = min(self._allocated, new_len)
-        self._locs = self._new_locs = None
+        keep = -(-new_len // self.page_size) * self.page_size  # the last page kept: its tail stays in the table
+        if self._row_base is None and self._allocated > keep:  # reserved runs stay whole
+            if len(self._live_slots):
+                dropped = self.req_to_token_pool.req_to_token[self._live_slots, keep : self._allocated]
+                self.allocator.free(dropped.reshape(-1).to(torch.int64))
+            self._allocated = keep
+        self._step = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` takes the tokens of row ``beam_idx[i]`` (copied into row ``i``'s own slots,

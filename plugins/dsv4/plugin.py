@@ -4,7 +4,7 @@
 Model section: ``model.deepseek_v4`` (:class:`~kvcore_dsv4.layout.DeepSeekV4Dims`).  Options:
 ``kv_cache.options.compress_state_dtype`` (:class:`~kvcore_dsv4.layout.DeepSeekV4Options`).  The cache is SGLang's
 fp8 "V4" pages whatever the model's dtype, so the backend serves ``kv_cache.dtype=float8_e4m3fn``; its pages are
-multiples of 128 tokens (SGLang runs 256).
+128, 256 or 512 tokens (:data:`PAGE_SIZES`; SGLang runs 256).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from kvcore_dsv4.layout import ATTENTION, BACKEND, DeepSeekV4Dims, DeepSeekV4Opt
 
 #: the kvcore plugin API this plugin is written for (kvcore.hookspecs.API_VERSION); checked when it loads
 KVCORE_API_VERSION = "4"
+#: pages of whole ratio-128 blocks (SGLang runs 256); selection names them for any other kv_cache.page_size
+PAGE_SIZES = (128, 256, 512)
 
 
 def layout(request: PoolRequest) -> PoolLayout:
@@ -52,7 +54,8 @@ def create_pool(request: PoolRequest, layout: PoolLayout, sizes):
 @hookimpl
 def kvcore_register_backends():
     return [BackendSpec(name=BACKEND, attention=(ATTENTION,), layout=layout, create_pool=create_pool,
-                        kv_dtypes=(torch.float8_e4m3fn,), model_sections={"deepseek_v4": DeepSeekV4Dims},
+                        kv_dtypes=(torch.float8_e4m3fn,), page_sizes=PAGE_SIZES,
+                        model_sections={"deepseek_v4": DeepSeekV4Dims},
                         options_schema=DeepSeekV4Options,
                         description="DeepSeek-V4 compressed attention: every layer's window of fp8 latents (V4 pages), "
                         "ratio-4 and ratio-128 layers' compressed latents, the ratio-4 indexer keys and the "
