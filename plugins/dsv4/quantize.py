@@ -224,15 +224,24 @@ def store_latent_native(buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor, p
     """Torch reference of :func:`kvcore_dsv4.kernels.store_latent_triton` (same arguments, same bytes): quantize
     latents ``x`` ``[n, 512]`` into slots ``loc`` of one layer's buffer; negative slots are skipped."""
     x = check_latent_call(buf, loc, x, page_size)
-    keep = loc >= 0
-    loc, x = loc[keep], x[keep]
     if loc.numel() == 0:
         return
     codes, rope, scales = quantize_latent(x)
-    data, scale_rows = _latent_addresses(loc, page_size, buf.shape[1])
+    data, scale_rows = _latent_addresses(loc.clamp(min=0), page_size, buf.shape[1])
     flat = buf.view(-1)
-    flat[_columns(data, DATA_BYTES)] = torch.cat([codes, rope], dim=1)
-    flat[_columns(scale_rows, NUM_TILES)] = scales
+    _write_kept(flat, _columns(data, DATA_BYTES), torch.cat([codes, rope], dim=1), loc)
+    _write_kept(flat, _columns(scale_rows, NUM_TILES), scales, loc)
+
+
+def _write_kept(flat: torch.Tensor, at: torch.Tensor, rows: torch.Tensor, loc: torch.Tensor) -> None:
+    """``flat[at] = rows`` for the tokens of non-negative ``loc``, as if the others were not there.  A negative
+    slot's row is aimed at slot 0 and carries what slot 0 ends with (the last row written there, else its bytes
+    as they were), so every write to slot 0 agrees.  No boolean indexing: nothing waits for the device, so a CUDA
+    graph can capture it."""
+    keep = (loc >= 0).unsqueeze(1)
+    at_zero = torch.where(loc == 0, torch.arange(loc.numel(), device=loc.device), -1).max()
+    slot0 = torch.where(at_zero >= 0, rows[at_zero.clamp(min=0)].unsqueeze(0), flat[at])
+    flat[at] = torch.where(keep, rows, slot0)
 
 
 def read_latent(buf: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -283,16 +292,14 @@ def store_index_native(buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor, pa
     """Torch reference of :func:`kvcore_dsv4.kernels.store_index_triton` (same arguments, same bytes): quantize keys
     ``x`` ``[n, D]`` into slots ``loc`` of one layer's indexer buffer; negative slots are skipped."""
     x = check_index_call(buf, loc, x, page_size)
-    keep = loc >= 0
-    loc, x = loc[keep], x[keep]
     if loc.numel() == 0:
         return
     dim = x.shape[1]
     codes, scale = quantize_index(x)
-    keys, scales = _index_addresses(loc, page_size, dim)
+    keys, scales = _index_addresses(loc.clamp(min=0), page_size, dim)
     flat = buf.view(-1)
-    flat[_columns(keys, dim)] = codes
-    flat[_columns(scales, INDEX_SCALE_BYTES)] = scale.view(torch.uint8).reshape(-1, INDEX_SCALE_BYTES)
+    _write_kept(flat, _columns(keys, dim), codes, loc)
+    _write_kept(flat, _columns(scales, INDEX_SCALE_BYTES), scale.view(torch.uint8).reshape(-1, INDEX_SCALE_BYTES), loc)
 
 
 def read_index(buf: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
