@@ -480,14 +480,22 @@ class DeepSeekV4TokenToKVPool(KVCache):
     # -- checks -------------------------------------------------------------------------------------------
 
     def self_test_write(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """Random bf16 latents at window slots ``loc`` of ``layer``; the rows the torch reference stores."""
+        """Random bf16 latents for tokens ``loc`` of ``layer`` (their window slots); the rows the torch reference
+        stores."""
         from kvcore_dsv4.quantize import quantize_latent
 
         latents = self._random_latents(loc.numel(), generator)
-        self.set_swa_key_buffer_radix_fused(layer, loc, latents)
+        slots = self._window_slots(loc)
+        self.set_swa_key_buffer_radix_fused(layer, slots, latents)
         codes, rope, scales = quantize_latent(latents)
-        pad = self.swa_kv_pool.token_rows()["scales"].take(loc, self.local_layer(layer))[:, LATENT_SCALE_BYTES - 1 :]
+        pad = self.swa_kv_pool.token_rows()["scales"].take(slots, self.local_layer(layer))[:, LATENT_SCALE_BYTES - 1 :]
         return {"swa_kv.data": torch.cat([codes, rope], dim=1), "swa_kv.scales": torch.cat([scales, pad], dim=1)}
+
+    def _window_slots(self, loc: torch.Tensor) -> torch.Tensor:
+        """The window slots of tokens ``loc`` as :meth:`token_rows` addresses them (full locations once a map is
+        registered, window slots before)."""
+        mapping = self.full_to_swa_index_mapping
+        return loc if mapping is None else mapping[loc.long()]
 
     def _random_latents(self, n: int, generator: torch.Generator) -> torch.Tensor:
         return random_nonzero((n, self.qk_nope_head_dim + self.qk_rope_head_dim), torch.bfloat16, generator, 2.0,
@@ -495,9 +503,9 @@ class DeepSeekV4TokenToKVPool(KVCache):
 
     def self_test_values(self, layer: int, loc: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
         latents = self._random_latents(loc.numel(), generator)
-        self.set_swa_key_buffer_radix_fused(layer, loc, latents)
+        self.set_swa_key_buffer_radix_fused(layer, self._window_slots(loc), latents)
         return {"nope": latents[:, : self.qk_nope_head_dim].float(), "rope": latents[:, self.qk_nope_head_dim :].float()}
 
     def read_values(self, layer: int, loc: torch.Tensor) -> dict[str, torch.Tensor]:
-        values = self.swa_kv_pool.read(self.local_layer(layer), loc)
+        values = self.swa_kv_pool.read(self.local_layer(layer), self._window_slots(loc))
         return {"nope": values[:, : self.qk_nope_head_dim], "rope": values[:, self.qk_nope_head_dim :]}

@@ -253,3 +253,18 @@ def test_the_allocator_maps_full_locations_to_window_slots():
     got = read_latent(pool.get_swa_key_buffer_radix(0), swa, PAGE)
     assert ((got - latents.float()).norm() / latents.float().norm()).item() < 0.07
     assert torch.equal(pool.token_rows()["swa_kv.data"].take(full, 0), pool.swa_kv_pool.token_rows()["data"].take(swa, 0))
+
+
+def test_the_self_test_writes_translate_full_locations_once_mapped():
+    """With the allocator's map registered, the kit's writers address full locations (as token_rows does): a full
+    location whose window slot differs is written at its window slot."""
+    pool = sglang_call(kernels="native")
+    mapping = torch.zeros(2048 + PAGE, dtype=torch.int64, device=test_device())
+    full = torch.tensor([300, 301, 1000], device=test_device())
+    mapping[full] = torch.tensor([700, 260, 511], device=test_device())
+    pool.register_mapping(mapping)
+    expected = pool.self_test_write(3, full, torch.Generator().manual_seed(2))
+    rows = pool.token_rows()
+    for name, want in expected.items():
+        assert torch.equal(rows[name].take(full, 3).cpu(), want.cpu()), name
+    assert torch.equal(rows["swa_kv.data"].take(full, 3), pool.swa_kv_pool.token_rows()["data"].take(mapping[full], 3))
