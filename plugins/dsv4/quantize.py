@@ -240,7 +240,8 @@ def _write_kept(flat: torch.Tensor, at: torch.Tensor, rows: torch.Tensor, loc: t
     graph can capture it."""
     keep = (loc >= 0).unsqueeze(1)
     at_zero = torch.where(loc == 0, torch.arange(loc.numel(), device=loc.device), -1).max()
-    slot0 = torch.where(at_zero >= 0, rows[at_zero.clamp(min=0)].unsqueeze(0), flat[at])
+    last = rows.index_select(0, at_zero.clamp(min=0).reshape(1))  # a tensor index: no read of the device
+    slot0 = torch.where(at_zero >= 0, last, flat[at])
     flat[at] = torch.where(keep, rows, slot0)
 
 
