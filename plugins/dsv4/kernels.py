@@ -59,8 +59,9 @@ _E4M3FN_MAX = tl.constexpr(E4M3FN_MAX)
 _E4M3FN_MIN = tl.constexpr(-E4M3FN_MAX)
 _SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)
 
-# Tokens per program (powers of two) and warps: about 32 values a thread, as the DSA latent store measured best on
-# an H200 (kvcore_dsa.scaled_rows); not yet tuned for these kernels.  Decode calls take min(BLOCK_N, next_pow2(n)).
+# Tokens per program (powers of two) and warps: about 32 values a thread.  On an H200 (benchmarks/tune_dsv4.py,
+# RESULTS.md) these are the best or within noise of the best of 2-32 tokens x 1-4 warps at 256 and 32768 tokens.
+# Decode calls take min(BLOCK_N, next_pow2(n)).
 _LATENT_BLOCK_N = 2
 _LATENT_NUM_WARPS = 1
 _INDEX_BLOCK_N = 8
