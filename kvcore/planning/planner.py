@@ -557,9 +557,8 @@ def _with_pre_allocated(layout: PoolLayout, slots: int, requests: int, pre_alloc
     """The state slots of a decode worker: enough for the running and the pre-allocated requests (SGLang's
     ``HybridMambaDecodeReqToTokenPool`` raises its state pool to ``(requests + pre_alloc) x`` the slots a request
     holds, beyond the budget's share, and says so)."""
-    sizing = layout.request_state or RequestStateSizing()
-    per_request = max(1, sizing.slots_per_request)
-    needed = (requests + pre_alloc) * per_request + sizing.spare_slots
+    per_request = max(1, (layout.request_state or RequestStateSizing()).slots_per_request)
+    needed = (requests + pre_alloc) * per_request
     if needed <= slots:
         return slots
     message = (f"state slots raised from {slots} to {needed} for {requests} running and {pre_alloc} pre-allocated "

@@ -70,10 +70,7 @@ def kvcore_choose_allocator(backend, request, pool, sizes):
         return None
     from kvcore_swa import SWATokenToKVPoolAllocator
 
-    return SWATokenToKVPoolAllocator(
-        sizes["tokens"], sizes["swa_tokens"], page_size=request.page_size, dtype=request.kv_dtype,
-        device=request.device, kvcache=pool, need_sort=request.mode.need_sort, kernels=request.kernels,
-    )  # fmt: skip
+    return SWATokenToKVPoolAllocator.for_plan(request, pool, sizes)
 
 
 @hookimpl

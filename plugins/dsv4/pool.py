@@ -53,6 +53,7 @@ class DeepSeekV4SingleKVPool:
         self.kv_buffer = list(stacked.unbind(0))
         self.layer_num = len(self.kv_buffer)
         self._use_triton = use_triton
+        self._store = None
         self.bytes_per_page_padded = stacked.shape[-1]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
@@ -63,10 +64,13 @@ class DeepSeekV4SingleKVPool:
         if freqs_cis is not None:
             raise unsupported("DeepSeekV4SingleKVPool", "freqs_cis", "a tensor", "rotating the rope inside the store "
                               "(the fp4 layouts of DeepSeek-V4.1)", "pass rotated latents and freqs_cis=None")  # fmt: skip
-        if self._use_triton:
-            from kvcore_dsv4.kernels import store_latent_triton as store
-        else:
-            from kvcore_dsv4.quantize import store_latent_native as store
+        store = self._store
+        if store is None:  # imported on the first store, so building a pool loads no Triton kernel
+            if self._use_triton:
+                from kvcore_dsv4.kernels import store_latent_triton as store
+            else:
+                from kvcore_dsv4.quantize import store_latent_native as store
+            self._store = store
         store(self.kv_buffer[layer_id], loc, cache_k, self.page_size)
 
     def read(self, layer_id: int, loc: torch.Tensor) -> torch.Tensor:
@@ -100,6 +104,7 @@ class DeepSeekV4IndexerPool:
         self.stacked = stacked
         self.index_k_with_scale_buffer = list(stacked.unbind(0))
         self._use_triton = use_triton
+        self._store = None
 
     def get_bytes_per_token(self) -> int:
         return self.index_head_dim + self.index_head_dim // self.quant_block_size * 4
@@ -109,10 +114,13 @@ class DeepSeekV4IndexerPool:
 
     def set_index_fused(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
         """Quantize ``cache_k`` ``[n, index_head_dim]`` (one fp8 scale per key) into slots ``loc``."""
-        if self._use_triton:
-            from kvcore_dsv4.kernels import store_index_triton as store
-        else:
-            from kvcore_dsv4.quantize import store_index_native as store
+        store = self._store
+        if store is None:  # imported on the first store, as the latent pages' is
+            if self._use_triton:
+                from kvcore_dsv4.kernels import store_index_triton as store
+            else:
+                from kvcore_dsv4.quantize import store_index_native as store
+            self._store = store
         store(self.index_k_with_scale_buffer[layer_id], loc, cache_k, self.page_size)
 
     def read(self, layer_id: int, loc: torch.Tensor) -> torch.Tensor:

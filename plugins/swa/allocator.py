@@ -51,6 +51,13 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if register is not None:
             register(self.full_to_swa_index_mapping)
 
+    @classmethod
+    def for_plan(cls, request: Any, pool: Any, sizes: Any) -> SWATokenToKVPoolAllocator:
+        """The allocator a plugin's ``kvcore_choose_allocator`` pairs with ``pool``: the plan's ``tokens`` and
+        ``swa_tokens``, the request's page, dtype, device, kernels and sorting (both disaggregation modes)."""
+        return cls(sizes["tokens"], sizes["swa_tokens"], page_size=request.page_size, dtype=request.kv_dtype,
+                   device=request.device, kvcache=pool, need_sort=request.mode.need_sort, kernels=request.kernels)  # fmt: skip
+
     # -- queries ------------------------------------------------------------------------------------------
 
     def available_size(self) -> int:

@@ -67,10 +67,7 @@ def kvcore_choose_allocator(backend, request, pool, sizes):
         return None
     from kvcore_swa.allocator import SWATokenToKVPoolAllocator
 
-    return SWATokenToKVPoolAllocator(
-        sizes["tokens"], sizes["swa_tokens"], page_size=request.page_size, dtype=request.kv_dtype,
-        device=request.device, kvcache=pool, need_sort=request.mode.need_sort, kernels=request.kernels,
-    )  # fmt: skip
+    return SWATokenToKVPoolAllocator.for_plan(request, pool, sizes)
 
 
 @hookimpl
