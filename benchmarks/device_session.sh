@@ -2,7 +2,7 @@
 # One call on a GPU machine that reaches no package registry: install kvcore there, then run the phases named,
 # in order, each with its output kept under $OUT (default /tmp/kvcore-out) and its last lines printed.
 #
-#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse]
+#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse] [hfcore] [tune]
 #
 #   tests  the compiled suite: KVCORE_TEST_COMPILED=1 python -m pytest -q -n 12   ($OUT/tests.txt)
 #   alloc  python benchmarks/bench_allocator.py                                     ($OUT/alloc.txt)
@@ -12,12 +12,14 @@
 #   fp4    python benchmarks/bench_fp4.py                                            ($OUT/fp4.txt)
 #   check  kvcore check acme --device cuda (the example vendor package)              ($OUT/check.txt)
 #   transfer  python benchmarks/bench_transfer.py (needs the nixl wheels under .whl)  ($OUT/transfer.txt)
-#   hfgen  python benchmarks/bench_hf_generate.py (transformers generation)          ($OUT/hfgen.txt)
+#   hfgen  python benchmarks/bench_hf_generate.py $HFGEN_ARGS (transformers generation)  ($OUT/hfgen.txt)
 #   unified  python benchmarks/bench_unified_device.py (the unified memory's costs)   ($OUT/unified.txt)
 #   minimax  kvcore bench --quick of the MiniMax sparse family (and MHA's, the engine step) ($OUT/minimax.txt)
 #   hisparse  python benchmarks/bench_hisparse_device.py (HiSparse's host <-> device gathers)  ($OUT/hisparse.txt)
 #   dsv4   the DeepSeek-V4 family's tests, compiled                                   ($OUT/dsv4.txt)
 #   sparse  kvcore bench of the DeepSeek-V4 and MiniMax sparse families, every size (32k tokens included)  ($OUT/sparse.txt)
+#   hfcore  the head gather's and the transformers cache's tests, compiled          ($OUT/hfcore.txt)
+#   tune   python benchmarks/tune_row_stores.py (the 128-value quantizing stores)    ($OUT/tune.txt)
 #
 # That machine lacks omegaconf: put its wheel under .whl first (ignored by git) and carry .whl with the call:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl omegaconf==2.4.0
@@ -58,13 +60,16 @@ for phase in "$@"; do
         fp4) run fp4 python3 benchmarks/bench_fp4.py ;;
         check) run check python3 -m kvcore check acme --device cuda ;;
         transfer) run transfer python3 benchmarks/bench_transfer.py ;;
-        hfgen) run hfgen python3 benchmarks/bench_hf_generate.py ;;
+        hfgen) run hfgen python3 benchmarks/bench_hf_generate.py ${HFGEN_ARGS:-} ;;
         unified) run unified python3 benchmarks/bench_unified_device.py ;;
         minimax) run minimax env KVCORE_PLUGINS=mha,minimax_sparse python3 -m kvcore bench --quick ;;
         hisparse) run hisparse python3 benchmarks/bench_hisparse_device.py ;;
         dsv4) run dsv4 env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -p no:cacheprovider plugins/dsv4 ;;
-        sparse) run sparse env KVCORE_PLUGINS=minimax_sparse,dsv4 python3 -m kvcore bench ;;
-        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse)"; status=2 ;;
+        sparse) run sparse env KVCORE_PLUGINS=mha,minimax_sparse,dsv4 python3 -m kvcore bench ;;
+        hfcore) run hfcore env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_head_gather.py \
+            tests/test_transformers_cache.py tests/test_launch_contract.py ;;
+        tune) run tune python3 benchmarks/tune_row_stores.py ;;
+        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse, hfcore, tune)"; status=2 ;;
     esac
 done
 exit $status

@@ -46,7 +46,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 #: the kernels a cache runs per layer and step: no-ops under ``--stub-launches``
-_PER_LAYER_KERNELS = ("_store_kv_kernel", "_gather_heads_kernel")
+_PER_LAYER_KERNELS = ("_store_kv_kernel", "_gather_heads_kernel", "_store_gather_heads_kernel")
 
 #: kernel launches by kernel name, and the time spent inside launches that really ran (interpreted), in ns
 LAUNCHES: collections.Counter = collections.Counter()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.kernels.head_gather import HeadGather, gather_heads_native, gather_heads_triton
+from kvcore.kernels.head_gather import HeadGather, gather_heads_native, gather_heads_triton, store_and_gather_native
 from kvcore.testing.tensors import test_device
 
 DEVICE = test_device()
@@ -133,3 +133,105 @@ def test_head_gather_native_and_refusals():
         HeadGather([k[0], k[0, :4]], [k[0], k[1]], torch.bfloat16, use_triton=True)
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         HeadGather(k.unbind(0), k.unbind(0), torch.int8, use_triton=True)
+
+
+# -- store_and_gather: a step's new rows stored and every row gathered, in one launch ---------------------------
+
+
+def new_rows(batch, heads, q, dim, dtype, seed, transposed=False):
+    """New keys/values as a model hands them over: ``[batch, heads, q, dim]`` contiguous, or (``transposed``) a
+    view of a ``[batch, q, heads * dim]`` projection."""
+    if transposed:
+        x = random_rows((batch, q, heads * dim), dtype, seed)
+        return x.view(batch, q, heads, dim).transpose(1, 2)
+    return random_rows((batch, heads, q, dim), dtype, seed)
+
+
+def distinct_locations(batch, seq, rows, seed):
+    """``[batch, seq]`` distinct locations in ``1 .. rows - 1`` (slot 0 is padding)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randperm(rows - 1, generator=g)[: batch * seq] + 1).view(batch, seq).to(DEVICE)
+
+
+@pytest.mark.parametrize("cache_dtype, model_dtype, scale", CASES)
+def test_store_and_gather_matches_a_store_then_a_gather(cache_dtype, model_dtype, scale):
+    """Every conversion: the cache and the returned keys/values equal, bit for bit, the torch reference's; prefill
+    (every token new), decode (one new token) and chunks whose new tokens start inside a token block (of 128 tokens
+    here), after blocks of old tokens only."""
+    layers, rows, heads, dk, dv, batch = 2, 1000, 3, 24, 8, 3
+    k = random_rows((layers, rows, heads, dk), cache_dtype, 20)
+    v = random_rows((layers, rows, heads, dv), cache_dtype, 21)
+    k_ref, v_ref = k.clone(), v.clone()
+    gather = HeadGather(k.unbind(0), v.unbind(0), model_dtype, scale, scale, use_triton=True)
+    table = distinct_locations(batch, 310, rows, 22)
+    for step, (end, q) in enumerate(((37, 37), (38, 1), (170, 132), (300, 129), (301, 1))):
+        locs = table[:, :end]
+        if step == 4:
+            locs = locs.to(torch.int32).contiguous()
+        for layer in range(layers):
+            k_new = new_rows(batch, heads, q, dk, model_dtype, 100 * step + layer)
+            v_new = new_rows(batch, heads, q, dv, model_dtype, 100 * step + layer + 50, transposed=True)
+            got = gather.store_and_gather(layer, locs, k_new, v_new)
+            want = store_and_gather_native(k_ref[layer], v_ref[layer], locs, k_new, v_new, model_dtype, scale, scale)
+            assert got[0].shape == (batch, heads, end, dk) and got[1].shape == (batch, heads, end, dv)
+            assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), (step, layer)
+            assert same_bits(k, k_ref) and same_bits(v, v_ref), (step, layer)  # the same rows stored, no others
+
+
+@pytest.mark.parametrize("page", [4, 16])
+def test_store_and_gather_into_page_major_views(page):
+    """A page-major pool's views (K and V of a page interleaved, the page stride spanning every layer), an fp8 cache
+    with scales, locations sliced from a request table."""
+    pages, layers, heads, dim, batch = 24, 2, 2, 16, 2
+    kv = random_rows((pages, layers, 2, page, heads, dim), torch.float8_e4m3fn, 23)
+    ref = kv.clone()
+    gather = HeadGather([kv[:, i, 0] for i in range(layers)], [kv[:, i, 1] for i in range(layers)], torch.bfloat16,
+                        0.5, 2.0, use_triton=True)  # fmt: skip
+    table = torch.randperm(pages * page - page, generator=torch.Generator().manual_seed(24))[: batch * 40] + page
+    table = table.view(batch, 40).to(DEVICE)
+    for end, q in ((29, 29), (30, 1), (31, 1)):
+        for layer in range(layers):
+            k_new = new_rows(batch, heads, q, dim, torch.bfloat16, end + layer)
+            v_new = new_rows(batch, heads, q, dim, torch.bfloat16, end + layer + 7, transposed=True)
+            got = gather.store_and_gather(layer, table[:, :end], k_new, v_new)
+            want = store_and_gather_native(ref[:, layer, 0], ref[:, layer, 1], table[:, :end], k_new, v_new,
+                                           torch.bfloat16, 0.5, 2.0)  # fmt: skip
+            assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+            assert same_bits(kv, ref)
+
+
+def test_store_and_gather_native_stores_what_the_mha_pool_stores():
+    """The reference's store is the K/V pool's: the MHA pool's ``set_kv_buffer`` (fp8 with scales, and bf16 into
+    float32) writes the same bytes."""
+    from kvcore_mha.pool import MHATokenToKVPool
+
+    for cache_dtype, model_dtype, scale in ((torch.float8_e4m3fn, torch.bfloat16, 0.37), (torch.float32, torch.bfloat16, None),
+                                            (torch.bfloat16, torch.float32, None)):  # fmt: skip
+        pool = MHATokenToKVPool(64, 1, cache_dtype, 2, 16, 1, str(DEVICE), False, kernels="native")
+        locs = distinct_locations(2, 5, 64, 25)
+        k_new = new_rows(2, 2, 3, 16, model_dtype, 26)
+        v_new = new_rows(2, 2, 3, 16, model_dtype, 27, transposed=True)
+        pool.set_kv_buffer(0, locs[:, 2:].reshape(-1), k_new.transpose(1, 2).reshape(-1, 2, 16),
+                           v_new.transpose(1, 2).reshape(-1, 2, 16), scale, scale)  # fmt: skip
+        k, v = torch.zeros_like(pool.get_key_buffer(0)), torch.zeros_like(pool.get_value_buffer(0))
+        store_and_gather_native(k, v, locs, k_new, v_new, model_dtype, scale, scale)
+        assert same_bits(k, pool.get_key_buffer(0)) and same_bits(v, pool.get_value_buffer(0)), cache_dtype
+
+
+def test_store_and_gather_refusals_and_edges():
+    k = random_rows((2, 40, 2, 16), torch.bfloat16, 28)
+    gather = HeadGather(k.unbind(0), k.unbind(0), torch.bfloat16, use_triton=True)
+    locs = distinct_locations(2, 6, 40, 29)
+    fresh = new_rows(2, 2, 2, 16, torch.bfloat16, 30)
+    assert gather.store_and_gather(0, locs[:, :0], fresh[:, :, :0], fresh[:, :, :0])[0].shape == (2, 2, 0, 16)
+    with pytest.raises(ValueError, match="at most the 1"):
+        gather.store_and_gather(0, locs[:, :1], fresh, fresh)
+    with pytest.raises(ValueError, match="must be torch.bfloat16"):
+        gather.store_and_gather(0, locs, fresh.float(), fresh.float())
+    with pytest.raises(ValueError, match=r"\[batch, heads, q, dim\]"):
+        gather.store_and_gather(0, locs, fresh[:1], fresh[:1])
+    with pytest.raises(ValueError, match="head dim packed"):
+        gather.store_and_gather(0, locs, random_rows((2, 2, 16, 2), torch.bfloat16, 31).transpose(2, 3), fresh)
+    native = HeadGather(k.clone().unbind(0), k.clone().unbind(0), torch.bfloat16, use_triton=False)
+    got, want = gather.store_and_gather(1, locs, fresh, fresh), native.store_and_gather(1, locs, fresh, fresh)
+    assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])

@@ -649,6 +649,72 @@ def test_the_one_launch_gather_keeps_every_logit(dtype, page_size):
     assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
 
 
+@pytest.mark.parametrize(
+    "cache_dtype, scales, layout",
+    [
+        (None, (None, None), "token_major"),
+        ("float8_e4m3fn", (0.5, 0.25), "token_major"),
+        ("float8_e5m2", (None, None), "page_major"),
+        (None, (None, None), "page_major"),
+    ],
+    ids=["bf16", "e4m3fn-scaled", "e5m2-page-major", "bf16-page-major"],
+)
+def test_the_store_and_the_gather_in_one_launch_keep_every_logit(cache_dtype, scales, layout):
+    """On the Triton path over kvcore's own MHA pools every layer stores its new keys/values and reads all of them
+    in one launch (``store_and_gather``, the pool's conversion done in the launch); the logits are a DynamicCache's
+    (rounded through fp8 as the pool rounds, for an fp8 cache), and the pool holds what ``set_kv_buffer`` would."""
+    model, ids, mask, device = on_test_device(torch.bfloat16)
+    k_scale, v_scale = scales
+    layers = model.config.num_hidden_layers
+    if cache_dtype is None:
+        ref = generate(model, DynamicCache(config=model.config), 40, ids, mask)
+    else:
+        fp8 = getattr(torch, cache_dtype)
+        ref = generate(model, Cache(layers=[RoundTripLayer(fp8, k_scale, v_scale) for _ in range(layers)]), 40, ids, mask)
+    cfg = kvcore.load_config(
+        *config_overrides(model), "kv_cache.page_size=16", "memory.max_total_tokens=2048", f"hardware.device={device}",
+        "hardware.kernels=triton", *([f"kv_cache.dtype={cache_dtype}"] if cache_dtype else []),
+        *(["kv_cache.layout=page_major"] if layout == "page_major" else []),
+    )  # fmt: skip
+    cache = PagedKVCache.from_config(cfg, model=model, k_scale=k_scale, v_scale=v_scale)
+    assert cache._fused_store and cache.pool.set_kv_buffer_writes_rows
+    out = generate(model, cache, 40, ids, mask)
+    assert cache._step.fused
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    # the pool's rows are what its own store writes: row 1's tokens stored again through set_kv_buffer
+    locs = cache.token_locations(1)
+    for layer in range(layers):
+        k, v = cache.layers[layer].keys[1], cache.layers[layer].values[1]  # [heads, seq, dim], the cache dtype
+        before = (cache.pool.get_key_buffer(layer).clone(), cache.pool.get_value_buffer(layer).clone())
+        cache.pool.set_kv_buffer(layer, locs, k.transpose(0, 1), v.transpose(0, 1))
+        after = (cache.pool.get_key_buffer(layer), cache.pool.get_value_buffer(layer))
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after))
+
+
+def test_a_checked_pool_is_stored_through_set_kv_buffer(monkeypatch):
+    """Behind kvcore's checking proxy the cache never writes the pool itself: every layer stores through the proxy's
+    ``set_kv_buffer`` (its checks run) and reads with the one-launch gather."""
+    model, ids, mask, device = on_test_device(torch.bfloat16)
+    ref = generate(model, DynamicCache(config=model.config), 20, ids, mask)
+    cfg = kvcore.load_config(
+        *config_overrides(model), "kv_cache.page_size=16", "memory.max_total_tokens=2048", f"hardware.device={device}",
+        "hardware.kernels=triton", "hardware.checked=true",
+    )  # fmt: skip
+    cache = PagedKVCache.from_config(cfg, model=model)
+    stores = collections.Counter()
+    set_kv_buffer = type(cache.pool).set_kv_buffer
+
+    def counted(pool, layer, *args, **kwargs):
+        stores[layer] += 1
+        return set_kv_buffer(pool, layer, *args, **kwargs)
+
+    monkeypatch.setattr(type(cache.pool), "set_kv_buffer", counted)  # the proxy's own method
+    out = generate(model, cache, 20, ids, mask)
+    assert not cache._fused_store and not cache._step.fused
+    assert stores == {layer: 20 for layer in range(model.config.num_hidden_layers)}  # the prefill and 19 steps
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+
+
 def test_the_one_launch_gather_with_a_freed_row():
     """The Triton path once a row is freed mid-generation: the live rows' new tokens are stored (the step's
     locations taken once for every layer), the freed row reads the padding slot, the others go on exactly."""

@@ -19,7 +19,9 @@ the request table when the rows sit in consecutive request slots, as a new batch
 writes its keys and values there with one ``set_kv_buffer`` (fp8 caches convert on the way, optionally divided
 by ``k_scale`` / ``v_scale``) and hands attention the keys and values of all the row's tokens, gathered by
 location in one launch and converted back to the model's dtype, as ``[batch, kv_heads, seq, head_dim]`` (or,
-with ``contiguous_rows``, strided views of the pool).  No forward waits for the device, but when the pool is
+with ``contiguous_rows``, strided views of the pool).  On a GPU over kvcore's own K/V pools (whose
+``set_kv_buffer_writes_rows`` says the store is a plain row write) the store and the gather are one launch
+(:meth:`~kvcore.kernels.head_gather.HeadGather.store_and_gather`): a layer's step is one allocation and one launch.  No forward waits for the device, but when the pool is
 nearly full (the allocator then counts its free pages exactly) and, with ``contiguous_rows``, once per batch.
 Left padding of prompts of different lengths is stored like any token; the attention mask hides it, exactly as
 with ``DynamicCache``.
@@ -158,13 +160,16 @@ class _Step:
     (None: all of them).  ``write_locs``: the new tokens' locations, live row after live row (``[rows]`` or
     ``[rows, q]``: entries of the request table, often a view of it; int64 copies on the torch path).  Attention
     reads ``gather(layer, read_locs)`` (``read_locs``: ``[batch, end]`` locations, freed rows at the padding slot)
-    or, when ``gather`` is None, strided views of the reserved runs, ``[*view_shape, dim]``."""
+    or, when ``gather`` is None, strided views of the reserved runs, ``[*view_shape, dim]``.  ``fused``: the layers
+    store and read in one launch, ``gather.store_and_gather(layer, read_locs, keys, values)`` (every row live, a
+    pool whose ``set_kv_buffer`` only writes its rows, the Triton path)."""
 
-    __slots__ = ("end", "q", "live", "write_locs", "read_locs", "gather", "view_shape")
+    __slots__ = ("end", "q", "live", "write_locs", "read_locs", "gather", "view_shape", "fused")
 
     def __init__(self, end: int, q: int):
         self.end, self.q = end, q
         self.live = self.write_locs = self.read_locs = self.gather = self.view_shape = None
+        self.fused = False
 
 
 class PagedKVCache(Cache):
@@ -222,6 +227,10 @@ class PagedKVCache(Cache):
         self.device = torch.device(pool.device)
         # the gather into attention's layout follows the pool's kernels mode (one launch on a GPU)
         self._triton_gather = use_triton(getattr(_unwrap(pool), "kernels", "auto"), self.device)
+        # the store and the gather in one launch: a pool not behind a checking proxy whose set_kv_buffer only writes
+        # the rows this cache reads (it then writes them itself, converted as the pool would)
+        self._fused_store = self._triton_gather and pool is _unwrap(pool) and bool(
+            getattr(pool, "set_kv_buffer_writes_rows", False))  # fmt: skip
         self._initial_available = allocator.available_size()
         self._slots: list[int] = []  # request slot of each batch row; 0 once the row is freed
         self._slot_t = torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -411,7 +420,10 @@ class PagedKVCache(Cache):
         end = layer.seq_len + q
         step = self._step
         if step is None or step.end != end or step.q != q:
-            step = self._begin_step(key_states, end)
+            step = self._begin_step(key_states, value_states, end)
+        if step.fused:  # the pool's rows written and read in one launch
+            layer.seq_len = end
+            return step.gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states)
         k, v = key_states, value_states
         if step.live is not None:  # some rows freed: only the others store
             k, v = k[step.live], v[step.live]
@@ -507,10 +519,10 @@ class PagedKVCache(Cache):
             table[self._live_slots, start : start + cols] = new.to(table.dtype)
         self._allocated = stop
 
-    def _begin_step(self, key_states: torch.Tensor, end: int) -> _Step:
-        """The first layer of a forward bringing ``key_states`` (``[batch, heads, q, dim]``) for positions
-        ``end - q .. end - 1``: the batch's slots (a new batch), the rows' locations, and what every layer's
-        :meth:`_update` takes from them (kept in ``self._step``)."""
+    def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> _Step:
+        """The first layer of a forward bringing ``key_states`` / ``value_states`` (``[batch, heads, q, dim]``) for
+        positions ``end - q .. end - 1``: the batch's slots (a new batch), the rows' locations, and what every
+        layer's :meth:`_update` takes from them (kept in ``self._step``)."""
         batch, _, q, _ = key_states.shape
         prefix = end - q
         if not self._slots:
@@ -527,12 +539,8 @@ class PagedKVCache(Cache):
         step = _Step(end, q)
         rows = self._rows
         table = self.req_to_token_pool.req_to_token
-        if rows is not None:  # every row live in consecutive request slots: views of the table, no copy
-            step.write_locs = rows[:, prefix] if q == 1 else rows[:, prefix:end]
-        else:  # some rows freed (they store nothing, and read the padding slot), or scattered request slots
-            if len(self._live_slots) != batch:
-                step.live = self._live_t
-            step.write_locs = table[self._live_slots, prefix] if q == 1 else table[self._live_slots, prefix:end]
+        if rows is None and len(self._live_slots) != batch:  # some rows freed: they store nothing, read the padding slot
+            step.live = self._live_t
         if self._layer_buffers is None:
             self._layer_buffers = [(self.pool.get_key_buffer(i), self.pool.get_value_buffer(i))
                                    for i in range(len(self.layers))]  # fmt: skip
@@ -544,6 +552,14 @@ class PagedKVCache(Cache):
         else:
             step.read_locs = rows[:, :end] if rows is not None else table[self._slot_t, :end]
             step.gather = self._gather_for(key_states.dtype)
+            # one launch stores and reads when the pool's store is a plain row write this cache may make itself
+            step.fused = (self._fused_store and step.live is None and key_states.stride(-1) == 1
+                          and value_states.stride(-1) == 1)  # fmt: skip
+        if not step.fused:  # the store's locations: views of the table when every row is live in consecutive slots
+            if rows is not None:
+                step.write_locs = rows[:, prefix] if q == 1 else rows[:, prefix:end]
+            else:
+                step.write_locs = table[self._live_slots, prefix] if q == 1 else table[self._live_slots, prefix:end]
         if not self._triton_gather:  # the torch paths index with int64: converted once here, not in every layer
             step.write_locs = step.write_locs.to(torch.int64)
             if step.read_locs is not None:

@@ -20,19 +20,22 @@ import triton.language as tl
 
 from kvcore.kernels import dtypes
 from kvcore.kernels.dtypes import is_fp8_dtype
-from kvcore.kernels.fp8 import e4m3fn_bits_to_f32_hw, e5m2_bits_to_f32, f32_to_bf16_bits
+from kvcore.kernels.fp8 import (e4m3fn_bits_to_f32_hw, e5m2_bits_to_f32, f32_to_bf16_bits, f32_to_fp8_bits,
+                               f32_to_fp8_bits_hw, torch_e4m3fn_saturates)  # fmt: skip
 from kvcore.kernels.kernel_mode import triton_interpreting
-from kvcore.kernels.launch import UNPLANNED, KernelArgs, Plan, cdiv, launch_hooks_installed, launcher_for
+from kvcore.kernels.launch import UNPLANNED, KernelArgs, Plan, cdiv, launch_hooks_installed, launcher_for, remember
 from kvcore.kernels.row_move import next_pow2
 
-__all__ = ["HeadGather", "gather_heads", "gather_heads_native", "gather_heads_triton", "take_rows"]
+__all__ = ["HeadGather", "gather_heads", "gather_heads_native", "gather_heads_triton", "put_rows", "store_and_gather_native",
+           "take_rows"]
 
 #: elements a program moves per head (tokens x dim); the token block is this over the padded head width
 _TILE_ELEMS = 4096
 _NUM_WARPS = 4
 
 
-_F32, _F16, _BF16 = tl.constexpr(dtypes.F32), tl.constexpr(dtypes.F16), tl.constexpr(dtypes.BF16)
+_SAME, _F32, _F16, _BF16 = (tl.constexpr(dtypes.SAME), tl.constexpr(dtypes.F32), tl.constexpr(dtypes.F16),
+                            tl.constexpr(dtypes.BF16))  # fmt: skip
 _E4M3FN, _E5M2 = tl.constexpr(dtypes.E4M3FN), tl.constexpr(dtypes.E5M2)
 
 
@@ -107,6 +110,92 @@ def _gather_heads_kernel(
                      HEADS, DV, BLOCK_DV, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
 
 
+@triton.jit
+def _encode(xf, CODE: tl.constexpr, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
+    """float32 -> a cache dtype of code ``CODE`` as a store writes it (fp8 as its byte), rounding to nearest even
+    as torch's ``.to`` does (bf16 and fp8 by bits under the interpreter, whose casts do not)."""
+    if CODE == _F32:
+        c = xf
+    elif CODE == _F16:
+        c = xf.to(tl.float16)
+    elif CODE == _BF16:
+        c = _narrow(xf, CODE, HW_CVT)
+    elif HW_CVT:
+        c = f32_to_fp8_bits_hw(xf, CODE, SATURATE).to(tl.uint8)
+    else:
+        c = f32_to_fp8_bits(xf, CODE, SATURATE).to(tl.uint8)
+    return c
+
+
+@triton.jit
+def _store_gather_tile(src, out, new, loc, mask_t, b, t, seq, prefix, page_stride, row_stride, head_stride, new_sb,
+                       new_sh, new_sq, scale, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       PAGE: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, STORE: tl.constexpr,
+                       SATURATE: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
+    """:func:`_gather_tile` of a tile holding new tokens (positions ``prefix ..``): those are read from ``new``
+    (``[batch, heads, q, D]``), written to the cache at their locations (converted as a store converts) and handed
+    on from there, exactly what a store then a gather would read back."""
+    d = tl.arange(0, BLOCK_D)
+    in_row = (d < D)[None, :]
+    fresh = mask_t & (t >= prefix)
+    old = (mask_t & (t < prefix))[:, None] & in_row
+    stored = fresh[:, None] & in_row
+    row = (loc // PAGE) * page_stride + (loc % PAGE) * row_stride
+    new_row = b * new_sb + tl.where(fresh, t - prefix, 0) * new_sq
+    for h in range(HEADS):
+        at = src + row[:, None] + h * head_stride + d[None, :]
+        x = tl.load(at, mask=old, other=0)
+        y = tl.load(new + new_row[:, None] + h * new_sh + d[None, :], mask=stored, other=0)
+        if STORE != _SAME:  # the store's conversion: float32, divided by the scale, rounded once
+            yf = _widen(y, OUT, HW_CVT)  # the inputs have the output's dtype
+            if SCALED:
+                yf = tl.math.div_rn(yf, tl.zeros_like(yf) + scale)
+            y = _encode(yf, STORE, SATURATE, HW_CVT)
+        tl.store(at, y, mask=stored)
+        x = tl.where(fresh[:, None], y, x)
+        if IN != OUT:
+            xf = _widen(x, IN, HW_CVT)
+            if SCALED:
+                xf = xf * scale
+            x = _narrow(xf, OUT, HW_CVT)
+        dst = out + ((b * HEADS + h) * seq + t)[:, None] * D + d[None, :]
+        tl.store(dst, x, mask=mask_t[:, None] & in_row)
+
+
+@triton.jit(do_not_specialize=["seq", "prefix", "loc_stride", "k_scale", "v_scale"])
+def _store_gather_heads_kernel(
+    k_ptr, v_ptr, k_out, v_out, loc_ptr, k_new, v_new, seq, prefix, loc_stride,
+    k_new_sb, k_new_sh, k_new_sq, v_new_sb, v_new_sh, v_new_sq,
+    k_page_stride, k_row_stride, k_head_stride, v_page_stride, v_row_stride, v_head_stride, k_scale, v_scale,
+    HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_T: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, STORE: tl.constexpr,
+    SATURATE: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr,
+):  # fmt: skip
+    # grid: (token blocks, batch rows, 2: keys then values); blocks wholly before ``prefix`` only gather
+    pid_t = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = t < seq
+    loc = tl.load(loc_ptr + b * loc_stride + t, mask=mask_t, other=0).to(tl.int64)
+    only_old = (pid_t + 1) * BLOCK_T <= prefix
+    if tl.program_id(2) == 0:
+        if only_old:
+            _gather_tile(k_ptr, k_out, loc, mask_t, b, t, seq, k_page_stride, k_row_stride, k_head_stride, k_scale,
+                         HEADS, DK, BLOCK_DK, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
+        else:
+            _store_gather_tile(k_ptr, k_out, k_new, loc, mask_t, b, t, seq, prefix, k_page_stride, k_row_stride,
+                               k_head_stride, k_new_sb, k_new_sh, k_new_sq, k_scale, HEADS, DK, BLOCK_DK, PAGE, IN,
+                               OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
+    else:
+        if only_old:
+            _gather_tile(v_ptr, v_out, loc, mask_t, b, t, seq, v_page_stride, v_row_stride, v_head_stride, v_scale,
+                         HEADS, DV, BLOCK_DV, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
+        else:
+            _store_gather_tile(v_ptr, v_out, v_new, loc, mask_t, b, t, seq, prefix, v_page_stride, v_row_stride,
+                               v_head_stride, v_new_sb, v_new_sh, v_new_sq, v_scale, HEADS, DV, BLOCK_DV, PAGE, IN,
+                               OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
+
+
 #: the kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`): :func:`gather_heads_triton` passes its
 #: tensors as tensors, :class:`HeadGather` their addresses
 _GATHER_ARGS = KernelArgs(
@@ -116,6 +205,18 @@ _GATHER_ARGS = KernelArgs(
     "HEADS DK DV BLOCK_DK BLOCK_DV PAGE BLOCK_T IN OUT SCALED HW_CVT",
     pointers="k_ptr v_ptr k_out v_out loc_ptr",
 )
+
+
+#: the store-and-gather kernel's: what a call reads, then what its plan fixes (the inputs' and the layers' strides,
+#: the scales)
+_STORE_GATHER_ARGS = KernelArgs(
+    _store_gather_heads_kernel,
+    ("k_ptr v_ptr k_out v_out loc_ptr k_new v_new seq prefix loc_stride",
+     "k_new_sb k_new_sh k_new_sq v_new_sb v_new_sh v_new_sq k_page_stride k_row_stride k_head_stride v_page_stride "
+     "v_row_stride v_head_stride k_scale v_scale"),
+    "HEADS DK DV BLOCK_DK BLOCK_DV PAGE BLOCK_T IN OUT STORE SATURATE SCALED HW_CVT",
+    pointers="k_ptr v_ptr k_out v_out loc_ptr k_new v_new",
+)  # fmt: skip
 
 
 def _paged(buffer: torch.Tensor) -> tuple[int, int, int, int]:
@@ -239,6 +340,15 @@ class HeadGather:
         self._launch = launcher_for(_GATHER_ARGS, k0.device)
         self._device_index = k0.get_device()
         self._plans: dict[tuple, Plan] = {}
+        # store_and_gather: the layers' conversion codes and the output's, and what a store adds to them
+        *_, block_dk, block_dv, page, _, code_in, code_out, scaled, hw_cvt = self._constexprs
+        self._store_constexprs = _STORE_GATHER_ARGS.constexprs(
+            HEADS=self.heads, DK=self.dk, DV=self.dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, PAGE=page,
+            BLOCK_T=self._block_t, IN=code_in, OUT=code_out, STORE=dtypes.conversion_code(out_dtype, k0.dtype, "the cache"),
+            SATURATE=torch_e4m3fn_saturates(), SCALED=scaled, HW_CVT=hw_cvt,
+        )  # fmt: skip
+        self._store_launch = launcher_for(_STORE_GATHER_ARGS, k0.device)
+        self._store_plans: dict[tuple, Plan] = {}
 
     def __call__(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens ``locs`` (``[batch, seq]`` int32/int64, on the pool's device, the token dim
@@ -280,6 +390,68 @@ class HeadGather:
         return Plan(self._launch, key, self._block_t, (batch, 2), _NUM_WARPS, constexprs=self._constexprs,
                     tail=self._tail)  # fmt: skip
 
+    def store_and_gather(self, layer: int, locs: torch.Tensor, k_new: torch.Tensor,
+                         v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Store every row's newest ``q`` tokens, then gather all of its tokens, in one launch: ``k_new`` /
+        ``v_new`` (``[batch, heads, q, dim]`` of ``out_dtype``, the head dim packed) are written to layer ``layer``'s
+        rows at locations ``locs[:, -q:]``, converted as a K/V pool's ``set_kv_buffer`` converts (in the rows'
+        dtype: as they are, or divided by the scale in float32 when given, then rounded once to nearest even), and
+        the keys and values of tokens ``locs`` are returned as :meth:`__call__` returns them.  Bit for bit what
+        that store followed by :meth:`__call__` gives (:func:`store_and_gather_native`).  The new tokens'
+        locations must be distinct and not among the row's older ones."""
+        if not self.use_triton:
+            return store_and_gather_native(self.k_layers[layer], self.v_layers[layer], locs, k_new, v_new,
+                                           self.out_dtype, self.k_scale, self.v_scale)  # fmt: skip
+        batch, seq = locs.shape
+        ks, vs = k_new.shape, v_new.shape
+        q = ks[2] if len(ks) == 4 else -1
+        new = self._template.new_empty
+        k_out, v_out = new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
+        if not batch or not 0 < q <= seq:  # nothing to store, or a call the checks refuse
+            if batch and q:
+                self._store_plan(locs, batch, seq, k_new, v_new, k_out, v_out, self._aligned[layer])  # raises
+            return self(layer, locs)
+        kp, vp = self._addresses[layer]
+        lp, ko, vo, knp, vnp = locs.data_ptr(), k_out.data_ptr(), v_out.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
+        signature = (locs.dtype, locs.stride(1), locs.get_device(), batch, ks, k_new.stride(), k_new.dtype,
+                     k_new.get_device(), vs, v_new.stride(), v_new.dtype, v_new.get_device(),
+                     (lp & 15) | (ko & 15) << 4 | (vo & 15) << 8 | (knp & 15) << 12 | (vnp & 15) << 16,
+                     self._aligned[layer])  # fmt: skip
+        plan = self._store_plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
+            plan = remember(self._store_plans, signature,
+                            self._store_plan(locs, batch, seq, k_new, v_new, k_out, v_out, self._aligned[layer]))
+        entry = plan.entry
+        if entry is not None and not launch_hooks_installed():  # Plan.__call__'s direct launch, inlined
+            entry[0](-(-seq // plan.block_n), batch, 2, plan.raw_stream(plan.device_index), *entry[1], kp, vp, ko, vo,
+                     lp, knp, vnp, seq, seq - q, locs.stride(0), *plan.suffix)  # fmt: skip
+        else:
+            k, v = self._kernel_layers[layer]
+            plan(seq, (kp, vp, ko, vo, lp, knp, vnp, seq, seq - q, locs.stride(0)),
+                 lambda: (k, v, k_out, v_out, locs, k_new, v_new))  # fmt: skip
+        return k_out, v_out
+
+    def _store_plan(self, locs: torch.Tensor, batch: int, seq: int, k_new: torch.Tensor, v_new: torch.Tensor,
+                    k_out: torch.Tensor, v_out: torch.Tensor, aligned: tuple[bool, bool]) -> Plan:  # fmt: skip
+        """The plan of a :meth:`store_and_gather` signature, after its checks (the gather's, and the new rows'
+        shapes, dtype, layout and device)."""
+        gather = self._plan(locs, batch, k_out, v_out, aligned)  # the locations' checks
+        for name, x, dim in (("k_new", k_new, self.dk), ("v_new", v_new, self.dv)):
+            if x.dim() != 4 or x.shape[0] != batch or x.shape[1] != self.heads or x.shape[3] != dim:
+                raise ValueError(f"{name} must be [batch, heads, q, dim] = [{batch}, {self.heads}, q, {dim}], got "
+                                 f"{tuple(x.shape)}")  # fmt: skip
+            if x.dtype != self.out_dtype or x.stride(3) != 1 or x.get_device() != self._device_index:
+                raise ValueError(f"{name} must be {self.out_dtype} with its head dim packed, on "
+                                 f"{self._template.device}; got {x.dtype}, strides {x.stride()}, on {x.device}")  # fmt: skip
+        q = k_new.shape[2]
+        if v_new.shape[2] != q or not 0 < q <= seq:
+            raise ValueError(f"k_new and v_new must bring the same number of new tokens, at most the {seq} of locs, "
+                             f"got {k_new.shape[2]} and {v_new.shape[2]}")  # fmt: skip
+        strides = (*k_new.stride()[:3], *v_new.stride()[:3])
+        key = (gather.key, k_new.dtype, strides, k_new.data_ptr() % 16 == 0, v_new.data_ptr() % 16 == 0)
+        return Plan(self._store_launch, key, self._block_t, (batch, 2), _NUM_WARPS,
+                    constexprs=self._store_constexprs, tail=strides + self._tail)  # fmt: skip
+
 
 def take_rows(buffer: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
     """The rows of tokens ``locs`` (a copy, ``[*locs.shape, heads, dim]``) of a layer's token rows ``[rows, heads,
@@ -307,6 +479,34 @@ def gather_heads_native(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, ou
             rows = (rows * scale if scale is not None else rows).to(out_dtype)
         outs.append(rows.transpose(1, 2).contiguous())
     return outs[0], outs[1]
+
+
+def put_rows(buffer: torch.Tensor, locs: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write ``rows`` (``[*locs.shape, heads, dim]``, the buffer's dtype) at tokens ``locs`` of a layer's token rows
+    or paged view (:func:`take_rows`'s layouts; fp8 written as its bytes)."""
+    if is_fp8_dtype(buffer.dtype):
+        buffer, rows = buffer.view(torch.uint8), rows.view(torch.uint8)
+    if buffer.dim() == 4:
+        buffer[locs // buffer.shape[1], locs % buffer.shape[1]] = rows
+    else:
+        buffer[locs] = rows
+
+
+def store_and_gather_native(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, k_new: torch.Tensor,
+                            v_new: torch.Tensor, out_dtype: torch.dtype, k_scale: float | None = None,
+                            v_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Torch reference of :meth:`HeadGather.store_and_gather`: the new rows stored as a K/V pool's ``set_kv_buffer``
+    stores them, then :func:`gather_heads_native`."""
+    q = k_new.shape[2]
+    new_locs = locs[:, locs.shape[1] - q :].to(torch.int64)
+    for buffer, x, scale in ((k, k_new, k_scale), (v, v_new, v_scale)):
+        rows = x.transpose(1, 2)  # [batch, q, heads, dim]
+        if rows.dtype != buffer.dtype:
+            if scale is not None:  # a device tensor: torch divides element-wise (a number would be a reciprocal)
+                rows = rows.float() / torch.tensor([float(scale)], device=rows.device)
+            rows = rows.to(buffer.dtype)
+        put_rows(buffer, new_locs, rows)
+    return gather_heads_native(k, v, locs, out_dtype, k_scale, v_scale)
 
 
 def gather_heads(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: torch.dtype,

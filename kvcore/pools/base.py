@@ -267,6 +267,12 @@ class KVCache(abc.ABC):
     cpu_offloading_chunk_size = 8192
     #: SGLang's flag of a pool backed after CUDA-graph capture; never true in kvcore (see :func:`check_post_capture`).
     post_capture_active = False
+    #: True when :meth:`set_kv_buffer` does nothing but write the rows of ``get_key_buffer(layer)`` /
+    #: ``get_value_buffer(layer)`` at tokens ``loc`` (token rows ``[rows, heads, dim]``, or a paged view's
+    #: ``[loc // page_size, loc % page_size]``), converted as the MHA pool converts (as they are in the cache dtype,
+    #: else divided by the scale in float32 when given and rounded once): a caller may then write those rows in a
+    #: launch of its own (the transformers cache stores and gathers in one).  False unless a pool says so.
+    set_kv_buffer_writes_rows = False
 
     def __init__(
         self,

@@ -126,6 +126,12 @@ class PageMajorMHATokenToKVPool(PageMajorPages, KVCache):
     def get_value_buffer(self, layer_id) -> torch.Tensor:
         return self._view(layer_id, 1)
 
+    @property
+    def set_kv_buffer_writes_rows(self) -> bool:
+        """True (see :class:`~kvcore.pools.KVCache`) without virtual pages (whose tokens are not the views' rows),
+        unless a subclass stores otherwise."""
+        return self._store is self._physical_store and type(self).set_kv_buffer is PageMajorMHATokenToKVPool.set_kv_buffer
+
     def set_kv_buffer(self, layer, loc: WriteLoc, cache_k: torch.Tensor, cache_v: torch.Tensor,
                       k_scale=None, v_scale=None, layer_id_override: int | None = None) -> None:  # fmt: skip
         """As :meth:`MHATokenToKVPool.set_kv_buffer` (SGLang's arguments; one launch).  ``loc`` is the pool's tokens

@@ -93,6 +93,11 @@ class MHATokenToKVPool(KVCache):
 
     # -- writes ------------------------------------------------------------------------------------------
 
+    @property
+    def set_kv_buffer_writes_rows(self) -> bool:
+        """True (see :class:`~kvcore.pools.KVCache`), unless a subclass stores otherwise."""
+        return type(self).set_kv_buffer is MHATokenToKVPool.set_kv_buffer
+
     def set_kv_buffer(
         self,
         layer,
