@@ -2,7 +2,7 @@
 # One call on a GPU machine that reaches no package registry: install kvcore there, then run the phases named,
 # in order, each with its output kept under $OUT (default /tmp/kvcore-out) and its last lines printed.
 #
-#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse] [hfcore] [tune]
+#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse] [hfcore] [tune] [hfprof]
 #
 #   tests  the compiled suite: KVCORE_TEST_COMPILED=1 python -m pytest -q -n 12   ($OUT/tests.txt)
 #   alloc  python benchmarks/bench_allocator.py                                     ($OUT/alloc.txt)
@@ -20,6 +20,7 @@
 #   sparse  kvcore bench of the DeepSeek-V4 and MiniMax sparse families, every size (32k tokens included)  ($OUT/sparse.txt)
 #   hfcore  the head gather's and the transformers cache's tests, compiled          ($OUT/hfcore.txt)
 #   tune   python benchmarks/tune_row_stores.py (the 128-value quantizing stores)    ($OUT/tune.txt)
+#   hfprof  python benchmarks/profile_hf_generate.py (where a generation step goes)  ($OUT/hfprof.txt)
 #
 # That machine lacks omegaconf: put its wheel under .whl first (ignored by git) and carry .whl with the call:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl omegaconf==2.4.0
@@ -69,7 +70,8 @@ for phase in "$@"; do
         hfcore) run hfcore env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_head_gather.py \
             tests/test_transformers_cache.py tests/test_launch_contract.py ;;
         tune) run tune python3 benchmarks/tune_row_stores.py ;;
-        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse, hfcore, tune)"; status=2 ;;
+        hfprof) run hfprof python3 benchmarks/profile_hf_generate.py ;;
+        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse, hfcore, tune, hfprof)"; status=2 ;;
     esac
 done
 exit $status

@@ -67,7 +67,10 @@ class CheckedPool:
 
     def __init__(self, pool: Any):
         self.__dict__["_pool"] = pool
-        self.__dict__["_device"] = torch.device(pool.device) if not isinstance(pool.device, torch.device) else pool.device
+        device = torch.device(pool.device)
+        if device.type == "cuda" and device.index is None:  # "cuda": the device current when the pool was built
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.__dict__["_device"] = device
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)

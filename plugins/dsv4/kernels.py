@@ -59,13 +59,15 @@ _E4M3FN_MAX = tl.constexpr(E4M3FN_MAX)
 _E4M3FN_MIN = tl.constexpr(-E4M3FN_MAX)
 _SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)
 
-# Tokens per program (powers of two) and warps: about 32 values a thread.  On an H200 (benchmarks/tune_dsv4.py,
-# RESULTS.md) these are the best or within noise of the best of 2-32 tokens x 1-4 warps at 256 and 32768 tokens.
-# Decode calls take min(BLOCK_N, next_pow2(n)).
+# Tokens per program (powers of two) and warps.  On an H200 (RESULTS.md): the latent store's are the best or within
+# noise of the best of 2-32 tokens x 1-4 warps at 256 and 32768 tokens (benchmarks/tune_dsv4.py, L2 emptied between
+# calls); the indexer store's, of 4-64 keys x 1-8 warps timed in CUDA-graph replay as `kvcore bench` times it
+# (benchmarks/tune_row_stores.py): 16 keys x 2 warps take 3.96 us for 32768 keys (0.76 of the copy ceiling; 8 x 1:
+# 4.44 us, 0.67) and 2.02 us for 256.  Decode calls take min(BLOCK_N, next_pow2(n)).
 _LATENT_BLOCK_N = 2
 _LATENT_NUM_WARPS = 1
-_INDEX_BLOCK_N = 8
-_INDEX_NUM_WARPS = 1
+_INDEX_BLOCK_N = 16
+_INDEX_NUM_WARPS = 2
 
 
 # ==========================================================================================================
