@@ -130,21 +130,34 @@ def f32_to_fp8_bits_hw(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
     which rounds to nearest even exactly as torch does; only overflow, inf and NaN need torch's encoding
     patched in.  Compiled kernels only: the interpreter's float->fp8 cast rounds wrongly
     (triton-lang/triton#8322)."""
-    if KIND == _E4M3FN:  # kept in bytes: the conversion gives sign | 0x7E past 448 and 0x7F for a NaN
-        r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
+    ax = tl.abs(x)
+    if KIND == _E4M3FN:
+        r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
         if not SATURATE:
             # older torch: anything that rounds past 448 (ties at 464 go down to 448), and +-inf, is NaN
-            r = tl.where(tl.abs(x) > 464.0, r | 0x7F, r)
-        # torch keeps a NaN's sign bit
-        r = tl.where(x != x, r | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8), r)
+            r = tl.where(ax > 464.0, sign | 0x7F, r)
     else:
         # e5m2 keeps the integer encoder, exact by construction: on an H200 (triton 3.6, 2026-11-29) the
         # compiled MLA gather into e5m2 disagreed with torch for some random bf16/fp16 bit patterns while this
         # path used the hardware conversion; the cause was not isolated and the switch is not yet re-checked
         # on the GPU.  e5m2 caches are rare, so the extra integer work costs little.
-        sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
-        r = tl.where(x != x, sign | 0x7F, f32_to_e5m2_bits(x))
-    return r
+        r = f32_to_e5m2_bits(x)
+    return tl.where(x != x, sign | 0x7F, r)
+
+
+@triton.jit
+def finite_f32_to_e4m3fn_bytes(x, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
+    """float32 values that stay finite in float8_e4m3fn (``|x| < 464``: quotients by a block's own scale, or values
+    clamped to +-448) -> their e4m3fn bytes (uint8), rounded to nearest even as torch rounds them: compiled
+    (``HW_CVT``), the GPU's own conversion, which needs none of :func:`f32_to_fp8_bits_hw`'s overflow and NaN
+    patches for such values; interpreted, the integer encoder (the interpreter's cast rounds wrongly).  The same
+    bytes either way."""
+    if HW_CVT:
+        bits = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        bits = f32_to_e4m3fn_bits(x, SATURATE).to(tl.uint8)
+    return bits
 
 
 @triton.jit
@@ -224,6 +237,7 @@ __all__ = [
     "f32_to_e5m2_bits",
     "f32_to_fp8_bits",
     "f32_to_fp8_bits_hw",
+    "finite_f32_to_e4m3fn_bytes",
     "fp8_bits_to_f32",
     "torch_e4m3fn_saturates",
 ]

@@ -27,7 +27,8 @@ import triton.language as tl
 
 from kvcore.kernels import dtypes
 from kvcore.kernels.dtypes import E4M3FN_MAX
-from kvcore.kernels.fp8 import e4m3fn_bits_to_f32_hw, f32_to_bf16_bits, f32_to_e4m3fn_bits, torch_e4m3fn_saturates
+from kvcore.kernels.fp8 import (e4m3fn_bits_to_f32_hw, f32_to_bf16_bits, finite_f32_to_e4m3fn_bytes,
+                               torch_e4m3fn_saturates)  # fmt: skip
 from kvcore.kernels.kernel_mode import triton_interpreting
 from kvcore.kernels.launch import UNPLANNED, KernelArgs, Launcher, Plan, remember
 from kvcore.kernels.row_move import next_pow2
@@ -95,17 +96,6 @@ def _divide_rn(x, scale, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_bits(q, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
-    """Finite quotients (|q| < 464) -> float8_e4m3fn bytes as torch rounds them; compiled, the bare hardware
-    conversion (torch's overflow and NaN rules never apply to a quotient by the tile's own scale)."""
-    if HW_CVT:
-        bits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        bits = f32_to_e4m3fn_bits(q, SATURATE).to(tl.uint8)
-    return bits
-
-
-@triton.jit
 def _row_block(
     loc_ptr, loc_stride, n_tokens, layer, LAYER_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     KV_LORA: tl.constexpr, NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, TILE: tl.constexpr,
@@ -166,7 +156,7 @@ def _store_dsa_fp8_kernel(
     x3 = tl.reshape(x, (BLOCK_N, TILES_PAD, TILE))
     scale = _tile_scale(tl.max(tl.abs(x3), axis=2), SCALE_MIN)
     q = tl.reshape(_divide_rn(x3, scale[:, :, None], HW_CVT), (BLOCK_N, TILES_PAD * TILE))
-    tl.store(cache_u8 + base[:, None] + cols[None, :], _e4m3_bits(q, SATURATE, HW_CVT), mask=mask)
+    tl.store(cache_u8 + base[:, None] + cols[None, :], finite_f32_to_e4m3fn_bytes(q, SATURATE, HW_CVT), mask=mask)
     t = tl.arange(0, TILES_PAD)
     tl.store(cache_f32 + ((base + KV_LORA) // 4)[:, None] + t[None, :], scale,
              mask=mask_n[:, None] & (t < NUM_TILES)[None, :])  # fmt: skip

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kvcore.kernels.dtypes import E4M3FN_MAX
-from kvcore.kernels.fp8 import f32_to_bf16_bits, f32_to_e4m3fn_bits, torch_e4m3fn_saturates
+from kvcore.kernels.fp8 import f32_to_bf16_bits, finite_f32_to_e4m3fn_bytes, torch_e4m3fn_saturates
 from kvcore.kernels.kernel_mode import triton_interpreting
 from kvcore.kernels.launch import UNPLANNED, KernelArgs, Plan, launcher_for, remember
 from kvcore.kernels.row_move import next_pow2
@@ -84,16 +84,6 @@ def _token_block(loc_ptr, loc_stride, n_tokens, PAGE_SIZE: tl.constexpr, BLOCK_N
     keep = loc >= 0
     loc = tl.where(keep, loc, 0)
     return offs_n, keep, loc // PAGE_SIZE, loc % PAGE_SIZE
-
-
-@triton.jit
-def _e4m3(q, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
-    """float32 values with |q| <= 448 -> float8_e4m3fn bytes, rounded to nearest even (as torch does)."""
-    if HW_CVT:
-        bits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        bits = f32_to_e4m3fn_bits(q, SATURATE).to(tl.uint8)
-    return bits
 
 
 @triton.jit
@@ -155,7 +145,7 @@ def _store_latent_kernel(
     pow2 = ((254 - biased) << 23).to(tl.float32, bitcast=True)  # 2**-e
     q = tl.reshape(x3 * pow2[:, :, None], (BLOCK_N, TILES_PAD * TILE))
     page_start = page * PAGE_BYTES
-    tl.store(buf_u8 + (page_start + slot * DATA_BYTES)[:, None] + cols[None, :], _e4m3(q, SATURATE, HW_CVT),
+    tl.store(buf_u8 + (page_start + slot * DATA_BYTES)[:, None] + cols[None, :], finite_f32_to_e4m3fn_bytes(q, SATURATE, HW_CVT),
              mask=mask)  # fmt: skip
     t = tl.arange(0, TILES_PAD)
     scale_row = page_start + PAGE_SIZE * DATA_BYTES + slot * SCALE_BYTES
@@ -194,7 +184,7 @@ def _store_index_kernel(
     scale = tl.math.div_rn(tl.maximum(amax, _SCALE_FLOOR), tl.zeros_like(amax) + _E4M3FN_MAX)
     inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
     q = tl.minimum(tl.maximum(x * inv[:, None], _E4M3FN_MIN), _E4M3FN_MAX)
-    tl.store(buf_u8 + (page * PAGE_BYTES + slot * DIM)[:, None] + cols[None, :], _e4m3(q, SATURATE, HW_CVT),
+    tl.store(buf_u8 + (page * PAGE_BYTES + slot * DIM)[:, None] + cols[None, :], finite_f32_to_e4m3fn_bytes(q, SATURATE, HW_CVT),
              mask=keep[:, None])  # fmt: skip
     tl.store(buf_f32 + page * (PAGE_BYTES // 4) + (PAGE_SIZE * DIM) // 4 + slot, scale, mask=keep)
 

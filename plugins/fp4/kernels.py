@@ -8,8 +8,9 @@ Hopper has no e2m1 conversion, so codes are made with float operations in chosen
 included), sign bits are moved, not computed, e2m1 values are decoded from bits with their sign bit (code 8
 is -0.0: Triton 3.6 compiles a float ``-x`` as ``0 - x``, which makes +0.0 of +0.0; triton-lang/triton#10270),
 e4m3 bytes are encoded from values clamped to [-448, 448] on both sides (so the bytes do not depend on
-``SATURATE``), compiled by the GPU's own conversion and interpreted by :func:`kvcore.kernels.fp8.f32_to_e4m3fn_bits`
-(the interpreter's own float -> fp8 cast rounds wrongly), and are decoded by the GPU's conversion (compiled)
+``SATURATE``) by :func:`kvcore.kernels.fp8.finite_f32_to_e4m3fn_bytes` (compiled, the GPU's own conversion;
+interpreted, an integer encoder: the interpreter's own float -> fp8 cast rounds wrongly), and are decoded by the
+GPU's conversion (compiled)
 or :func:`kvcore.kernels.fp8.e4m3fn_bits_to_f32`.
 
 Every float32 product and quotient is one IEEE operation, as in the torch references: compiled for CUDA
@@ -35,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore.kernels.fp8 import e4m3fn_bits_to_f32, e4m3fn_bits_to_f32_hw, f32_to_bf16_bits, f32_to_e4m3fn_bits
+from kvcore.kernels.fp8 import (e4m3fn_bits_to_f32, e4m3fn_bits_to_f32_hw, f32_to_bf16_bits,
+                               finite_f32_to_e4m3fn_bytes)  # fmt: skip
 from kvcore.kernels.kernel_mode import triton_interpreting
 from kvcore.kernels.launch import UNPLANNED, KernelArgs, Launcher, Plan, remember
 from kvcore.pools import empty_of
@@ -179,18 +181,6 @@ def _e2m1_values(code, PTX: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_bits(x, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
-    """e4m3 bytes (int32) of float32 values already clamped to [-448, 448] (so ``SATURATE`` changes nothing):
-    compiled, the GPU's own round-to-nearest-even conversion; interpreted, the integer encoder (the
-    interpreter's cast rounds wrongly).  The same bytes either way."""
-    if HW_CVT:
-        r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    else:
-        r = f32_to_e4m3fn_bits(x, SATURATE)
-    return r
-
-
-@triton.jit
 def _load_pair_magnitudes(base, pair, mask):
     """Values ``2 * pair`` and ``2 * pair + 1`` after ``base`` (a float32 / float16 / bfloat16 pointer whose
     pairs are aligned to twice the value's size) as float32 magnitudes and signs ``(|even|, |odd|, signs)``:
@@ -287,7 +277,7 @@ def _quantize_heads(src, sn, sh, sd, data, scale, rows, tok, mask_n, g,
         s = _div_rn(_div_rn(amax, tl.full(amax.shape, _E2M1_MAX, tl.float32), PTX), gs, PTX)
         # clamped on both sides, as the reference: a negative g makes s negative, and torch <= 2.11's encoding
         # (SATURATE False) would make NaN of anything past -448
-        scale_byte = _e4m3_bits(tl.minimum(tl.maximum(s, -_E4M3_MAX), _E4M3_MAX), SATURATE, HW_CVT)
+        scale_byte = finite_f32_to_e4m3fn_bytes(tl.minimum(tl.maximum(s, -_E4M3_MAX), _E4M3_MAX), SATURATE, HW_CVT).to(tl.int32)
         step = _mul_rn(e4m3fn_bits_to_f32_hw(scale_byte, HW_CVT), gs, PTX)
         # the magnitudes times the step's reciprocal (kvcore_fp4.formats.reciprocal_step): one division a block.
         # step = e4m3(s) x g is never below +0 (s has g's sign, or is 0 of g's sign), so neither is inv, and the
@@ -309,7 +299,7 @@ def _quantize_heads(src, sn, sh, sd, data, scale, rows, tok, mask_n, g,
         k = blk[:, None] * PER + i[None, :]
         tl.store(data + rows[:, None, None] * DATA_ROW + k[None, :, :], byte.to(tl.uint8), mask=mask)
     else:
-        byte = _e4m3_bits(tl.minimum(tl.maximum(xe, -_E4M3_MAX), _E4M3_MAX), SATURATE, HW_CVT)
+        byte = finite_f32_to_e4m3fn_bytes(tl.minimum(tl.maximum(xe, -_E4M3_MAX), _E4M3_MAX), SATURATE, HW_CVT)
         j = blk[:, None] * BLOCK + i[None, :]
         tl.store(data + rows[:, None, None] * DATA_ROW + j[None, :, :], byte.to(tl.uint8), mask=mask)
 
