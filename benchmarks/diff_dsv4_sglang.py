@@ -30,13 +30,14 @@ PAGE = 256
 
 
 def build(pool_class, full: int, swa: int, slots: int, ratios: list[int], **extra):
-    return pool_class(max_num_reqs=slots - 1, num_req_slots=slots, swa_size=swa, c4_size=full // 4,
+    extra = {"enable_hisparse": False, "c4_size": full // 4, **extra}
+    return pool_class(max_num_reqs=slots - 1, num_req_slots=slots, swa_size=swa,
                       c128_size=full // 128, c4_state_pool_size=swa // PAGE * 8, c128_state_pool_size=slots * 128,
                       page_size=PAGE, swa_page_size=PAGE, sliding_window=128, dtype=torch.float8_e4m3fn,
                       c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448,
                       qk_rope_head_dim=64, indexer_head_dim=128, layer_num=len(ratios), device="cpu",
                       enable_memory_saver=False, compression_ratios=ratios, start_layer=0, end_layer=len(ratios),
-                      enable_hisparse=False, online_mtp_max_draft_tokens=0, **extra)  # fmt: skip
+                      online_mtp_max_draft_tokens=0, **extra)  # fmt: skip
 
 
 def their_buffers(p) -> dict[str, list[torch.Tensor]]:
@@ -145,9 +146,69 @@ def run(full: int, swa: int, slots: int, ratios: list[int]) -> list[str]:
     return problems
 
 
+def run_hisparse(full: int, swa: int, slots: int, ratios: list[int], ratio: int) -> list[str]:
+    """HiSparse: both pools built with ``enable_hisparse=True`` (``c4_size`` = full // (4 x ratio)), each paired with
+    its own window allocator wrapped in the HiSparse allocator; the same extensions, decode steps, frees and a
+    device buffer on both, compared call by call (locations, the logical -> device map, free sizes)."""
+    from sglang.srt.mem_cache.allocator.hisparse import DeepSeekV4HiSparseTokenToKVPoolAllocator as TheirAlloc
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator as TheirSWA
+
+    from kvcore_dsv4.hisparse import DeepSeekV4HiSparseTokenToKVPoolAllocator as OurAlloc
+    from kvcore_swa import SWATokenToKVPoolAllocator as OurSWA
+
+    c4 = full // (4 * ratio)
+    pools = {"theirs": build(TheirPool, full, swa, slots, ratios, enable_hisparse=True, c4_size=c4),
+             "ours": build(OurPool, full, swa, slots, ratios, enable_hisparse=True, c4_size=c4, kernels="native")}  # fmt: skip
+    allocs = {"theirs": TheirAlloc(TheirSWA(full, swa, PAGE, torch.float8_e4m3fn, "cpu", pools["theirs"], False)),
+              "ours": OurAlloc(OurSWA(full, swa, PAGE, torch.float8_e4m3fn, "cpu", pools["ours"], False))}  # fmt: skip
+    problems = []
+    a, b = pools["ours"].buffers()["c4_kv"], pools["theirs"].kv_pools[4].kv_buffer
+    if [tuple(a.shape[1:])] * a.shape[0] != [tuple(t.shape) for t in b]:
+        problems.append(f"c4_kv device pages {tuple(a.shape)} vs {[tuple(t.shape) for t in b]}")
+
+    def both(what, call):
+        got = {side: call(alloc) for side, alloc in allocs.items()}
+        o, t = got["ours"], got["theirs"]
+        same = (o is None and t is None) or (o is not None and t is not None and torch.equal(o.long(), t.long()))
+        if not same:
+            problems.append(f"{what}: {o} vs {t}")
+        m_o, m_t = (allocs[s].full_to_hisparse_device_index_mapping for s in ("ours", "theirs"))
+        if not torch.equal(m_o, m_t):
+            problems.append(f"{what}: the logical -> device maps differ")
+        for q in ("available_size", "full_available_size", "swa_available_size"):
+            if getattr(allocs["ours"], q)() != getattr(allocs["theirs"], q)():
+                problems.append(f"{what}: {q} {getattr(allocs['ours'], q)()} vs {getattr(allocs['theirs'], q)()}")
+        return o
+
+    def extend(prefix, seq, last):
+        p, q, l = torch.tensor(prefix), torch.tensor(seq), torch.tensor(last)
+        return lambda al: al.alloc_extend(p, p, q, q, l, int((q - p).sum()))
+
+    first = both("prefill of 300 and 700", extend([0, 0], [300, 700], [-1, -1]))
+    r0, r1 = first[:300].tolist(), first[300:].tolist()
+    more = both("extend by 100 and 40", extend([300, 700], [400, 740], [r0[-1], r1[-1]]))
+    r0, r1 = r0 + more[:100].tolist(), r1 + more[100:].tolist()
+    for step in range(3):
+        seq = torch.tensor([len(r0) + 1, len(r1) + 1])
+        last = torch.tensor([r0[-1], r1[-1]])
+        out = both(f"decode {step}", lambda al: al.alloc_decode(seq, seq, last))
+        r0.append(int(out[0]))
+        r1.append(int(out[1]))
+    compressed = pools["ours"].c4_kv_pool.translate_loc_from_full_to_compressed(torch.tensor(r1))
+    page = PAGE // 4
+    both("device buffer of 2 pages", lambda al: al.alloc_device_buffer(compressed, 2 * page))
+    both("free of the first request", lambda al: al.free(torch.tensor(r0)) or torch.tensor([0]))
+    both("free of the second", lambda al: al.free(torch.tensor(r1)) or torch.tensor([0]))
+    return problems
+
+
 def main() -> None:
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)
     publish(ServerArgs(model_path="dummy", device="cpu"), role="test")
+    for full, swa, slots, ratios, ratio in ((8192, 2048, 4, [0, 4, 128, 4, 128, 0], 2), (16384, 2048, 3, [4, 128, 4], 4)):
+        problems = run_hisparse(full, swa, slots, ratios, ratio)
+        print(f"HiSparse (host_to_device_ratio {ratio}), {full} tokens, window {swa}, ratios {ratios}: "
+              + ("same" if not problems else "DIFFERENT: " + "; ".join(problems[:6])))  # fmt: skip
     for full, swa, slots, ratios in ((2048, 512, 4, [0, 4, 128, 4, 128, 0]), (4096, 1024, 3, [4, 4, 128, 0, 128, 4]),
                                      (1024, 256, 2, [0, 4, 128])):  # fmt: skip
         problems = run(full, swa, slots, ratios)

@@ -183,6 +183,12 @@ def kv_layout(kv_request, kv_backend_spec, kv_registry):
     return buffer_layout(kv_backend_spec, kv_registry, kv_request)
 
 
+#: size groups counted in requests, and how many the kit's pools hold: per-request state can be large (DeepSeek-V4's
+#: ratio-128 rings are half a MiB a request and layer), and the checks address tokens, not requests
+REQUEST_GROUPS = frozenset({"requests", "running_requests"})
+KIT_REQUESTS = 5
+
+
 @pytest.fixture
 def kv_pool_factory(kv_request, kv_backend_spec, kv_registry):
     """``(size, page_size, start_layer) -> pool``, through the backend's own layout and ``kvcore_create_pool``."""
@@ -195,6 +201,8 @@ def kv_pool_factory(kv_request, kv_backend_spec, kv_registry):
         )
         layout = buffer_layout(kv_backend_spec, kv_registry, request)
         sizes = {"tokens": size, **{group: size for group in layout.groups}}  # "tokens" always, as the planner
+        for group in REQUEST_GROUPS & sizes.keys():  # per-request state: a few requests, not one per token
+            sizes[group] = min(size, KIT_REQUESTS)
         return kv_registry.hook.kvcore_create_pool(backend=kv_backend_spec, request=request, layout=layout, sizes=sizes)
 
     return make

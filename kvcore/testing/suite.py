@@ -31,6 +31,8 @@ from typing import Protocol
 import pytest
 import torch
 
+from kvcore.errors import ConfigError
+
 #: capability names a pool may declare through the ``kv_capabilities`` fixture (the default declares these).
 CAPABILITIES = frozenset({"store", "move", "cpu_offload", "buffer_infos"})
 #: declared in addition by a pool that stores values lossily (quantized caches): its round trip is checked
@@ -183,7 +185,11 @@ class BaseStoreTests(_Base):
     def test_layer_object_with_layer_id_and_offset_layers(self, kv_pool_factory, kv_pool_size, kv_page_size, kv_writer,
                                                           generator, kv_capabilities):  # fmt: skip
         self.need(kv_capabilities, "store")
-        pool = kv_pool_factory(size=kv_pool_size, page_size=kv_page_size, start_layer=5)
+        try:
+            pool = kv_pool_factory(size=kv_pool_size, page_size=kv_page_size, start_layer=5)
+        except ConfigError as exc:  # a model whose config describes each of its own layers, and no layer past them
+            pytest.skip(f"the model describes no layers 5.. of a later pipeline stage ({exc}); check with a model "
+                        "config that does")  # fmt: skip
         assert pool.start_layer == 5 and pool.end_layer == 5 + pool.layer_num - 1
         randomize(pool, generator)
         loc = self.free_slots(pool, 3, generator)

@@ -95,6 +95,17 @@ class DeepSeekV4Options:
         "float32", validator=_state_dtype_name,
         doc="the compressors' running states (SGLang's SGLANG_DSV4_COMPRESS_STATE_DTYPE): float32 or bfloat16",
     )  # fmt: skip
+    host_to_device_ratio: int = key(
+        1, validator=attrs.validators.ge(1),
+        doc="HiSparse (SGLang's enable_hisparse): 2 or more keeps every ratio-4 compressed latent in pinned host memory "
+            "and this many per device slot, the device holding the hot ones (kvcore_dsv4.hisparse); 1: all on the "
+            "device",
+    )  # fmt: skip
+
+
+def host_to_device_ratio(request: PoolRequest) -> int:
+    """``kv_cache.options.host_to_device_ratio``: HiSparse above 1."""
+    return int(request.options.host_to_device_ratio)
 
 
 def state_dtype(request: PoolRequest) -> torch.dtype:
@@ -172,12 +183,17 @@ def dsv4_layout(request: PoolRequest) -> PoolLayout:
     u8 = torch.uint8
     buffers = [BufferLayout(name="swa_kv", layers=len(ratios), row_shape=(latent_page_bytes(page),), dtype=u8,
                             sized_by="swa_tokens", tokens_per_row=page, pad_tokens=page)]  # fmt: skip
+    n4, n128 = ratios.count(4), ratios.count(128)
+    hisparse = host_to_device_ratio(request)
+    if hisparse > 1 and not n4:
+        raise ConfigError(f"kv_cache.options.host_to_device_ratio={hisparse} (HiSparse) keeps ratio-4 latents on the "
+                          f"host, but layers {request.start_layer}..{request.end_layer} have none; set it to 1")  # fmt: skip
     for r in COMPRESSED_RATIOS:
         n = ratios.count(r)
-        if n:
+        if n:  # HiSparse: a device page of page / 4 ratio-4 slots per host_to_device_ratio full pages
+            per = hisparse if r == 4 else 1
             buffers.append(BufferLayout(name=f"c{r}_kv", layers=n, row_shape=(latent_page_bytes(page // r),), dtype=u8,
-                                        tokens_per_row=page, pad_tokens=r * page))  # fmt: skip
-    n4, n128 = ratios.count(4), ratios.count(128)
+                                        tokens_per_row=page * per, pad_tokens=r * page * per))  # fmt: skip
     if n4:
         ring = ring_size(4, drafting)
         common = dict(layers=n4, dtype=states, sized_by="swa_tokens", tokens_per_row=page // ring,
@@ -197,10 +213,15 @@ def dsv4_layout(request: PoolRequest) -> PoolLayout:
     notes = [f"{len(ratios)} layers: {ratios.count(0)} window-only, {n4} ratio 4, {n128} ratio 128; window pages of "
              f"{page} latents ({LATENT_BYTES_PER_TOKEN} B each, fp8 nope with power-of-two scales, bf16 rope)",
              f"compressed tokens: c4 = tokens / 4, c128 = tokens / 128; compressor states {str(states)[6:]}"]  # fmt: skip
+    if hisparse > 1:
+        notes.append(f"HiSparse: the ratio-4 latents' device slots are tokens / {4 * hisparse} (whole pages), every "
+                     f"compressed token's latent also in pinned host memory ({LATENT_BYTES_PER_TOKEN} bytes a ratio-4 "
+                     "slot per layer, not in the device budget); the indexer keeps every one on the device")  # fmt: skip
     return PoolLayout(
         backend=BACKEND, buffers=buffers, notes=notes, swa_full_tokens_ratio=DSV4_SWA_FULL_TOKENS_RATIO,
         min_sizes={"swa_tokens": (window, f"model.deepseek_v4.sliding_window={dims.sliding_window} in whole pages of "
                                           f"{page}, plus a page")},
         request_state=RequestStateSizing(per_request_table_row=True, keys=("memory.max_running_requests", "", "")),
-        derived_sizes={f"c{r}_max_total_num_tokens": ("tokens", r) for r in COMPRESSED_RATIOS if r in ratios},
+        derived_sizes={f"c{r}_max_total_num_tokens": ("tokens", r * (hisparse if r == 4 else 1))
+                       for r in COMPRESSED_RATIOS if r in ratios},
     )  # fmt: skip

@@ -158,9 +158,12 @@ class DeepSeekV4TokenToKVPool(KVCache):
         rows).
     :param online_mtp_max_draft_tokens: above 0 (speculative decoding) the rings are SGLang's drafting sizes
         (16 and 256 rows).
-    :param enable_hisparse: / ``unified_fp8``, ``kv_source_layers``, ``is_draft_worker``, ``kv_layout``,
-        ``compressed_kv_layout``: only their defaults (the V4 pages of a target worker, without HiSparse); another
-        value is a :class:`~kvcore.errors.ConfigError` naming it.
+    :param enable_hisparse: the ratio-4 latents' ``c4_size`` device slots hold the hot ones of the ``c128_size x 32``
+        logical slots, every one of which has a pinned host copy (:class:`~kvcore_dsv4.hisparse.HiSparseC4DevicePool`;
+        pair the pool with :class:`~kvcore_dsv4.hisparse.DeepSeekV4HiSparseTokenToKVPoolAllocator`).
+    :param unified_fp8: / ``kv_source_layers``, ``is_draft_worker``, ``kv_layout``, ``compressed_kv_layout``: only
+        their defaults (the V4 pages of a target worker); another value is a :class:`~kvcore.errors.ConfigError`
+        naming it.
     """
 
     #: relative RMS error of a latent's round trip (fp8 e4m3 with power-of-two tile scales)
@@ -202,7 +205,6 @@ class DeepSeekV4TokenToKVPool(KVCache):
     ):
         owner = "DeepSeekV4TokenToKVPool"
         for name, value, default, feature in (
-            ("enable_hisparse", enable_hisparse, False, "HiSparse's host-resident ratio-4 latents"),
             ("unified_fp8", bool(unified_fp8), False, "the unified fp8 latent rings"),
             ("is_draft_worker", is_draft_worker, False, "a draft worker's pool (it shares the target's)"),
             ("kv_source_layers", tuple(kv_source_layers), (), "ratio-1/2 source layers (DeepSeek-V4.1)"),
@@ -256,11 +258,21 @@ class DeepSeekV4TokenToKVPool(KVCache):
             swa_page_size, self._use_triton)  # fmt: skip
         self.kv_pools: dict[int, DeepSeekV4SingleKVPool | None] = {}
         sizes = {4: c4_size, 128: c128_size}
+        self.enable_hisparse = bool(enable_hisparse)
         for r in COMPRESSED_RATIOS:
             n = stage.count(r)
-            self.kv_pools[r] = None if not n else DeepSeekV4SingleKVPool(
-                make(f"c{r}_kv", n, _pages(sizes[r], page_size // r, page_size), latent_page_bytes(page_size // r), **u8),
-                page_size // r, self._use_triton)  # fmt: skip
+            if not n:
+                self.kv_pools[r] = None
+                continue
+            stacked = make(f"c{r}_kv", n, _pages(sizes[r], page_size // r, page_size), latent_page_bytes(page_size // r),
+                           **u8)  # fmt: skip
+            if r == 4 and self.enable_hisparse:  # c4_size device slots for every logical ratio-4 slot
+                from kvcore_dsv4.hisparse import HiSparseC4DevicePool
+
+                self.kv_pools[r] = HiSparseC4DevicePool(stacked, page_size // r, self._use_triton, c4_size,
+                                                        self.c4_logical_size, page_size)  # fmt: skip
+            else:
+                self.kv_pools[r] = DeepSeekV4SingleKVPool(stacked, page_size // r, self._use_triton)
         self.index_pools: dict[int, DeepSeekV4IndexerPool] = {}
         n4, n128 = stage.count(4), stage.count(128)
         state_dtypes = {4: c4_state_dtype or torch.float32, 128: c128_state_dtype or torch.float32}
@@ -316,8 +328,11 @@ class DeepSeekV4TokenToKVPool(KVCache):
 
     def token_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers transfer engines address by full page, in SGLang's order: per ratio its latents, then its
-        indexer keys."""
+        indexer keys.  With HiSparse the ratio-4 latents' device pages are not the full pages' own (a page holds
+        whichever compressed slots are hot), so they are not among them (SGLang lists them still)."""
         names = [n for r in COMPRESSED_RATIOS for n in (f"c{r}_kv", f"c{r}_index") if n in self._buffers]
+        if self.enable_hisparse:
+            names.remove("c4_kv")
         return {n: self._buffers[n] for n in names}
 
     def request_state_buffers(self) -> dict[str, torch.Tensor]:

@@ -89,8 +89,7 @@ def test_the_configurators_call_allocates_sglangs_buffers():
     assert drafting.get_ring_size(4) == 16 and drafting.buffers()["c128_state"].shape[1] == 4 * 256 + 384
 
 
-@pytest.mark.parametrize("keyword, value", [("enable_hisparse", True), ("unified_fp8", True),
-                                            ("kv_layout", "v41"), ("compressed_kv_layout", "fp4")])  # fmt: skip
+@pytest.mark.parametrize("keyword, value", [("unified_fp8", True), ("kv_layout", "v41"), ("compressed_kv_layout", "fp4")])
 def test_refused_keywords_name_themselves(keyword, value):
     with pytest.raises(ConfigError, match=keyword):
         sglang_call(**{keyword: value})
