@@ -6,7 +6,8 @@ SGLang is not a dependency of kvcore.
 
 Both pools are built with the same keywords (bf16 latent rows: SGLang's fp8 DSA store needs its CUDA kernels), the
 same logical -> device map registered with each (logical tokens on shuffled device slots), the same latent rows
-stored by logical token; then the device buffers, the reads by logical token and the sizes are compared.
+stored by logical token; then the device buffers, the reads by logical token and the sizes are compared.  Then both
+``HiSparseTokenToKVPoolAllocator`` classes are driven through the same calls and compared call by call.
 """
 
 from __future__ import annotations
@@ -52,11 +53,66 @@ def run(size: int, ratio: int) -> list[str]:
     return differences
 
 
+def run_allocator(size: int, ratio: int) -> list[str]:
+    """Both allocators (``HiSparseTokenToKVPoolAllocator``) over pools of ``size`` device slots: the same prefills,
+    extensions, decode steps, device buffers (fewer and more slots than a request holds), cold tokens and frees,
+    compared call by call (locations, the logical -> device map, free sizes)."""
+    from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator as TheirAlloc
+
+    from kvcore_dsa.hisparse import HiSparseTokenToKVPoolAllocator as OurAlloc
+
+    kw = dict(size=size, page_size=64, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64, layer_num=1,
+              device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=576,
+              host_to_device_ratio=ratio)  # fmt: skip
+    allocs = {"theirs": TheirAlloc(size, 64, torch.bfloat16, "cpu", TheirPool(**kw), False, host_to_device_ratio=ratio),
+              "ours": OurAlloc(size, 64, torch.bfloat16, "cpu", OurPool(**kw, kernels="native"), False,
+                               host_to_device_ratio=ratio, kernels="native")}  # fmt: skip
+    differences = []
+
+    def both(what, call):
+        got = {side: call(alloc) for side, alloc in allocs.items()}
+        o, t = got["ours"], got["theirs"]
+        if not ((o is None and t is None) or (o is not None and t is not None and torch.equal(o.long(), t.long()))):
+            differences.append(f"{what}: {o} vs {t}")
+        if not torch.equal(*(allocs[s].full_to_hisparse_device_index_mapping for s in ("ours", "theirs"))):
+            differences.append(f"{what}: the logical -> device maps differ")
+        sizes = [(a.available_size(), a.logical_attn_allocator.available_size(), a.hisparse_attn_allocator.available_size())
+                 for a in (allocs["ours"], allocs["theirs"])]  # fmt: skip
+        if sizes[0] != sizes[1]:
+            differences.append(f"{what}: free sizes {sizes[0]} vs {sizes[1]}")
+        return o
+
+    def extend(prefix, seq, last):
+        p, q, l = torch.tensor(prefix), torch.tensor(seq), torch.tensor(last)
+        return lambda a: a.alloc_extend(p, p, q, q, l, int((q - p).sum()))
+
+    first = both("prefill of 70 and 130", extend([0, 0], [70, 130], [-1, -1]))
+    r0, r1 = first[:70].tolist(), first[70:].tolist()
+    more = both("extend by 20 and 3", extend([70, 130], [90, 133], [r0[-1], r1[-1]]))
+    r0, r1 = r0 + more[:20].tolist(), r1 + more[20:].tolist()
+    for step in range(3):
+        seq, last = torch.tensor([len(r0) + 1, len(r1) + 1]), torch.tensor([r0[-1], r1[-1]])
+        out = both(f"decode {step}", lambda a: a.alloc_decode(seq, seq, last))
+        r0.append(int(out[0]))
+        r1.append(int(out[1]))
+    both("device buffer of 2 pages for 93 held", lambda a: a.alloc_device_buffer(torch.tensor(r0), 128))
+    both("device buffer of 1 page for 136 held", lambda a: a.alloc_device_buffer(torch.tensor(r1), 64))
+    third = both("prefill of 10", extend([0], [10], [-1]))
+    both("cold", lambda a: a.free_hisparse(third) or torch.tensor([0]))
+    for rid, locs in enumerate((r0, r1, third.tolist())):
+        both(f"free of request {rid}", lambda a: a.free(torch.tensor(locs)) or torch.tensor([0]))
+    return differences
+
+
 def main() -> None:
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)
     for size, ratio in ((128, 2), (256, 2), (256, 4)):
         differences = run(size, ratio)
         print(f"{size} device slots, ratio {ratio}: {'same' if not differences else 'DIFFERENT: ' + '; '.join(differences)}")
+    for size, ratio in ((512, 2), (1024, 4)):
+        differences = run_allocator(size, ratio)
+        print(f"allocators, {size} device slots, ratio {ratio}: "
+              + ("same" if not differences else "DIFFERENT: " + "; ".join(differences[:6])))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -47,11 +47,38 @@ __all__ = [
     "BaseTokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",
     "PagedTokenToKVPoolAllocator",
+    "fill_to_pages",
+    "get_num_new_pages",
 ]
 
 
 ALLOC_EXTEND_ORDER = "alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)"
 ALLOC_DECODE_ORDER = "alloc_decode(seq_lens, seq_lens_cpu, last_loc)"
+
+
+def get_num_new_pages(seq_lens: torch.Tensor, page_size: int, prefix_lens: torch.Tensor) -> int:
+    """Pages requests growing from ``prefix_lens`` to ``seq_lens`` tokens open (SGLang's helper; lengths read on
+    the host: pass the CPU copies)."""
+    seq, prefix = seq_lens.cpu().long(), prefix_lens.cpu().long()
+    return int((-(-seq // page_size) - -(-prefix // page_size)).sum())
+
+
+def fill_to_pages(held: torch.Tensor, need_size: int, allocator: Any) -> torch.Tensor:
+    """``held`` slots (in order, fewer than ``need_size``, whole pages of ``allocator.page_size``) completed to
+    ``need_size``: the rest of the last held page, then new pages from ``allocator`` (what SGLang's HiSparse
+    allocators do for a request's device buffer).
+
+    :raises RuntimeError: when ``allocator`` has too few free pages.
+    """
+    page = allocator.page_size
+    n = held.numel()
+    if n % page:  # the rest of the last held page belongs to the buffer too
+        held = torch.cat([held, torch.arange(int(held[-1]) + 1, int(held[-1]) + 1 + page - n % page, device=held.device)])
+    extra = allocator.alloc(need_size - held.numel())
+    if extra is None:
+        raise RuntimeError(f"{need_size - held.numel()} more device slots needed for a buffer of {need_size}, "
+                           f"{allocator.available_size()} free")  # fmt: skip
+    return torch.cat([held, extra.to(held.dtype)])
 
 
 def _check_call(order: str, tensors: dict[str, Any], optional: dict[str, Any]) -> None:

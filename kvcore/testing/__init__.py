@@ -55,7 +55,13 @@ from kvcore.testing.suite import (  # noqa: E402
     pool_writer,
     randomize,
 )
-from kvcore.testing.allocators import AllocatorConformance, AllocatorMachine, BackendAllocatorConformance  # noqa: E402
+from kvcore.testing.allocators import (  # noqa: E402
+    KIT_REQUESTS,
+    REQUEST_GROUPS,
+    AllocatorConformance,
+    AllocatorMachine,
+    BackendAllocatorConformance,
+)
 from kvcore.testing.tensors import test_device  # noqa: E402
 
 KIT_VERSION = API_VERSION
@@ -181,12 +187,6 @@ def kv_layout(kv_request, kv_backend_spec, kv_registry):
     from kvcore.api import buffer_layout
 
     return buffer_layout(kv_backend_spec, kv_registry, kv_request)
-
-
-#: size groups counted in requests, and how many the kit's pools hold: per-request state can be large (DeepSeek-V4's
-#: ratio-128 rings are half a MiB a request and layer), and the checks address tokens, not requests
-REQUEST_GROUPS = frozenset({"requests", "running_requests"})
-KIT_REQUESTS = 5
 
 
 @pytest.fixture

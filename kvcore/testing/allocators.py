@@ -42,11 +42,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-__all__ = ["AllocatorConformance", "AllocatorMachine", "BackendAllocatorConformance"]
+__all__ = ["KIT_REQUESTS", "REQUEST_GROUPS", "AllocatorConformance", "AllocatorMachine", "BackendAllocatorConformance"]
 
 settings.register_profile("long", max_examples=10_000, stateful_step_count=50, deadline=None,
                           suppress_health_check=list(HealthCheck))  # fmt: skip
 
+
+#: size groups counted in requests, and how many the kit's pools hold: per-request state can be large (DeepSeek-V4's
+#: ratio-128 rings are half a MiB a request and layer), and the checks address tokens, not requests
+REQUEST_GROUPS = frozenset({"requests", "running_requests"})
+KIT_REQUESTS = 5
 
 #: What an allocator with a sliding-window side must also offer, for the window checks to see that side.
 WINDOW_SIDE_API = ("free_swa", "swa_available_size", "full_available_size")
@@ -430,7 +435,6 @@ class BackendAllocatorConformance(AllocatorConformance):
     @pytest.fixture
     def allocator_factory(self, kv_request, kv_backend_spec, kv_registry, kv_allocator_pool_size):
         from kvcore.api import buffer_layout
-        from kvcore.testing import KIT_REQUESTS, REQUEST_GROUPS
 
         hook = kv_registry.hook
         layout = buffer_layout(kv_backend_spec, kv_registry, kv_request)

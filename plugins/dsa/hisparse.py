@@ -13,6 +13,9 @@ device slots, and the pinned host mirror (``host_kv_cache``) covers every logica
 * :meth:`HiSparseTokenToKVPoolAllocator.free_hisparse` gives back tokens' device slots (they stay on the host);
   :meth:`HiSparseTokenToKVPoolAllocator.load_to_device` brings selected cold tokens back: device slots taken, every
   layer's rows gathered from the host mirror in one launch (the kernel reads pinned memory over the bus).
+* As SGLang's allocator: a prefill (``alloc_extend``) takes device slots for its tokens, a decode step
+  (``alloc_decode``) and ``alloc_logical_only`` take logical tokens only; the engine gives a request its device
+  buffer with :meth:`HiSparseTokenToKVPoolAllocator.alloc_device_buffer`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Any, Optional
 
 import torch
 
-from kvcore.allocators import BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from kvcore.allocators import (BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator,
+                               fill_to_pages, get_num_new_pages)  # fmt: skip
 from kvcore.kernels.row_move import RowMover, copy_rows, move_token_rows_native
 from kvcore.pools import pair_by_layers, tokens_of, unsupported
 from kvcore.token_rows import TokenRows
@@ -170,9 +174,11 @@ class HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     holds) and device slots (``size``), each from an allocator of its own, and the map between them, registered with
     the pool.
 
-    Allocations take both: a new token is hot (its KV is written on the device).  :meth:`free_hisparse` makes tokens
-    cold (their device pages back; call :meth:`HiSparseDSATokenToKVPool.backup_to_host` first), :meth:`load_to_device`
-    hot again, :meth:`free` gives both back.  Device slots come by whole pages (``page_size``): a cold token brought
+    ``alloc`` and ``alloc_extend`` take both sides: a prefilled token is hot (its KV is written on the device);
+    ``alloc_decode`` and :meth:`alloc_logical_only` take logical tokens only, as SGLang's (the engine gives a request
+    its device buffer with :meth:`alloc_device_buffer`).  :meth:`free_hisparse` makes tokens cold (their device pages
+    back; call :meth:`HiSparseDSATokenToKVPool.backup_to_host` first), :meth:`load_to_device` hot again,
+    :meth:`free` gives both back.  Device slots come by whole pages (``page_size``): a cold token brought
     back takes a slot of the pages its call takes, and a page goes back when a token on it is made cold, so make a
     request's tokens cold together.
 
@@ -194,6 +200,7 @@ class HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
                                                                  device=self.device)  # fmt: skip
         self.full_to_hisparse_device_index_mapping[-1] = -1
         kvcache.register_mapping(self.full_to_hisparse_device_index_mapping)
+        self._spec_scratch_capacity = self._spec_device_buffer_size = 0
 
     def _side(self, cls, tokens: int):
         if cls is TokenToKVPoolAllocator:
@@ -233,22 +240,89 @@ class HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
 
     def alloc_extend(self, prefix_lens, prefix_lens_cpu=None, seq_lens=None, seq_lens_cpu=None, last_loc=None,
                      extend_num_tokens=None) -> Optional[torch.Tensor]:  # fmt: skip
-        """SGLang's ``alloc_extend`` on both sides (the device side continues each request's last device page)."""
+        """SGLang's ``alloc_extend`` on both sides (the device side continues each request's last device page).  The
+        new pages are counted on the host first (SGLang's check); None, with nothing taken, when either side lacks
+        them."""
+        prefix_cpu = prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu
+        seq_cpu = seq_lens if seq_lens_cpu is None else seq_lens_cpu
+        need = get_num_new_pages(seq_cpu, self.page_size, prefix_cpu) * self.page_size
+        if need > self.logical_attn_allocator.available_size() or need > self.hisparse_attn_allocator.available_size():
+            return None
+        undo = self.logical_attn_allocator.backup_state()
         logical = self.logical_attn_allocator.alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
                                                            last_loc, extend_num_tokens)  # fmt: skip
         if logical is None:
             return None
         hot = self.hisparse_attn_allocator.alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
                                                         self._device_last(last_loc), extend_num_tokens)  # fmt: skip
-        return self._hot(logical, hot)
+        if hot is None:  # a cold last token's device page is not continued: one page more than counted
+            self.logical_attn_allocator.restore_state(undo)  # (freeing would give back the request's own last page)
+            return None
+        self.full_to_hisparse_device_index_mapping[logical.long()] = hot.long()
+        return logical
 
     def alloc_decode(self, seq_lens, seq_lens_cpu=None, last_loc=None) -> Optional[torch.Tensor]:
-        """SGLang's ``alloc_decode`` on both sides (a decoded token is written on the device)."""
-        logical = self.logical_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
-        if logical is None:
-            return None
-        return self._hot(logical, self.hisparse_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu,
-                                                                           self._device_last(last_loc)))  # fmt: skip
+        """SGLang's ``alloc_decode``: logical tokens only (a decoded token's device slot is in its request's device
+        buffer: :meth:`alloc_device_buffer`)."""
+        return self.logical_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+
+    def alloc_logical_only(self, prefix_lens, prefix_lens_cpu=None, seq_lens=None, seq_lens_cpu=None, last_loc=None,
+                           extend_num_tokens=None) -> Optional[torch.Tensor]:  # fmt: skip
+        """Logical tokens of an extension, no device slot (SGLang's, for decode-side extends)."""
+        return self.logical_attn_allocator.alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+                                                        extend_num_tokens)  # fmt: skip
+
+    def alloc_device_buffer(self, allocated_indices: torch.Tensor, need_size: int) -> torch.Tensor:
+        """A request's device buffer of ``need_size`` slots (whole pages) for its logical tokens ``allocated_indices``:
+        the device slots they hold (unmapped from them), the first ``need_size`` kept and the rest given back, or,
+        when they hold fewer, the rest of their last page and new pages (SGLang's).
+
+        :raises ValueError: when ``need_size`` is not whole pages.
+        :raises RuntimeError: when the device has too few free pages.
+        """
+        page = self.page_size
+        if need_size % page:
+            raise ValueError(f"need_size={need_size} must be whole pages of {page}")
+        mapping = self.full_to_hisparse_device_index_mapping
+        held = mapping[allocated_indices.long()]
+        mapping[allocated_indices.long()] = 0
+        held = held[held > 0]
+        n = held.numel()
+        if n >= need_size:
+            self.free_hisparse_indices(held[need_size:])
+            return held[:need_size]
+        return fill_to_pages(held, need_size, self.hisparse_attn_allocator)
+
+    def free_hisparse_indices(self, buffer_indices: torch.Tensor) -> None:
+        """Give back device slots (the padding page's ignored)."""
+        self.hisparse_attn_allocator.free(buffer_indices[buffer_indices >= self.page_size])
+
+    def configure_spec_scratch(self, capacity: int, *, device_buffer_size: int = 0) -> None:
+        """SGLang's speculative-decoding reservation: ``capacity`` scratch slots per new request and a device buffer
+        of ``device_buffer_size`` (both whole pages; read by :meth:`request_slot_reserve`).
+
+        :raises ValueError: for a size that is negative or not whole pages.
+        """
+        if any(size < 0 or size % self.page_size for size in (capacity, device_buffer_size)):
+            raise ValueError(f"HiSparse spec scratch and device buffer sizes must be non-negative multiples of "
+                             f"page_size={self.page_size}, got {capacity} and {device_buffer_size}")  # fmt: skip
+        self._spec_scratch_capacity = capacity
+        self._spec_device_buffer_size = device_buffer_size if capacity else 0
+
+    def request_slot_reserve(self, *, has_req_pool_slot: bool, prefill_tokens: int = 0) -> int:
+        """Device slots a request must leave free beyond its prefill's pages: its buffer's missing slots, and its
+        scratch when it has no request slot yet (SGLang's)."""
+        paged_prefill = -(-prefill_tokens // self.page_size) * self.page_size
+        scratch = 0 if has_req_pool_slot else self._spec_scratch_capacity
+        return max(self._spec_device_buffer_size - paged_prefill, 0) + scratch
+
+    def get_last_loc_compressed(self, last_locs: torch.Tensor) -> torch.Tensor:
+        """The tokens themselves (no compression in DSA)."""
+        return last_locs
+
+    def get_last_loc_hisparse_device(self, last_locs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The device slots of the requests' last tokens (-1 stays -1)."""
+        return self._device_last(last_locs)
 
     def _device_last(self, last_loc: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The device slots of the requests' last tokens (-1 stays -1; a cold last token's page is not continued)."""
@@ -292,6 +366,10 @@ class HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         """Nothing held."""
 
     supports_backup = False
+    #: why the conformance kit's model of random request lifetimes does not describe this allocator
+    lifetime_model_mismatch = ("its available_size() counts the device slots, which alloc_extend takes and "
+                               "alloc_decode does not (SGLang's: the engine gives decoded tokens their device slots "
+                               "through alloc_device_buffer); kvcore_dsa's tests drive its lifetimes")
 
     def backup_state(self) -> Any:
         raise NotImplementedError("HiSparseTokenToKVPoolAllocator keeps no snapshot (its map moves with every call)")

@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 import torch
 
-from kvcore.allocators import BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator
+from kvcore.allocators import (BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator, fill_to_pages,
+                               get_num_new_pages)  # fmt: skip
 from kvcore.errors import ConfigError
 from kvcore.kernels.row_move import copy_rows
 from kvcore_dsv4.pool import DeepSeekV4SingleKVPool
@@ -256,11 +257,12 @@ class DeepSeekV4HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         prefix_cpu = (prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu).cpu().long()
         seq_cpu = (seq_lens if seq_lens_cpu is None else seq_lens_cpu).cpu().long()
         r = COMPRESS_RATIO
-        if _new_pages(prefix_cpu, seq_cpu, self.page_size) * self.page_size > self.logical_attn_allocator.available_size():
+        if get_num_new_pages(seq_cpu, self.page_size, prefix_cpu) * self.page_size > self.logical_attn_allocator.available_size():
             return None
-        device_pages = _new_pages(prefix_cpu // r, seq_cpu // r, self.hisparse_page_size)
+        device_pages = get_num_new_pages(seq_cpu // r, self.hisparse_page_size, prefix_cpu // r)
         if device_pages * self.hisparse_page_size > self.hisparse_attn_allocator.available_size():
             return None
+        undo = self.logical_attn_allocator.backup_state()
         logical = self.logical_attn_allocator.alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
                                                            last_loc, extend_num_tokens)  # fmt: skip
         if logical is None:
@@ -269,8 +271,8 @@ class DeepSeekV4HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         device = self.hisparse_attn_allocator.alloc_extend(
             prefix_lens // r, prefix_cpu // r, seq_lens // r, seq_cpu // r, self.get_last_loc_hisparse_device(last_loc),
             compressed.numel())  # fmt: skip
-        if device is None:  # counted above: not reached unless the sides disagree on their pages
-            self.logical_attn_allocator.free(logical)
+        if device is None:  # a cold last slot's device page is not continued: one page more than counted
+            self.logical_attn_allocator.restore_state(undo)  # (freeing would give back the request's own last page)
             return None
         self.full_to_hisparse_device_index_mapping[compressed.long()] = device.long()
         return logical
@@ -318,14 +320,7 @@ class DeepSeekV4HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
                 if lone.numel():
                     self.hisparse_attn_allocator.free(lone * page)
             return buffer
-        if n % page:  # the rest of the last held page belongs to the buffer too
-            held = torch.cat([held, torch.arange(int(held[-1]) + 1, int(held[-1]) + 1 + page - n % page,
-                                                 device=held.device)])  # fmt: skip
-        extra = self.hisparse_attn_allocator.alloc(need_size - held.numel())
-        if extra is None:
-            raise RuntimeError(f"alloc_device_buffer: {need_size - held.numel()} more device slots needed, "
-                               f"{self.hisparse_attn_allocator.available_size()} free")  # fmt: skip
-        return torch.cat([held, extra.to(held.dtype)])
+        return fill_to_pages(held, need_size, self.hisparse_attn_allocator)
 
     def load_to_device(self, loc: torch.Tensor) -> Optional[torch.Tensor]:
         """Bring cold logical slots ``loc`` back: device slots for them (whole pages, the first ``len(loc)`` slots of
@@ -377,7 +372,3 @@ class DeepSeekV4HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         raise NotImplementedError("DeepSeekV4HiSparseTokenToKVPoolAllocator keeps no snapshot (its map moves with "
                                   "every call)")  # fmt: skip
 
-
-def _new_pages(prefix: torch.Tensor, seq: torch.Tensor, page: int) -> int:
-    """Pages requests growing from ``prefix`` to ``seq`` tokens open (host tensors)."""
-    return int((-(-seq // page) - -(-prefix // page)).sum())

@@ -137,3 +137,93 @@ class TestHiSparseConformance(KVCacheConformance):
     @pytest.fixture
     def kv_pool_size(self):
         return 3 * 64
+
+
+def test_decode_steps_take_logical_tokens_only_and_device_buffers_follow_sglang():
+    """As SGLang's allocator: a prefill's tokens are hot, a decode step's are logical only (no device slot), and a
+    request's device buffer keeps the first slots it holds (the rest back) or tops them up to whole pages."""
+    pool, allocator = _build("native")  # 256 device slots (4 pages), 512 logical tokens
+    dev = test_device()
+    first = _extend(allocator, 100)  # two device pages
+    assert allocator.hisparse_attn_allocator.available_size() == 128
+    seq = torch.tensor([101])
+    step = allocator.alloc_decode(seq.to(dev), seq, first[-1:])
+    assert step.numel() == 1 and int(allocator.full_to_hisparse_device_index_mapping[step]) == 0
+    assert allocator.hisparse_attn_allocator.available_size() == 128
+    held = allocator.full_to_hisparse_device_index_mapping[first].clone()
+    buffer = allocator.alloc_device_buffer(torch.cat([first, step]), 64)
+    assert torch.equal(buffer, held[:64]) and not allocator.full_to_hisparse_device_index_mapping[first].any()
+    assert allocator.hisparse_attn_allocator.available_size() == 192  # the second page back
+    buffer = allocator.alloc_device_buffer(first[:10], 128)  # nothing held any more: two new pages
+    assert buffer.numel() == 128 and allocator.hisparse_attn_allocator.available_size() == 64
+    with pytest.raises(ValueError, match="whole pages"):
+        allocator.alloc_device_buffer(first, 65)
+    allocator.configure_spec_scratch(128, device_buffer_size=192)
+    assert allocator.request_slot_reserve(has_req_pool_slot=False, prefill_tokens=100) == 64 + 128
+    assert allocator.request_slot_reserve(has_req_pool_slot=True, prefill_tokens=300) == 0
+    with pytest.raises(ValueError, match="multiples of page_size"):
+        allocator.configure_spec_scratch(10)
+
+
+def test_random_request_lifetimes_keep_both_sides_consistent():
+    """Prefills, chunked extensions, then decode steps, frees in any order; after every step no logical token or device
+    slot is held twice, every prefilled token sits on a device slot at its own offset in a device page of its
+    request's own, the device side's free slots are its capacity less the pages in use, and at the end all is free."""
+    import random
+
+    pool, allocator = _build("native")
+    dev = test_device()
+    mapping = allocator.full_to_hisparse_device_index_mapping
+    page, capacity = allocator.page_size, allocator.hisparse_attn_allocator.available_size()
+    rng = random.Random(7)
+    reqs: dict[int, list[int]] = {}
+    prefilled: dict[int, int] = {}  # tokens placed by alloc_extend (hot)
+    decoding: set[int] = set()
+    for step in range(200):
+        op = rng.random()
+        if op < 0.3 or not reqs:
+            rid, prefix, n = step, 0, rng.randint(1, 100)
+        elif op < 0.5:
+            rid = rng.choice([r for r in reqs if r not in decoding] or [None])
+            if rid is None:
+                continue
+            prefix, n = len(reqs[rid]), rng.randint(1, 70)
+        elif op < 0.8:
+            ids = rng.sample(sorted(reqs), min(len(reqs), 2))
+            seq = torch.tensor([len(reqs[i]) + 1 for i in ids])
+            out = allocator.alloc_decode(seq.to(dev), seq, torch.tensor([reqs[i][-1] for i in ids], device=dev))
+            if out is not None:
+                for i, loc in zip(ids, out.tolist()):
+                    reqs[i].append(loc)
+                    decoding.add(i)
+            continue
+        else:
+            rid = rng.choice(sorted(reqs))
+            locs = reqs.pop(rid)
+            prefilled.pop(rid, None)
+            decoding.discard(rid)
+            rng.shuffle(locs)
+            allocator.free(torch.tensor(locs, device=dev))
+            continue
+        p, q = torch.tensor([prefix]), torch.tensor([prefix + n])
+        last = torch.tensor([reqs[rid][-1] if prefix else -1], device=dev)
+        out = allocator.alloc_extend(p.to(dev), p, q.to(dev), q, last, n)
+        if out is not None:
+            reqs.setdefault(rid, []).extend(out.tolist())
+            prefilled[rid] = prefix + n
+        held = [loc for locs in reqs.values() for loc in locs]
+        assert len(held) == len(set(held)) and min(held, default=page) >= page
+        pages: dict[int, int] = {}
+        for r, locs in reqs.items():
+            hot = locs[: prefilled.get(r, 0)]
+            slots = mapping[torch.tensor(hot, dtype=torch.long, device=dev)].tolist()
+            assert all(s >= page and s % page == t % page for t, s in zip(hot, slots)), (step, r)
+            for s in slots:
+                assert pages.setdefault(s // page, r) == r, f"device page {s // page} shared"
+            cold = locs[prefilled.get(r, 0) :]
+            assert not mapping[torch.tensor(cold, dtype=torch.long, device=dev)].any()
+        assert allocator.hisparse_attn_allocator.available_size() == capacity - page * len(pages)
+    for locs in reqs.values():
+        allocator.free(torch.tensor(locs, device=dev))
+    assert allocator.hisparse_attn_allocator.available_size() == capacity and not mapping[:-1].any()
+    assert allocator.logical_attn_allocator.available_size() == 512
