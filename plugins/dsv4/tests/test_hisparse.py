@@ -19,6 +19,12 @@ def pools(budget=0.05, *extra):
                                    "memory.max_running_requests=2", HISPARSE, *extra))  # fmt: skip
 
 
+def pools_on_test_device(kernels: str):
+    """Pools on the tests' device (the GPU in compiled runs) with ``kernels``: the Triton stores interpreted on the
+    CPU, compiled on a GPU."""
+    return pools(0.05, f"hardware.device={test_device()}", f"hardware.kernels={kernels}")
+
+
 def test_the_configurators_call_keeps_the_ratio_4_latents_of_c4_size_slots():
     """``enable_hisparse=True``: ``c4_size`` device slots (here 2048 // 8) for ``c128_size x 32`` logical slots, a
     host mirror of every logical slot, the map SGLang's allocator registers (logical slots, a page, a trailing -1)."""
@@ -38,22 +44,24 @@ def test_the_configurators_call_keeps_the_ratio_4_latents_of_c4_size_slots():
         c4.register_mapping(torch.zeros(10, dtype=torch.int64))
 
 
-def test_stores_go_to_the_device_slots_of_logical_slots_and_round_trip_through_the_host():
+@pytest.mark.parametrize("kernels", ["native", "triton"])
+def test_stores_go_to_the_device_slots_of_logical_slots_and_round_trip_through_the_host(kernels):
     """A ratio-4 store at logical slots writes their device slots (the bytes a plain pool writes there); backed up,
-    made cold and brought back into other device slots, they read the same."""
+    made cold and brought back into other device slots (a copy from pinned host memory in compiled runs), they read
+    the same."""
     from kvcore_dsv4.quantize import store_latent_native
 
-    p = pools()
+    p = pools_on_test_device(kernels)
     pool, allocator = p.token_to_kv_pool, p.token_to_kv_pool_allocator
-    c4 = pool.c4_kv_pool
-    full = allocator.alloc_extend(torch.tensor([0, 0]), torch.tensor([0, 0]), torch.tensor([100, 40]),
-                                  torch.tensor([100, 40]), torch.tensor([-1, -1]), 140)  # fmt: skip
+    c4, dev = pool.c4_kv_pool, test_device()
+    lens = [torch.tensor(v) for v in ([0, 0], [100, 40], [-1, -1])]
+    full = allocator.alloc_extend(lens[0].to(dev), lens[0], lens[1].to(dev), lens[1], lens[2].to(dev), 140)
     logical = c4.translate_loc_from_full_to_compressed(full)
     assert logical.numel() == 100 // 4 + 40 // 4
     device = c4._translate_loc_to_hisparse_device(logical)
     assert (device >= c4.page_size).all() and len(set(device.tolist())) == logical.numel()
     gen = torch.Generator().manual_seed(2)
-    x = randn_nonzero((logical.numel(), 512), torch.bfloat16, gen, 2.0, "cpu")
+    x = randn_nonzero((logical.numel(), 512), torch.bfloat16, gen, 2.0, dev)
     before = pool.buffers()["c4_kv"].clone()
     pool.set_extra_key_buffer_fused(3, logical, x)  # global layer 3: the second ratio-4 layer
     expected = before.clone()
@@ -63,7 +71,9 @@ def test_stores_go_to_the_device_slots_of_logical_slots_and_round_trip_through_t
     assert ((stored - x.float()).norm() / x.float().norm()).item() < 0.07
 
     c4.backup_to_host(logical)
-    assert torch.equal(c4.read_host(1, logical), stored)
+    if dev == "cuda":
+        torch.cuda.synchronize()  # the copy to the host runs on the stream
+    assert torch.equal(c4.read_host(1, logical), stored.cpu())
     allocator.free_compressed(logical)
     assert (c4._translate_loc_to_hisparse_device(logical) == 0).all()
     slots = allocator.load_to_device(logical)
