@@ -1,10 +1,10 @@
 """Where a transformers generation step goes on the GPU (issue 31): ``model.generate`` of a random-weight Llama (8 layers
 of Llama-3-8B's attention shape, as ``bench_hf_generate.py``) under ``torch.profiler``, per cache, batch and prompt.
 
-Per step (the prefill's share included): the wall time (a run without the profiler), the device's busy time (the sum of its kernels' durations), the time the host spends
-in ``cache.update`` (every layer), and the kernels that take the most device time.  A step whose device time is near
-its wall time is bound by the device (a cache's kernels then count); one far below is bound by the host (a cache's
-host time then counts).
+Per step (the prefill's share included): the wall time (a run without the profiler), the device's busy time (the
+sum of its kernels' durations), the time the host spends in ``cache.update`` (every layer), and the kernels that take
+the most device time.  A step whose device time is near its wall time is bound by the device (a cache's kernels then
+count); one far below is bound by the host (a cache's host time then counts).
 
     python benchmarks/profile_hf_generate.py            # on the GPU; the tables also in $OUT/profile_hf_generate.txt
 """

@@ -21,8 +21,9 @@ by ``k_scale`` / ``v_scale``) and hands attention the keys and values of all the
 location in one launch and converted back to the model's dtype, as ``[batch, kv_heads, seq, head_dim]`` (or,
 with ``contiguous_rows``, strided views of the pool).  On a GPU over kvcore's own K/V pools (whose
 ``set_kv_buffer_writes_rows`` says the store is a plain row write) the store and the gather are one launch
-(:meth:`~kvcore.kernels.head_gather.HeadGather.store_and_gather`): a layer's step is one allocation and one launch.  No forward waits for the device, but when the pool is
-nearly full (the allocator then counts its free pages exactly) and, with ``contiguous_rows``, once per batch.
+(:meth:`~kvcore.kernels.head_gather.HeadGather.store_and_gather`): a layer's step is one allocation and one
+launch.  No forward waits for the device, but when the pool is nearly full (the allocator then counts its free
+pages exactly) and, with ``contiguous_rows``, once per batch.
 Left padding of prompts of different lengths is stored like any token; the attention mask hides it, exactly as
 with ``DynamicCache``.
 
