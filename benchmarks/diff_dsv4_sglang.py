@@ -165,6 +165,9 @@ def run_hisparse(full: int, swa: int, slots: int, ratios: list[int], ratio: int)
     a, b = pools["ours"].buffers()["c4_kv"], pools["theirs"].kv_pools[4].kv_buffer
     if [tuple(a.shape[1:])] * a.shape[0] != [tuple(t.shape) for t in b]:
         problems.append(f"c4_kv device pages {tuple(a.shape)} vs {[tuple(t.shape) for t in b]}")
+    ours_infos, their_infos = (pools[s].get_contiguous_buf_infos() for s in ("ours", "theirs"))
+    if ours_infos[1:] != their_infos[1:]:  # the device pages first: SGLang's decode side skips them by count
+        problems.append(f"get_contiguous_buf_infos: lengths/items {ours_infos[1:]} vs {their_infos[1:]}")
 
     def both(what, call):
         got = {side: call(alloc) for side, alloc in allocs.items()}

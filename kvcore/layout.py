@@ -60,6 +60,9 @@ class BufferLayout:
     :param pad_tokens: tokens' worth of rows added to the size before dividing (the padding page).
     :param size_multiple: tokens the buffer covers per token of its size group (1; HiSparse's indexer covers every
         token its host keeps, ``host_to_device_ratio`` per device slot): rows are those of ``size x size_multiple``.
+    :param size_divisor: tokens of its size group per token the buffer covers (1; DeepSeek-V4's HiSparse keeps the
+        ratio-4 latents of ``1 / host_to_device_ratio`` of the full pages on the device): rows are those of
+        ``size x size_multiple // size_divisor``.
     :param fixed_rows: a row count that does not grow with the size (per-layer constants such as a global
         scale); the buffer then adds no bytes per token.
     """
@@ -73,6 +76,7 @@ class BufferLayout:
     pad_tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     fixed_rows: int | None = attrs.field(default=None)
     size_multiple: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    size_divisor: int = attrs.field(default=1, validator=attrs.validators.ge(1))
 
     @property
     def row_bytes(self) -> int:
@@ -83,7 +87,7 @@ class BufferLayout:
         """Rows of one layer for a pool of ``size`` tokens (or requests)."""
         if self.fixed_rows is not None:
             return self.fixed_rows
-        return (size * self.size_multiple + self.pad_tokens) // self.tokens_per_row
+        return (size * self.size_multiple // self.size_divisor + self.pad_tokens) // self.tokens_per_row
 
     def shape(self, size: int) -> tuple[int, ...]:
         """The stacked tensor shape ``(layers, rows, *row_shape)`` for a pool of ``size``."""
@@ -98,7 +102,7 @@ class BufferLayout:
         """Marginal bytes per token (or per request) across all layers; fractional for page rows."""
         if self.fixed_rows is not None:
             return 0.0
-        return self.layers * self.row_bytes * self.size_multiple / self.tokens_per_row
+        return self.layers * self.row_bytes * self.size_multiple / self.tokens_per_row / self.size_divisor
 
     def describe(self) -> str:
         """One line for reports, from the declaration alone: ``kv [1, 656] uint8 per token x 61 layers
@@ -110,6 +114,8 @@ class BufferLayout:
         per = f"per {self.tokens_per_row} {unit}s" if self.tokens_per_row > 1 else f"per {unit}"
         if self.size_multiple > 1:
             per += f" (x {self.size_multiple} {'rows' if unit == 'request' else 'tokens'} each)"
+        if self.size_divisor > 1:
+            per += f" (1 {unit} in {self.size_divisor})"
         group = "" if self.sized_by in ("tokens", "requests") else f" ({self.sized_by})"
         return (
             f"{self.name} {list(self.row_shape)} {str(self.dtype).removeprefix('torch.')} {per} x {self.layers} "

@@ -190,10 +190,10 @@ def dsv4_layout(request: PoolRequest) -> PoolLayout:
                           f"host, but layers {request.start_layer}..{request.end_layer} have none; set it to 1")  # fmt: skip
     for r in COMPRESSED_RATIOS:
         n = ratios.count(r)
-        if n:  # HiSparse: a device page of page / 4 ratio-4 slots per host_to_device_ratio full pages
-            per = hisparse if r == 4 else 1
+        if n:  # HiSparse: the device keeps the ratio-4 latents of one full page in host_to_device_ratio
             buffers.append(BufferLayout(name=f"c{r}_kv", layers=n, row_shape=(latent_page_bytes(page // r),), dtype=u8,
-                                        tokens_per_row=page * per, pad_tokens=r * page * per))  # fmt: skip
+                                        tokens_per_row=page, pad_tokens=r * page,
+                                        size_divisor=hisparse if r == 4 else 1))  # fmt: skip
     if n4:
         ring = ring_size(4, drafting)
         common = dict(layers=n4, dtype=states, sized_by="swa_tokens", tokens_per_row=page // ring,

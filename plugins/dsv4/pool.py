@@ -328,11 +328,9 @@ class DeepSeekV4TokenToKVPool(KVCache):
 
     def token_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers transfer engines address by full page, in SGLang's order: per ratio its latents, then its
-        indexer keys.  With HiSparse the ratio-4 latents' device pages are not the full pages' own (a page holds
-        whichever compressed slots are hot), so they are not among them (SGLang lists them still)."""
+        indexer keys.  With HiSparse the ratio-4 latents' device pages come first still, as SGLang lists them (its
+        decode side of a disaggregated pair skips them and sends the host's copies instead)."""
         names = [n for r in COMPRESSED_RATIOS for n in (f"c{r}_kv", f"c{r}_index") if n in self._buffers]
-        if self.enable_hisparse:
-            names.remove("c4_kv")
         return {n: self._buffers[n] for n in names}
 
     def request_state_buffers(self) -> dict[str, torch.Tensor]:

@@ -38,6 +38,9 @@ def test_the_configurators_call_keeps_the_ratio_4_latents_of_c4_size_slots():
     assert c4.size == 256 and c4.logical_size == pool.c4_logical_size == 512
     assert c4.full_to_hisparse_device_index_mapping.shape == (512 + 64 + 1,)
     assert c4.data_ptrs.tolist() == [b.data_ptr() for b in c4.kv_buffer]
+    # transfer engines see SGLang's list: the ratio-4 device pages first (its decode side skips them by count)
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    assert ptrs[:2] == [b.data_ptr() for b in c4.kv_buffer] and items[:2] == [latent_page(64)] * 2
     full = torch.tensor([0, 3, 4, 7, 10, 11, 15], device=test_device())
     assert c4.translate_loc_from_full_to_compressed(full).tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="entries"):
