@@ -16,7 +16,8 @@ A random-weight Llama of Llama-3-8B's attention shape (8 layers, hidden 4096, 32
 3. **Tokens per second**: ``model.generate`` of ``--new`` tokens after a warm-up run, the caches interleaved over
    ``--rounds`` rounds (the host's noisy stretches last seconds: interleaving spreads them over all caches); the
    best round of each, and per cache the median over rounds of its speed over DynamicCache's *in the same round*
-   (``paired``: what drifts from round to round cancels).
+   (``paired``: what drifts from round to round cancels).  No garbage collection runs inside a timed generate;
+   ``--pin-cpu`` keeps the process on one core.
 
 Caches: ``dynamic`` (DynamicCache), ``kvcore`` (PagedKVCache as built: pages of 16 allocated as the rows grow,
 keys and values gathered for attention in one launch a layer) and ``contig`` (``contiguous_rows=True``: one
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
     parser.add_argument("--caches", default="dynamic,kvcore,contig", help="caches timed (dynamic always is)")
+    parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
     args = parser.parse_args()
     new = args.new or (16 if args.small else 256)
     rounds = args.rounds or (1 if args.small else 3)
@@ -100,6 +102,8 @@ def main() -> None:
     prompts = [int(p) for p in (args.prompts or ("20,200" if args.small else "100,4000")).split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     device = args.device
+    if args.pin_cpu and hasattr(os, "sched_setaffinity"):  # the host's Python thread on one core: no migrations
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
     if args.small:
         torch.set_num_threads(1)  # tiny ops: one thread is the least noisy
     model = build_model(args)
@@ -208,12 +212,16 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
     def run(cache, tokens) -> float:
         gc.collect()  # the caches of earlier runs (cycles: a cache and its layers) gone before the clock starts
         sync(device)
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                           do_sample=False, pad_token_id=0, **{CACHE_KW: cache})  # fmt: skip
-        sync(device)
-        return time.perf_counter() - start
+        gc.disable()  # no collection inside the timed run (it lands on one cache or the other)
+        try:
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                               do_sample=False, pad_token_id=0, **{CACHE_KW: cache})  # fmt: skip
+            sync(device)
+            return time.perf_counter() - start
+        finally:
+            gc.enable()
 
     for make in makers.values():
         run(make(), 4)  # warm-up: every kernel compiled, every plan made

@@ -10,6 +10,10 @@ scale is given, multiplied by it (what the torch reference, ``rows.to(float32) *
 computes: fp8 widens exactly, float32 -> bf16/fp16 rounds to nearest even on both paths), so the two agree bit for
 bit.  One launch replaces an index gather and a ``transpose().contiguous()`` copy per tensor: half the bytes moved
 and a quarter of the launches of the torch path.
+
+:meth:`HeadGather.store_and_gather` also writes a step's new keys and values into the layer's rows in the same
+launch (converted as a K/V pool's ``set_kv_buffer`` converts them), for callers that may write a pool's rows
+themselves (``KVCache.set_kv_buffer_writes_rows``): a transformers layer's step is then one launch.
 """
 
 from __future__ import annotations
