@@ -710,3 +710,29 @@ def test_debug_print_reports_the_free_lists():
     allocator.free(allocator.alloc(32))
     line = allocator.debug_print()
     assert "2 free and 2 deferred page(s) of 16 token(s)" in line and "64 of 64 tokens available" in line
+
+
+def test_get_num_new_pages_counts_the_pages_requests_open():
+    """Requests growing from ``prefix_lens`` to ``seq_lens`` tokens: a request whose prefix ends inside a page fills it
+    first; one of no new tokens opens none (SGLang's helper, counted here by hand)."""
+    from kvcore.allocators import get_num_new_pages
+
+    prefix, seq = torch.tensor([0, 5, 16, 17, 30]), torch.tensor([1, 16, 33, 17, 64])
+    # pages of 16: 1 (0 -> 1), 0 (5 -> 16 stays in page 0), 2 (16 -> 33: pages 1 and 2), 0, 2 (30 -> 64: pages 2, 3)
+    assert get_num_new_pages(seq, 16, prefix) == 1 + 0 + 2 + 0 + 2
+    assert get_num_new_pages(seq, 1, prefix) == int((seq - prefix).sum())
+
+
+def test_fill_to_pages_completes_the_last_page_then_takes_new_ones():
+    from kvcore.allocators import PagedTokenToKVPoolAllocator, fill_to_pages
+
+    allocator = PagedTokenToKVPoolAllocator(8 * 4, 4, torch.float16, "cpu", None, False)
+    held = allocator.alloc(8)[:6]  # two pages, the last one half used
+    free = allocator.available_size()
+    buffer = fill_to_pages(held, 16, allocator)
+    assert buffer.numel() == 16 and torch.equal(buffer[:6], held)
+    assert torch.equal(buffer[6:8], torch.arange(int(held[-1]) + 1, int(held[-1]) + 3))  # the rest of its page
+    assert allocator.available_size() == free - 8 and len(set(buffer.tolist())) == 16
+    assert set((buffer[8:] // 4).tolist()).isdisjoint((held // 4).tolist())  # whole new pages
+    with pytest.raises(RuntimeError, match="more device slots"):
+        fill_to_pages(buffer, 16 + 4 * 8, allocator)
