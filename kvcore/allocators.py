@@ -47,8 +47,10 @@ __all__ = [
     "BaseTokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",
     "PagedTokenToKVPoolAllocator",
+    "alloc_first_slots",
     "fill_to_pages",
     "get_num_new_pages",
+    "take_mapped_slots",
 ]
 
 
@@ -61,6 +63,23 @@ def get_num_new_pages(seq_lens: torch.Tensor, page_size: int, prefix_lens: torch
     the host: pass the CPU copies)."""
     seq, prefix = seq_lens.cpu().long(), prefix_lens.cpu().long()
     return int((-(-seq // page_size) - -(-prefix // page_size)).sum())
+
+
+def take_mapped_slots(mapping: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The slots tokens ``indices`` are mapped to in ``mapping`` (their entries above 0, in order), the tokens
+    unmapped (their entries set to 0): a request's device slots handed over to its device buffer (SGLang's HiSparse
+    allocators)."""
+    held = mapping[indices.long()]
+    mapping[indices.long()] = 0
+    return held[held > 0]
+
+
+def alloc_first_slots(allocator: Any, n: int) -> Optional[torch.Tensor]:
+    """``n`` slots of ``allocator``: the first ``n`` of the whole pages taken for them, or None (nothing taken) when
+    it has too few free pages."""
+    page = allocator.page_size
+    taken = allocator.alloc(-(-n // page) * page)
+    return None if taken is None else taken[:n]
 
 
 def fill_to_pages(held: torch.Tensor, need_size: int, allocator: Any) -> torch.Tensor:

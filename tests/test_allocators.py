@@ -736,3 +736,21 @@ def test_fill_to_pages_completes_the_last_page_then_takes_new_ones():
     assert set((buffer[8:] // 4).tolist()).isdisjoint((held // 4).tolist())  # whole new pages
     with pytest.raises(RuntimeError, match="more device slots"):
         fill_to_pages(buffer, 16 + 4 * 8, allocator)
+
+
+def test_take_mapped_slots_hands_over_and_unmaps():
+    from kvcore.allocators import take_mapped_slots
+
+    mapping = torch.tensor([0, 7, 0, 9, 4, 0, -1])
+    assert take_mapped_slots(mapping, torch.tensor([3, 2, 1, 4])).tolist() == [9, 7, 4]  # cold tokens left out
+    assert mapping.tolist() == [0, 0, 0, 0, 0, 0, -1]
+
+
+def test_alloc_first_slots_takes_whole_pages():
+    from kvcore.allocators import PagedTokenToKVPoolAllocator, alloc_first_slots
+
+    allocator = PagedTokenToKVPoolAllocator(4 * 4, 4, torch.float16, "cpu", None, False)
+    slots = alloc_first_slots(allocator, 6)  # two pages taken, the first six of their slots handed out
+    assert slots.numel() == 6 and allocator.available_size() == 8
+    assert len(set((slots // 4).tolist())) == 2 and (slots[:4] % 4).tolist() == [0, 1, 2, 3]
+    assert alloc_first_slots(allocator, 9) is None and allocator.available_size() == 8

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from kvcore.allocators import (BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator,
-                               fill_to_pages, get_num_new_pages)  # fmt: skip
+                               alloc_first_slots, fill_to_pages, get_num_new_pages, take_mapped_slots)  # fmt: skip
 from kvcore.kernels.row_move import RowMover, copy_rows, move_token_rows_native
 from kvcore.pools import pair_by_layers, tokens_of, unsupported
 from kvcore.token_rows import TokenRows
@@ -283,12 +283,8 @@ class HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         page = self.page_size
         if need_size % page:
             raise ValueError(f"need_size={need_size} must be whole pages of {page}")
-        mapping = self.full_to_hisparse_device_index_mapping
-        held = mapping[allocated_indices.long()]
-        mapping[allocated_indices.long()] = 0
-        held = held[held > 0]
-        n = held.numel()
-        if n >= need_size:
+        held = take_mapped_slots(self.full_to_hisparse_device_index_mapping, allocated_indices)
+        if held.numel() >= need_size:
             self.free_hisparse_indices(held[need_size:])
             return held[:need_size]
         return fill_to_pages(held, need_size, self.hisparse_attn_allocator)
@@ -335,21 +331,16 @@ class HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def free_hisparse(self, free_indices: torch.Tensor) -> None:
         """Make logical tokens cold: their device pages back, their map entries 0 (their rows stay on the host)."""
         mapping = self.full_to_hisparse_device_index_mapping
-        slots = mapping[free_indices.long()]
-        self.hisparse_attn_allocator.free(slots[slots >= self.page_size])
+        self.free_hisparse_indices(mapping[free_indices.long()])
         mapping[free_indices.long()] = 0
 
     def load_to_device(self, loc: torch.Tensor) -> Optional[torch.Tensor]:
         """Bring cold logical tokens ``loc`` back: device slots for them (whole pages, the first ``len(loc)`` slots
         of the pages taken), their rows gathered from the host mirror in one launch, the map updated.  Returns the
         slots, or None (nothing changed) when the device has too few free pages."""
-        n = loc.numel()
-        pages = -(-n // self.page_size)
-        taken = self.hisparse_attn_allocator.alloc(pages * self.page_size)
-        if taken is None:
-            return None
-        slots = taken[:n]
-        self._kvcache.load_from_host(loc, slots)
+        slots = alloc_first_slots(self.hisparse_attn_allocator, loc.numel())
+        if slots is not None:
+            self._kvcache.load_from_host(loc, slots)
         return slots
 
     def free(self, free_index: torch.Tensor) -> None:

@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 import torch
 
-from kvcore.allocators import (BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator, fill_to_pages,
-                               get_num_new_pages)  # fmt: skip
+from kvcore.allocators import (BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator, alloc_first_slots,
+                               fill_to_pages, get_num_new_pages, take_mapped_slots)  # fmt: skip
 from kvcore.errors import ConfigError
 from kvcore.kernels.row_move import copy_rows
 from kvcore_dsv4.pool import DeepSeekV4SingleKVPool
@@ -302,10 +302,7 @@ class DeepSeekV4HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         page = self.hisparse_page_size
         if need_size % page:
             raise ValueError(f"need_size={need_size} must be whole device pages of {page}")
-        mapping = self.full_to_hisparse_device_index_mapping
-        held = mapping[allocated_indices.long()]
-        mapping[allocated_indices.long()] = 0
-        held = held[held > 0]
+        held = take_mapped_slots(self.full_to_hisparse_device_index_mapping, allocated_indices)
         keep = need_size - page  # the slots before the buffer's last page
         n = held.numel()
         if n > keep + 1:  # the newest slot moves into the kept part, in place of the one there
@@ -326,12 +323,9 @@ class DeepSeekV4HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         """Bring cold logical slots ``loc`` back: device slots for them (whole pages, the first ``len(loc)`` slots of
         the pages taken), their latents gathered from the host mirror, the map updated.  Returns the slots, or None
         (nothing changed) when the device has too few free pages."""
-        n = loc.numel()
-        taken = self.hisparse_attn_allocator.alloc(-(-n // self.hisparse_page_size) * self.hisparse_page_size)
-        if taken is None:
-            return None
-        slots = taken[:n]
-        self.hisparse_kvcache.load_from_host(loc, slots)
+        slots = alloc_first_slots(self.hisparse_attn_allocator, loc.numel())
+        if slots is not None:
+            self.hisparse_kvcache.load_from_host(loc, slots)
         return slots
 
     # -- freeing ------------------------------------------------------------------------------------------
