@@ -14,7 +14,8 @@ A random-weight Llama of Llama-3-8B's attention shape (8 layers, hidden 4096, 32
    device falls behind, it is the device's).  Layers 1..L-1 (``us/layer``) apart from layer 0 (which also gives
    the rows their slots).
 3. **Tokens per second**: ``model.generate`` of ``--new`` tokens after a warm-up run, the caches interleaved over
-   ``--rounds`` rounds (the host's noisy stretches last seconds: interleaving spreads them over all caches); the
+   ``--rounds`` rounds, every other round in reverse order (the host's noisy stretches last seconds: interleaving
+   spreads them over all caches; reversing keeps any one from always running first); the
    best round of each, and per cache the median over rounds of its speed over DynamicCache's *in the same round*
    (``paired``: what drifts from round to round cancels).  No garbage collection runs inside a timed generate;
    ``--pin-cpu`` keeps the process on one core.
@@ -226,8 +227,9 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
     for make in makers.values():
         run(make(), 4)  # warm-up: every kernel compiled, every plan made
     times = {name: [] for name in makers}
-    for _ in range(rounds):
-        for name, make in makers.items():
+    order = list(makers.items())
+    for r in range(rounds):  # each round in the other order from the last: no cache always runs first
+        for name, make in order if r % 2 == 0 else order[::-1]:
             times[name].append(run(make(), new))
     return dict(
         dtype=dtype, batch=batch, prompt=prompt, new_tokens=new, attn=args.attn,

@@ -2,7 +2,7 @@
 # One call on a GPU machine that reaches no package registry: install kvcore there, then run the phases named,
 # in order, each with its output kept under $OUT (default /tmp/kvcore-out) and its last lines printed.
 #
-#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse] [hfcore] [tune] [hfprof]
+#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse] [hfcore] [tune] [hfprof] [fp8probe]
 #
 #   tests  the compiled suite: KVCORE_TEST_COMPILED=1 python -m pytest -q -n 12   ($OUT/tests.txt)
 #   alloc  python benchmarks/bench_allocator.py                                     ($OUT/alloc.txt)
@@ -21,6 +21,7 @@
 #   hfcore  the head gather's and the transformers cache's tests, compiled          ($OUT/hfcore.txt)
 #   tune   python benchmarks/tune_row_stores.py (the 128-value quantizing stores)    ($OUT/tune.txt)
 #   hfprof  python benchmarks/profile_hf_generate.py (where a generation step goes)  ($OUT/hfprof.txt)
+#   fp8probe  python benchmarks/probe_fp8_rows.py (where the fp8 row store's time goes)  ($OUT/fp8probe.txt)
 #
 # That machine lacks omegaconf: put its wheel under .whl first (ignored by git) and carry .whl with the call:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl omegaconf==2.4.0
@@ -71,7 +72,8 @@ for phase in "$@"; do
             tests/test_transformers_cache.py tests/test_launch_contract.py ;;
         tune) run tune python3 benchmarks/tune_row_stores.py ;;
         hfprof) run hfprof python3 benchmarks/profile_hf_generate.py ;;
-        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse, hfcore, tune, hfprof)"; status=2 ;;
+        fp8probe) run fp8probe python3 benchmarks/probe_fp8_rows.py ;;
+        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse, hfcore, tune, hfprof, fp8probe)"; status=2 ;;
     esac
 done
 exit $status

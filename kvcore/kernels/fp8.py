@@ -126,24 +126,27 @@ def f32_to_fp8_bits(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
 
 @triton.jit
 def f32_to_fp8_bits_hw(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
-    """Like :func:`f32_to_fp8_bits`, with e4m3fn through the GPU's own conversion (``cvt.rn.satfinite``),
-    which rounds to nearest even exactly as torch does; only overflow, inf and NaN need torch's encoding
-    patched in.  Compiled kernels only: the interpreter's float->fp8 cast rounds wrongly
+    """Like :func:`f32_to_fp8_bits` (uint8 bits), with e4m3fn through the GPU's own conversion
+    (``cvt.rn.satfinite``), which rounds to nearest even exactly as torch does.  What it gives otherwise than torch
+    -- NaN (torch keeps the sign, the GPU's NaN has none) and, with older torch, what rounds past 448 and +-inf
+    (torch: NaN; the GPU saturates) -- goes in as +-inf of its sign (-> ``0x7E | sign``) and leaves with the low bit
+    set (``0x7F | sign``): one compare, one select and one OR an element, so a store stays bound by memory, not by
+    the patches.  Compiled kernels only: the interpreter's float->fp8 cast rounds wrongly
     (triton-lang/triton#8322)."""
-    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
-    ax = tl.abs(x)
     if KIND == _E4M3FN:
-        r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-        if not SATURATE:
-            # older torch: anything that rounds past 448 (ties at 464 go down to 448), and +-inf, is NaN
-            r = tl.where(ax > 464.0, sign | 0x7F, r)
+        if SATURATE:
+            odd = x != x
+        else:  # older torch: anything that rounds past 448 (ties at 464 go down to 448), +-inf and NaN
+            odd = ~(tl.abs(x) <= 464.0)
+        inf = ((x.to(tl.int32, bitcast=True) & -2147483648) | 0x7F800000).to(tl.float32, bitcast=True)
+        r = tl.where(odd, inf, x).to(tl.float8e4nv).to(tl.uint8, bitcast=True) | odd.to(tl.uint8)
     else:
         # e5m2 keeps the integer encoder, exact by construction: on an H200 (triton 3.6, 2026-11-29) the
         # compiled MLA gather into e5m2 disagreed with torch for some random bf16/fp16 bit patterns while this
         # path used the hardware conversion; the cause was not isolated and the switch is not yet re-checked
         # on the GPU.  e5m2 caches are rare, so the extra integer work costs little.
-        r = f32_to_e5m2_bits(x)
-    return tl.where(x != x, sign | 0x7F, r)
+        r = f32_to_e5m2_bits(x).to(tl.uint8)
+    return r
 
 
 @triton.jit

@@ -83,13 +83,20 @@ def _gather_tile(src, out, loc, mask_t, b, t, seq, page_stride, row_stride, head
     row = (loc // PAGE) * page_stride + (loc % PAGE) * row_stride
     for h in range(HEADS):
         x = tl.load(src + row[:, None] + h * head_stride + d[None, :], mask=mask, other=0)
-        if IN != OUT:
-            xf = _widen(x, IN, HW_CVT)
-            if SCALED:
-                xf = xf * scale
-            x = _narrow(xf, OUT, HW_CVT)
-        dst = out + ((b * HEADS + h) * seq + t)[:, None] * D + d[None, :]
-        tl.store(dst, x, mask=mask)
+        _hand_on(x, out, b, h, t, d, seq, mask, scale, HEADS, D, IN, OUT, SCALED, HW_CVT)
+
+
+@triton.jit
+def _hand_on(x, out, b, h, t, d, seq, mask, scale, HEADS: tl.constexpr, D: tl.constexpr, IN: tl.constexpr,
+             OUT: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
+    """Head ``h``'s cache values ``x`` (code ``IN``) of row ``b``'s tokens ``t``, converted to the output dtype
+    (times ``scale`` when ``SCALED``) and written to ``out[b, h, t]``."""
+    if IN != OUT:
+        xf = _widen(x, IN, HW_CVT)
+        if SCALED:
+            xf = xf * scale
+        x = _narrow(xf, OUT, HW_CVT)
+    tl.store(out + ((b * HEADS + h) * seq + t)[:, None] * D + d[None, :], x, mask=mask)
 
 
 @triton.jit(do_not_specialize=["seq", "loc_stride", "k_scale", "v_scale"])
@@ -156,14 +163,8 @@ def _store_gather_tile(src, out, new, loc, mask_t, b, t, seq, prefix, page_strid
                 yf = tl.math.div_rn(yf, tl.zeros_like(yf) + scale)
             y = _encode(yf, STORE, SATURATE, HW_CVT)
         tl.store(at, y, mask=stored)
-        x = tl.where(fresh[:, None], y, x)
-        if IN != OUT:
-            xf = _widen(x, IN, HW_CVT)
-            if SCALED:
-                xf = xf * scale
-            x = _narrow(xf, OUT, HW_CVT)
-        dst = out + ((b * HEADS + h) * seq + t)[:, None] * D + d[None, :]
-        tl.store(dst, x, mask=mask_t[:, None] & in_row)
+        _hand_on(tl.where(fresh[:, None], y, x), out, b, h, t, d, seq, mask_t[:, None] & in_row, scale, HEADS, D, IN,
+                 OUT, SCALED, HW_CVT)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seq", "prefix", "loc_stride", "k_scale", "v_scale"])
