@@ -9,6 +9,8 @@ ceiling.  A probe, not a product path: it tells which part of the shipped kernel
 * ``encode``: a minimal kernel (no column mask, no layer offset) with the shipped encoder
   (``f32_to_fp8_bits_hw``: the GPU's conversion plus torch's overflow and NaN patches);
 * ``before``: the same with the encoder shipped before (the patches in int32: sign, overflow and NaN selects);
+* ``branch``: the same with a candidate encoder: ``before``'s patches (in int32) run only in a tile that holds a NaN or
+  a magnitude past 464 (one integer max an element finds out), the GPU's conversion alone otherwise;
 * ``finite``: the same with the values clamped to +-448 and the GPU's conversion alone (NaN differs: a cost probe);
 * ``copy``: the same rows as bf16 into a bf16 buffer (the scatter's own cost, no conversion);
 * ``dsv4``: DeepSeek-V4's indexer store (``IndexStore``, shipped setting), which also computes a scale a row.
@@ -46,6 +48,24 @@ def _encode_before(x, SATURATE: tl.constexpr):
 
 
 @triton.jit
+def _encode_branch(x, SATURATE: tl.constexpr):
+    """A candidate: ``_encode_before``'s patches only in a tile that needs them (NaN's bits lie above every other
+    magnitude's)."""
+    r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    worst = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    if SATURATE:
+        odd = worst > 0x7F800000
+    else:
+        odd = worst > 0x43E80000
+    if odd:
+        sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
+        if not SATURATE:
+            r = tl.where(tl.abs(x) > 464.0, sign | 0x7F, r)
+        r = tl.where(x != x, sign | 0x7F, r)
+    return r
+
+
+@triton.jit
 def _probe_kernel(dst, src, loc_ptr, n, D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
                   SATURATE: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -58,6 +78,8 @@ def _probe_kernel(dst, src, loc_ptr, n, D: tl.constexpr, BLOCK_N: tl.constexpr, 
         tl.store(out, f32_to_fp8_bits_hw(x.to(tl.float32), 4, SATURATE).to(tl.uint8), mask=keep[:, None])
     elif MODE == 3:
         tl.store(out, _encode_before(x.to(tl.float32), SATURATE).to(tl.uint8), mask=keep[:, None])
+    elif MODE == 4:
+        tl.store(out, _encode_branch(x.to(tl.float32), SATURATE).to(tl.uint8), mask=keep[:, None])
     elif MODE == 1:
         q = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
         tl.store(out, finite_f32_to_e4m3fn_bytes(q, SATURATE, True), mask=keep[:, None])
@@ -99,6 +121,12 @@ def main() -> None:
         torch.cuda.synchronize()
         assert torch.equal(fp8, want), f"{name} writes other bytes than the shipped RowStore"
     print("tile, encode and before write the shipped store's bytes")
+    for block in (8, 32):
+        fp8.zero_()
+        _probe_kernel[(N // block,)](fp8, x, loc, N, DIM, block, 4, saturate)
+        torch.cuda.synchronize()
+        bad = (fp8 != want).sum().item()
+        print(f"branch ({block} rows a program): " + ("the shipped store's bytes" if not bad else f"{bad} BYTES DIFFER"))
 
     def report(name: str, setting: str, us: float, nbytes: int) -> None:
         print(f"{name:9} {setting:24} {us:7.2f} us ({nbytes / us / 1e3 / ceiling:.2f})")
@@ -116,6 +144,7 @@ def main() -> None:
             report("tile", setting, graph_us(lambda: _tile_kernel[grid](fp8, x, loc, N, DIM, block, out_code, saturate,
                                                                         num_warps=warps)), fp8_bytes)  # fmt: skip
             for mode, name, buf, nbytes in ((0, "encode", fp8, fp8_bytes), (3, "before", fp8, fp8_bytes),
+                                            (4, "branch", fp8, fp8_bytes),
                                             (1, "finite", fp8, fp8_bytes),
                                             (2, "copy", bf16, bf16_bytes)):  # fmt: skip
                 report(name, setting, graph_us(lambda: _probe_kernel[grid](buf, x, loc, N, DIM, block, mode, saturate,

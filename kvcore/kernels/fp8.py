@@ -126,41 +126,24 @@ def f32_to_fp8_bits(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
 
 @triton.jit
 def f32_to_fp8_bits_hw(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
-    """Like :func:`f32_to_fp8_bits` (uint8 bits), with e4m3fn through the GPU's own conversion
-    (``cvt.rn.satfinite``), which rounds to nearest even exactly as torch does.  What it gives otherwise than torch
-    -- NaN (torch keeps the sign) and, with older torch, what rounds past 448 and +-inf (torch: NaN; the GPU
-    saturates) -- is patched in only when the tile holds such a value: one integer max an element finds out (the
-    magnitude's bits, NaN above inf above every finite value), so a store of ordinary values is bound by memory,
-    not by the patches.  Compiled kernels only: the interpreter's float->fp8 cast rounds wrongly
+    """Like :func:`f32_to_fp8_bits`, with e4m3fn through the GPU's own conversion (``cvt.rn.satfinite``),
+    which rounds to nearest even exactly as torch does; only overflow, inf and NaN need torch's encoding
+    patched in.  Compiled kernels only: the interpreter's float->fp8 cast rounds wrongly
     (triton-lang/triton#8322)."""
+    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
+    ax = tl.abs(x)
     if KIND == _E4M3FN:
-        r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        worst = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)  # the largest magnitude's bits, NaN above all
-        if SATURATE:
-            odd = worst > 0x7F800000  # a NaN
-        else:
-            odd = worst > 0x43E80000  # a NaN, +-inf or past 464.0
-        if odd:
-            r = _patch_e4m3fn(x, r, SATURATE)
+        r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        if not SATURATE:
+            # older torch: anything that rounds past 448 (ties at 464 go down to 448), and +-inf, is NaN
+            r = tl.where(ax > 464.0, sign | 0x7F, r)
     else:
         # e5m2 keeps the integer encoder, exact by construction: on an H200 (triton 3.6, 2026-11-29) the
         # compiled MLA gather into e5m2 disagreed with torch for some random bf16/fp16 bit patterns while this
         # path used the hardware conversion; the cause was not isolated and the switch is not yet re-checked
         # on the GPU.  e5m2 caches are rare, so the extra integer work costs little.
-        r = f32_to_e5m2_bits(x).to(tl.uint8)
-    return r
-
-
-@triton.jit
-def _patch_e4m3fn(x, r, SATURATE: tl.constexpr):
-    """The GPU's e4m3fn bytes ``r`` of ``x`` with torch's encoding of NaN (``0x7F | sign``) and, unless
-    ``SATURATE``, of magnitudes past 464 and +-inf (the same) patched in."""
-    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
-    p = r.to(tl.int32)
-    if not SATURATE:
-        # older torch: anything that rounds past 448 (ties at 464 go down to 448), and +-inf, is NaN
-        p = tl.where(tl.abs(x) > 464.0, sign | 0x7F, p)
-    return tl.where(x != x, sign | 0x7F, p).to(tl.uint8)
+        r = f32_to_e5m2_bits(x)
+    return tl.where(x != x, sign | 0x7F, r)
 
 
 @triton.jit
