@@ -18,7 +18,8 @@ A random-weight Llama of Llama-3-8B's attention shape (8 layers, hidden 4096, 32
    spreads them over all caches; reversing keeps any one from always running first); the
    best round of each, and per cache the median over rounds of its speed over DynamicCache's *in the same round*
    (``paired``: what drifts from round to round cancels).  No garbage collection runs inside a timed generate;
-   ``--pin-cpu`` keeps the process on one core.
+   ``--pin-cpu`` keeps the process on one core (every thread of it, CUDA's and torch's own too; on the H200 it did
+   not narrow the rounds' spread, 2026-12-03).
 
 Caches: ``dynamic`` (DynamicCache), ``kvcore`` (PagedKVCache as built: pages of 16 allocated as the rows grow,
 keys and values gathered for attention in one launch a layer) and ``contig`` (``contiguous_rows=True``: one
