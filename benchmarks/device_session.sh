@@ -2,7 +2,7 @@
 # One call on a GPU machine that reaches no package registry: install kvcore there, then run the phases named,
 # in order, each with its output kept under $OUT (default /tmp/kvcore-out) and its last lines printed.
 #
-#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse] [hfcore] [tune] [hfprof] [fp8k] [fp8probe]
+#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse] [hfcore] [tune] [hfprof] [fp8k] [split] [fp8probe]
 #
 #   tests  the compiled suite: KVCORE_TEST_COMPILED=1 python -m pytest -q -n 12   ($OUT/tests.txt)
 #   alloc  python benchmarks/bench_allocator.py                                     ($OUT/alloc.txt)
@@ -22,6 +22,7 @@
 #   tune   python benchmarks/tune_row_stores.py (the 128-value quantizing stores)    ($OUT/tune.txt)
 #   hfprof  python benchmarks/profile_hf_generate.py (where a generation step goes)  ($OUT/hfprof.txt)
 #   fp8k   the fp8 encoders' tests and the stores' and gathers' that use them, compiled  ($OUT/fp8k.txt)
+#   split  torchrun --nproc-per-node 2 benchmarks/bench_layer_split.py (DSA's layer split; needs 2 GPUs)  ($OUT/split.txt)
 #   fp8probe  python benchmarks/probe_fp8_rows.py (where the fp8 row store's time goes)  ($OUT/fp8probe.txt)
 #
 # That machine lacks omegaconf: put its wheel under .whl first (ignored by git) and carry .whl with the call:
@@ -75,8 +76,9 @@ for phase in "$@"; do
         hfprof) run hfprof python3 benchmarks/profile_hf_generate.py ;;
         fp8k) run fp8k env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_fp8.py \
             plugins/mha/tests/test_kernels.py plugins/mha/tests/test_row_store.py plugins/mla/tests/test_kernels.py ;;
+        split) run split python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_layer_split.py ;;
         fp8probe) run fp8probe python3 benchmarks/probe_fp8_rows.py ;;
-        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse, hfcore, tune, hfprof, fp8k, fp8probe)"; status=2 ;;
+        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse, hfcore, tune, hfprof, fp8k, split, fp8probe)"; status=2 ;;
     esac
 done
 exit $status
