@@ -8,15 +8,15 @@ ceiling.  A probe, not a product path: it tells which part of the shipped kernel
   three-buffer dispatch;
 * ``encode``: a minimal kernel (no column mask, no layer offset) with the shipped encoder
   (``f32_to_fp8_bits_hw``: the GPU's conversion plus torch's overflow and NaN patches);
-* ``before``: the same with the encoder shipped before (the patches in int32: sign, overflow and NaN selects);
-* ``branch``: the same with a candidate encoder: ``before``'s patches (in int32) run only in a tile that holds a NaN or
+* ``branch``: the same with a candidate encoder: the shipped patches (in int32) run only in a tile that holds a NaN or
   a magnitude past 464 (one integer max an element finds out), the GPU's conversion alone otherwise;
 * ``finite``: the same with the values clamped to +-448 and the GPU's conversion alone (NaN differs: a cost probe);
 * ``copy``: the same rows as bf16 into a bf16 buffer (the scatter's own cost, no conversion);
 * ``dsv4``: DeepSeek-V4's indexer store (``IndexStore``, shipped setting), which also computes a scale a row.
 
-Correctness first: the shipped store must write torch's bytes, and ``tile``, ``encode`` and ``before`` the shipped
-store's (``x`` holds values past 448, NaN of both signs and +-inf).
+Correctness first: the shipped store must write torch's bytes, and ``tile``, ``encode`` and ``branch`` the shipped
+store's (``x`` holds values past 448, NaN of both signs and +-inf).  A probe's data is no proof of an encoder: two
+cheaper encoders passed this check and failed the compiled suite (RESULTS.md, sixteenth session).
 
     python benchmarks/probe_fp8_rows.py
 """
@@ -38,19 +38,9 @@ DIM, POOL, N = 128, 1 << 16, 32768
 
 
 @triton.jit
-def _encode_before(x, SATURATE: tl.constexpr):
-    """The e4m3fn encoder shipped before (``f32_to_fp8_bits_hw`` until the sixteenth session), for the comparison."""
-    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
-    r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    if not SATURATE:
-        r = tl.where(tl.abs(x) > 464.0, sign | 0x7F, r)
-    return tl.where(x != x, sign | 0x7F, r)
-
-
-@triton.jit
 def _encode_branch(x, SATURATE: tl.constexpr):
-    """A candidate: ``_encode_before``'s patches only in a tile that needs them (NaN's bits lie above every other
-    magnitude's)."""
+    """A candidate: the shipped encoder's patches (``f32_to_fp8_bits_hw``, in int32) only in a tile that needs them
+    (NaN's bits lie above every other magnitude's)."""
     r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     worst = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     if SATURATE:
@@ -76,8 +66,6 @@ def _probe_kernel(dst, src, loc_ptr, n, D: tl.constexpr, BLOCK_N: tl.constexpr, 
     out = dst + rows[:, None] * D + cols[None, :]
     if MODE == 0:
         tl.store(out, f32_to_fp8_bits_hw(x.to(tl.float32), 4, SATURATE).to(tl.uint8), mask=keep[:, None])
-    elif MODE == 3:
-        tl.store(out, _encode_before(x.to(tl.float32), SATURATE).to(tl.uint8), mask=keep[:, None])
     elif MODE == 4:
         tl.store(out, _encode_branch(x.to(tl.float32), SATURATE).to(tl.uint8), mask=keep[:, None])
     elif MODE == 1:
@@ -114,13 +102,12 @@ def main() -> None:
     want = shipped[0, :, 0]
     assert torch.equal(want[loc], x.to(torch.float8_e4m3fn).view(torch.uint8)), "RowStore differs from torch's cast"
     for name, launch in (("tile", lambda: _tile_kernel[(N // 32,)](fp8, x, loc, N, DIM, 32, out_code, saturate)),
-                         ("encode", lambda: _probe_kernel[(N // 32,)](fp8, x, loc, N, DIM, 32, 0, saturate)),
-                         ("before", lambda: _probe_kernel[(N // 32,)](fp8, x, loc, N, DIM, 32, 3, saturate))):  # fmt: skip
+                         ("encode", lambda: _probe_kernel[(N // 32,)](fp8, x, loc, N, DIM, 32, 0, saturate))):  # fmt: skip
         fp8.zero_()
         launch()
         torch.cuda.synchronize()
         assert torch.equal(fp8, want), f"{name} writes other bytes than the shipped RowStore"
-    print("tile, encode and before write the shipped store's bytes")
+    print("tile and encode write the shipped store's bytes")
     for block in (8, 32):
         fp8.zero_()
         _probe_kernel[(N // block,)](fp8, x, loc, N, DIM, block, 4, saturate)
@@ -143,8 +130,7 @@ def main() -> None:
             setting = f"{block} rows x {warps} warps"
             report("tile", setting, graph_us(lambda: _tile_kernel[grid](fp8, x, loc, N, DIM, block, out_code, saturate,
                                                                         num_warps=warps)), fp8_bytes)  # fmt: skip
-            for mode, name, buf, nbytes in ((0, "encode", fp8, fp8_bytes), (3, "before", fp8, fp8_bytes),
-                                            (4, "branch", fp8, fp8_bytes),
+            for mode, name, buf, nbytes in ((0, "encode", fp8, fp8_bytes), (4, "branch", fp8, fp8_bytes),
                                             (1, "finite", fp8, fp8_bytes),
                                             (2, "copy", bf16, bf16_bytes)):  # fmt: skip
                 report(name, setting, graph_us(lambda: _probe_kernel[grid](buf, x, loc, N, DIM, block, mode, saturate,
