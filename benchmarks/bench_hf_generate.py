@@ -17,7 +17,8 @@ A random-weight Llama of Llama-3-8B's attention shape (8 layers, hidden 4096, 32
    ``--rounds`` rounds, every other round in reverse order (the host's noisy stretches last seconds: interleaving
    spreads them over all caches; reversing keeps any one from always running first); the
    best round of each, and per cache the median over rounds of its speed over DynamicCache's *in the same round*
-   (``paired``: what drifts from round to round cancels).  No garbage collection runs inside a timed generate;
+   (``paired``: what drifts from round to round cancels), with a 90% bootstrap interval of that median (the rounds
+   resampled): a case whose interval holds 1.0 is at parity within the host's noise, not faster or slower.  No garbage collection runs inside a timed generate;
    ``--pin-cpu`` keeps the process on one core (every thread of it, CUDA's and torch's own too; on the H200 it did
    not narrow the rounds' spread, 2026-12-03).
 
@@ -121,7 +122,7 @@ def main() -> None:
     results = []
     header = (f"{'dtype':<10} {'batch':>5} {'prompt':>6}  {'logits':<14}  host us/layer (layer 0): "
               + " ".join(f"{name:>15}" for name in caches) + "  tok/s (best): "
-              + " ".join(f"{name:>16}" for name in caches) + "  paired median: " + " ".join(f"{n:>7}" for n in others))
+              + " ".join(f"{name:>16}" for name in caches) + "  paired median [90%]: " + " ".join(f"{n:>22}" for n in others))
     print(header)
     print("-" * len(header))
     for dtype in args.dtypes.split(","):
@@ -129,7 +130,7 @@ def main() -> None:
             for prompt in prompts:
                 row = run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, vocab, caches)
                 results.append(row)
-                t, paired, us = row["tok_s"], row["paired_ratio"], row["host_us"]
+                t, paired, us, band = row["tok_s"], row["paired_ratio"], row["host_us"], row["paired_interval"]
                 differ = [name for name, same in row["identical_by_cache"].items() if not same]
                 logits = ("same" if not differ else "DIFFER: " + ",".join(differ)) + \
                     ("" if row["dynamic_repeatable"] else " (dyn!=dyn)")
@@ -137,7 +138,8 @@ def main() -> None:
                 speed = " ".join(f"{t[n]:7.1f}" + (f" ({t[n] / t['dynamic']:4.2f}x)" if n != "dynamic" else " " * 8)
                                  for n in caches)  # fmt: skip
                 print(f"{dtype.replace('float8_', 'fp8 '):<10} {batch:>5} {prompt:>6}  {logits:<14}  "
-                      f"{'':>24}{host}  {'':>14}{speed}  {'':>15}" + " ".join(f"{paired[n]:6.3f}x" for n in others),
+                      f"{'':>24}{host}  {'':>14}{speed}  {'':>21}"
+                      + " ".join(f"{paired[n]:6.3f}x [{band[n][0]:.3f}, {band[n][1]:.3f}]" for n in others),
                       flush=True)  # fmt: skip
     out = os.path.join(os.environ.get("OUT", "/tmp"), "hf_generate.json")
     with open(out, "w") as f:
@@ -237,9 +239,21 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
         tok_s={name: batch * new / min(t) for name, t in times.items()},
         median_tok_s={name: batch * new / statistics.median(t) for name, t in times.items()},
         paired_ratio={name: statistics.median(d / c for d, c in zip(times["dynamic"], t)) for name, t in times.items()},
+        paired_interval={name: median_interval([d / c for d, c in zip(times["dynamic"], t)]) for name, t in times.items()},
         seconds=times,
         host_us=host, identical=all(identical.values()), identical_by_cache=identical, dynamic_repeatable=repeatable,
     )  # fmt: skip
+
+
+def median_interval(ratios: list[float], level: float = 0.9, draws: int = 2000) -> tuple[float, float]:
+    """The ``level`` percentile bootstrap interval of the median of ``ratios`` (the rounds resampled with
+    replacement, ``draws`` times, seeded)."""
+    import random
+
+    pick = random.Random(0).choices
+    medians = sorted(statistics.median(pick(ratios, k=len(ratios))) for _ in range(draws))
+    tail = (1 - level) / 2
+    return medians[int(tail * (draws - 1))], medians[int((1 - tail) * (draws - 1))]
 
 
 if __name__ == "__main__":
