@@ -22,27 +22,13 @@ from __future__ import annotations
 import torch
 
 from kvcore.kernels.row_move import copy_rows
+from kvcore.tools.timing import median_ms as timed
 from kvcore_dsa.hisparse import HiSparseDSATokenToKVPool
 from kvcore_dsv4.hisparse import HiSparseC4DevicePool
 
 LAYERS, ROW, SLOTS, RATIO = 61, 656, 32768, 2
 #: DeepSeek-V4-Flash's ratio-4 layers, bytes a compressed slot, and slots a page of the compressed latents
 V4_LAYERS, V4_SLOT_BYTES, V4_PAGE = 21, 584, 64
-
-
-def timed(fn, repeats: int = 5) -> float:
-    """Median milliseconds of ``fn`` (CUDA events, the device waited for)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
+from kvcore.tools.timing import median_ms
 from kvcore_dsa.layer_split import LayerSplitDSATokenToKVPool, layer_shard_range
 
 LAYERS, RANK, ROPE, INDEX_DIM, PAGE = 61, 512, 64, 128, 64
@@ -41,27 +40,6 @@ def build(args, rank: int, world: int, device: str, kernels: str) -> LayerSplitD
         layer_num=args.layers, device=device, index_head_dim=INDEX_DIM, enable_memory_saver=False, kernels=kernels,
         layer_shard_rank=rank, layer_shard_size=world, layer_shard_group=dist.group.WORLD,
     )  # fmt: skip
-
-
-def timed(fn, device: str, repeats: int = 20) -> float:
-    """Median milliseconds of ``fn``, every rank starting together (a barrier before each run)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -79,6 +57,9 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     log = open(os.path.join(os.environ.get("OUT", "/tmp"), f"layer_split_rank{rank}.txt"), "w")
+
+    def timed(fn) -> float:  # median ms of 20 runs, every rank starting together
+        return median_ms(fn, 20, cuda=cuda, before_each=dist.barrier)
 
     def say(line: str) -> None:
         log.write(line + "\n")
@@ -125,7 +106,7 @@ def main() -> None:
         pool.invalidate_index_buffer_for_layer(remote)
         pool.prefetch_kv_buffer(remote)
 
-    t_fetch, t_ceil = timed(fetch, device), timed(lambda: dist.broadcast(block, src=1), device)
+    t_fetch, t_ceil = timed(fetch), timed(lambda: dist.broadcast(block, src=1))
     say(f"fetch of layer {remote} (rank 1's) into every scratch: {layer_bytes / 1e6:.1f} MB, {t_fetch:.3f} ms "
         f"({layer_bytes / t_fetch / 1e6:.1f} GB/s); one broadcast of as many bytes {t_ceil:.3f} ms: "
         f"{t_ceil / t_fetch:.2f} of it")  # fmt: skip
@@ -150,7 +131,7 @@ def main() -> None:
              lambda p: p.set_mla_kv_buffer(remote, at, nope, rope)),
         )  # fmt: skip
         for name, op in rows:
-            t_ours, t_torch = timed(lambda: op(pool), device), timed(lambda: op(torch_pool), device)
+            t_ours, t_torch = timed(lambda: op(pool)), timed(lambda: op(torch_pool))
             say(f"{name:<48} {n:>6} {t_ours:>10.4f} {t_torch:>9.4f} {t_torch / t_ours:>13.2f}")
             for p in (pool, torch_pool):
                 p.prefetch_kv_buffer(remote)  # a write (dropped on rank 0) makes the scratch copy stale: fetch again

@@ -1,6 +1,6 @@
 """How ``kvcore bench`` measures and prints: host time of eager calls (:func:`host_us`, and
 :func:`host_us_of_calls` for calls of changing sizes), device time in CUDA-graph replay (:func:`graph_us`), the
-device-copy ceiling (:func:`copy_ceiling_gbps`), and the rows and tables of the report (:class:`Row`,
+median of timed eager runs (:func:`median_ms`, for benchmarks of moves too large for a graph), the device-copy ceiling (:func:`copy_ceiling_gbps`), and the rows and tables of the report (:class:`Row`,
 :func:`format_tables`).  Knows no pool: :mod:`kvcore.tools.bench` and :mod:`kvcore.tools.bench_engine` time
 theirs with it."""
 
@@ -112,6 +112,33 @@ def graph_us(fn: Callable[[], object], calls: int = 20) -> float:
                 fn()
     torch.cuda.synchronize()
     return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / calls
+
+
+def median_ms(fn: Callable[[], object], repeats: int = 5, *, cuda: bool = True,
+              before_each: Callable[[], object] | None = None) -> float:
+    """Median milliseconds of ``repeats`` runs of ``fn`` after one untimed run: CUDA events around each run, the
+    device waited for (``cuda``), or the wall clock.  ``before_each`` (a barrier between ranks, say) runs before each
+    timed run, outside the time."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if before_each is not None:
+            before_each()
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    middle = len(times) // 2
+    return times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
 
 
 def copy_ceiling_gbps() -> float:
