@@ -47,10 +47,9 @@ def _decode_kernel(b_ptr, out_ptr, n, KIND: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, fp8.fp8_bits_to_f32(b, KIND), mask=mask)
 
 
-def _encode(x: torch.Tensor, kind: int, saturate: bool, hw: bool = False) -> torch.Tensor:
+def _encode(x: torch.Tensor, kind: int, saturate: bool, hw: bool = False, block: int = 4096) -> torch.Tensor:
     x = x.to(DEVICE)
     out = torch.empty(x.numel(), dtype=torch.int16 if kind == dtypes.BF16 else torch.uint8, device=DEVICE)
-    block = 4096
     _encode_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), kind, saturate, block, hw)
     return out.cpu()
 
@@ -159,3 +158,19 @@ def test_dtype_helpers_and_codes():
 def test_hardware_fp8_conversion_matches_the_integer_encoder(kind, saturate):
     x = _sweep_values()
     assert torch.equal(_encode(x, kind, saturate, hw=True), _encode(x, kind, saturate, hw=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not COMPILED, reason="the GPU conversion path runs compiled only (the interpreter's cast rounds wrongly)")
+@pytest.mark.parametrize("saturate", [False, True])
+def test_hardware_e4m3fn_patches_only_the_tiles_that_need_them(saturate):
+    # The GPU encoder patches overflow and NaN only in a tile holding such a value: most 64-value tiles here hold
+    # none, and each special value sits alone in its own tile, at a different position.
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.rand(64 * 64, generator=gen) * 900 - 450).float()  # finite, |x| < 464
+    special = [float("nan"), -float("nan"), float("inf"), -float("inf"), 464.0, -464.0, 464.01, -465.0, 1e6, -1e30]
+    for i, value in enumerate(special):
+        x[64 * (3 * i + 1) + 7 * i] = value
+    got = _encode(x, dtypes.E4M3FN, saturate, hw=True, block=64)
+    assert torch.equal(got, _e4m3fn_expected(x, saturate))
+    assert torch.equal(got, _encode(x, dtypes.E4M3FN, saturate, hw=False, block=64))
