@@ -130,27 +130,22 @@ def f32_to_fp8_bits_hw(x, KIND: tl.constexpr, SATURATE: tl.constexpr):
     which rounds to nearest even exactly as torch does; only overflow, inf and NaN need torch's encoding
     patched in.  Compiled kernels only: the interpreter's float->fp8 cast rounds wrongly
     (triton-lang/triton#8322)."""
+    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
     if KIND == _E4M3FN:
         r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-        # The patches below cost more ALU time than the store's memory traffic, so they run only in a tile that
-        # holds a value needing one: the largest magnitude's bits (a NaN's lie above every number's) decide.
-        worst = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        # One compare and one select an element: these patches, not memory traffic, bound a store's time.  The
+        # sign comes from the float32 bits, not the source's: on an H200 a float16 NaN widened to float32 may
+        # change sign, and torch's own conversion sees the widened value (a compiled test, 2026-12-03).
         if SATURATE:
-            needs_patch = worst > 0x7F800000  # only NaN: the conversion saturates overflow and inf as torch does
+            keep = x == x  # the conversion saturates overflow and inf as torch does; NaN takes its sign
         else:
-            needs_patch = worst > 0x43E80000  # past 464.0
-        if needs_patch:
-            sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
-            if not SATURATE:
-                # older torch: anything that rounds past 448 (ties at 464 go down to 448), and +-inf, is NaN
-                r = tl.where(tl.abs(x) > 464.0, sign | 0x7F, r)
-            r = tl.where(x != x, sign | 0x7F, r)
+            keep = tl.abs(x) <= 464.0  # older torch: past 464 (ties at 464 go down to 448), inf and NaN are NaN
+        r = tl.where(keep, r, sign | 0x7F)
     else:
         # e5m2 keeps the integer encoder, exact by construction: on an H200 (triton 3.6, 2026-11-29) the
         # compiled MLA gather into e5m2 disagreed with torch for some random bf16/fp16 bit patterns while this
         # path used the hardware conversion; the cause was not isolated and the switch is not yet re-checked
         # on the GPU.  e5m2 caches are rare, so the extra integer work costs little.
-        sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
         r = tl.where(x != x, sign | 0x7F, f32_to_e5m2_bits(x))
     return r
 
