@@ -120,7 +120,7 @@ def main() -> None:
 
     for tile in (1024, 2048, 4096):
         for warps in (1, 2, 4, 8):
-            row_store.STORE_TILE_ELEMS, row_store._NUM_WARPS = tile, warps
+            row_store.FP8_TILE_ELEMS, row_store._FP8_NUM_WARPS = tile, warps
             store = row_store.RowStore([shipped], torch.float8_e4m3fn, True)
             report("rowstore", f"{tile // DIM} rows x {warps} warps", graph_us(lambda: store(0, loc, x.view(N, 1, DIM))),
                    fp8_bytes)  # fmt: skip

@@ -29,7 +29,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; copy ceiling {ceiling:.0f} GB/s; us per call in graph replay (share of "
           "the ceiling)")  # fmt: skip
     shipped = {"index": (dsv4._INDEX_BLOCK_N, dsv4._INDEX_NUM_WARPS),
-               "rows": (row_store.STORE_TILE_ELEMS, row_store._NUM_WARPS)}  # fmt: skip
+               "rows": (row_store.FP8_TILE_ELEMS, row_store._FP8_NUM_WARPS)}  # fmt: skip
     for n in (256, 32768):
         loc = (torch.randperm(POOL - PAGE, generator=gen)[:n] + PAGE).cuda()
         x = torch.randn(n, DIM, generator=gen).to("cuda", torch.bfloat16)
@@ -51,13 +51,13 @@ def main() -> None:
         rows = x.view(n, 1, DIM)
         for tile in (512, 1024, 2048, 4096, 8192):
             for warps in (1, 2, 4, 8):
-                row_store.STORE_TILE_ELEMS, row_store._NUM_WARPS = tile, warps
+                row_store.FP8_TILE_ELEMS, row_store._FP8_NUM_WARPS = tile, warps
                 store = row_store.RowStore([cache], torch.float8_e4m3fn, True)
                 us = graph_us(lambda: store(0, loc, rows))
                 mark = "*" if (tile, warps) == shipped["rows"] else " "
                 print(f"fp8 row store (128)  N={n:6}{mark} elems/program {tile:5} warps {warps}: {us:7.2f} us "
                       f"({n * 3 * DIM / us / 1e3 / ceiling:.2f})")  # fmt: skip
-        row_store.STORE_TILE_ELEMS, row_store._NUM_WARPS = shipped["rows"]
+        row_store.FP8_TILE_ELEMS, row_store._FP8_NUM_WARPS = shipped["rows"]
 
 
 if __name__ == "__main__":

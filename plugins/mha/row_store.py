@@ -28,6 +28,11 @@ __all__ = ["RowStore"]
 
 MAX_BUFFERS = 3
 _NUM_WARPS = 4
+#: a tile converting into fp8 is bound by the encoder's ALU work, not by memory, and runs faster small: 1024
+#: elements over 2 warps measured 0.71-0.78 of the copy ceiling where 4096 over 4 warps measured 0.61-0.68
+#: (MiniMax's 128-wide fp8 index keys, 32768 rows, H200, 2026-12-03, benchmarks/probe_fp8_rows.py)
+FP8_TILE_ELEMS = 1024
+_FP8_NUM_WARPS = 2
 
 
 @triton.jit(do_not_specialize=["layer", "loc_stride", "n_tokens"])
@@ -177,13 +182,15 @@ class RowStore:
             return None
         byte_views = any(self._byte_view(x, code, c) for x, code, c in zip(inputs, codes, self.caches))
         inputs = self._kernel_inputs(inputs, codes)
-        block_n, columns, constexprs = self._spec(1 << (n - 1).bit_length(), inputs, codes)
+        to_fp8 = any(code in (dtypes.E4M3FN, dtypes.E5M2) for code in codes)
+        tile, warps = (FP8_TILE_ELEMS, _FP8_NUM_WARPS) if to_fp8 else (STORE_TILE_ELEMS, _NUM_WARPS)
+        block_n, columns, constexprs = self._spec(1 << (n - 1).bit_length(), inputs, codes, tile)
         key = (block_n, loc.dtype, loc.data_ptr() % 16,
                *((x.dtype, x.stride(), x.data_ptr() % 16, code) for x, code in zip(inputs, codes)))  # fmt: skip
         srcs = [*inputs, *[inputs[0]] * self._pad]
         strides = [s for x in srcs for s in x.stride()]
         rest = (loc.stride(0), *strides)
-        return Plan(self.launch, key, block_n, (columns, 1), _NUM_WARPS, (rest, byte_views), constexprs=constexprs)
+        return Plan(self.launch, key, block_n, (columns, 1), warps, (rest, byte_views), constexprs=constexprs)
 
     @staticmethod
     def _byte_view(x: torch.Tensor, code: int, cache: torch.Tensor) -> bool:
@@ -217,9 +224,9 @@ class RowStore:
         for cache, x in zip(self.caches, inputs):
             cache[layer_index, rows] = _convert_native(x, self.cache_dtype, None)
 
-    def _spec(self, n_pad: int, inputs, codes) -> tuple:
+    def _spec(self, n_pad: int, inputs, codes, tile: int) -> tuple:
         """(BLOCK_N, column blocks in all, the kernel's constexprs) of a call's tokens (rounded up to a power of
-        two), inputs and conversions."""
+        two), inputs and conversions, in tiles of about ``tile`` elements."""
         named, blocks, widths = {}, 0, []
         for slot, letter in enumerate("ABC"[:MAX_BUFFERS]):
             if slot < len(self.caches):
@@ -235,6 +242,6 @@ class RowStore:
             blocks += cb
             named.update((f"{letter}_{field}", value) for field, value in zip(_SLOT_FIELDS, fields))
         del named["C_CB"]  # the last slot needs no block count
-        block_n = max(1, min(STORE_TILE_ELEMS // max(widths), n_pad))
+        block_n = max(1, min(tile // max(widths), n_pad))
         return block_n, blocks, _ROWS_ARGS.constexprs(**named, SATURATE=self._saturate, BLOCK_N=block_n,
                                                       HW_CVT=self._hw_cvt)  # fmt: skip
