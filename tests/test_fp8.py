@@ -163,9 +163,9 @@ def test_hardware_fp8_conversion_matches_the_integer_encoder(kind, saturate):
 @pytest.mark.gpu
 @pytest.mark.skipif(not COMPILED, reason="the GPU conversion path runs compiled only (the interpreter's cast rounds wrongly)")
 @pytest.mark.parametrize("saturate", [False, True])
-def test_hardware_e4m3fn_patches_only_the_tiles_that_need_them(saturate):
-    # The GPU encoder patches overflow and NaN only in a tile holding such a value: most 64-value tiles here hold
-    # none, and each special value sits alone in its own tile, at a different position.
+def test_hardware_e4m3fn_special_values_alone_in_their_tiles(saturate):
+    # Overflow, inf and NaN of either sign, each alone in its own 64-value tile at a different position, among
+    # tiles holding none (an encoder that patched only the tiles needing it must still get every byte right).
     gen = torch.Generator().manual_seed(1)
     x = (torch.rand(64 * 64, generator=gen) * 900 - 450).float()  # finite, |x| < 464
     special = [float("nan"), -float("nan"), float("inf"), -float("inf"), 464.0, -464.0, 464.01, -465.0, 1e6, -1e30]
