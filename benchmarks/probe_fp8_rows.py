@@ -3,20 +3,22 @@
 ``kvcore bench`` times (device time per call in CUDA-graph replay, 20 calls a graph), as shares of the measured copy
 ceiling.  A probe, not a product path: it tells which part of the shipped kernel costs what.
 
-* ``rowstore``: the shipped ``RowStore([cache], float8_e4m3fn)`` (elements a program x warps swept);
+* ``rowstore``: the shipped ``RowStore([cache], float8_e4m3fn)`` (its fp8 tile's elements x warps swept);
 * ``tile``: one buffer through the shipped tile function (``kvcore_mha.kernels._store_tile``) without RowStore's
   three-buffer dispatch;
 * ``encode``: a minimal kernel (no column mask, no layer offset) with the shipped encoder
   (``f32_to_fp8_bits_hw``: the GPU's conversion plus torch's overflow and NaN patches);
-* ``branch``: the same with a candidate encoder: the shipped patches (in int32) run only in a tile that holds a NaN or
-  a magnitude past 464 (one integer max an element finds out), the GPU's conversion alone otherwise;
+* ``branch``: the same with a candidate encoder: the patches (in int32) run only in a tile that holds a NaN or a
+  magnitude past 464 (one integer max an element finds out), the GPU's conversion alone otherwise (put in the product
+  it failed the compiled suite, RESULTS.md, seventeenth session: kept as a cost probe only);
 * ``finite``: the same with the values clamped to +-448 and the GPU's conversion alone (NaN differs: a cost probe);
 * ``copy``: the same rows as bf16 into a bf16 buffer (the scatter's own cost, no conversion);
 * ``dsv4``: DeepSeek-V4's indexer store (``IndexStore``, shipped setting), which also computes a scale a row.
 
 Correctness first: the shipped store must write torch's bytes, and ``tile``, ``encode`` and ``branch`` the shipped
 store's (``x`` holds values past 448, NaN of both signs and +-inf).  A probe's data is no proof of an encoder: two
-cheaper encoders passed this check and failed the compiled suite (RESULTS.md, sixteenth session).
+cheaper encoders passed this check and failed the compiled suite (RESULTS.md, sixteenth session), and ``branch`` a
+third (seventeenth session).
 
     python benchmarks/probe_fp8_rows.py
 """
