@@ -18,7 +18,10 @@ A random-weight Llama of Llama-3-8B's attention shape (8 layers, hidden 4096, 32
    spreads them over all caches; reversing keeps any one from always running first); the
    best round of each, and per cache the median over rounds of its speed over DynamicCache's *in the same round*
    (``paired``: what drifts from round to round cancels), with a 90% bootstrap interval of that median (the rounds
-   resampled): a case whose interval holds 1.0 is at parity within the host's noise, not faster or slower.  No garbage collection runs inside a timed generate;
+   resampled): a case whose interval holds 1.0 is at parity within the host's noise, not faster or slower.  Each
+   generate's decode steps are also timed one by one (a logits processor notes each step's start) and the same
+   paired median is taken of the rounds' median step (``paired step``: a stall of the host inside a round moves a
+   round's total, hardly its median step).  No garbage collection runs inside a timed generate;
    ``--pin-cpu`` keeps the process on one core (every thread of it, CUDA's and torch's own too; on the H200 it did
    not narrow the rounds' spread, 2026-12-03).
 
@@ -43,7 +46,7 @@ import time
 
 import torch
 import transformers
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import LlamaModel
 
@@ -53,6 +56,22 @@ FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 #: the keyword a forward and generate take a cache by: ``cache`` since transformers renamed ``past_key_values``
 CACHE_KW = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+class StepClock(LogitsProcessor):
+    """Notes the time of every decode step of a generate (a logits processor runs once a new token; generate's
+    stopping check waits for the device each step, so the gaps between its calls are whole steps)."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+    def median_step(self) -> float:
+        """The median gap between steps, seconds (the prefill excluded: it ends at the first stamp)."""
+        return statistics.median(b - a for a, b in zip(self.stamps, self.stamps[1:]))
 
 
 class RoundedLayer(DynamicLayer):
@@ -122,7 +141,8 @@ def main() -> None:
     results = []
     header = (f"{'dtype':<10} {'batch':>5} {'prompt':>6}  {'logits':<14}  host us/layer (layer 0): "
               + " ".join(f"{name:>15}" for name in caches) + "  tok/s (best): "
-              + " ".join(f"{name:>16}" for name in caches) + "  paired median [90%]: " + " ".join(f"{n:>22}" for n in others))
+              + " ".join(f"{name:>16}" for name in caches) + "  paired median [90%]: " + " ".join(f"{n:>22}" for n in others)
+              + "  paired step median [90%]: " + " ".join(f"{n:>22}" for n in others))
     print(header)
     print("-" * len(header))
     for dtype in args.dtypes.split(","):
@@ -131,6 +151,7 @@ def main() -> None:
                 row = run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, vocab, caches)
                 results.append(row)
                 t, paired, us, band = row["tok_s"], row["paired_ratio"], row["host_us"], row["paired_interval"]
+                step, step_band = row["paired_step_ratio"], row["paired_step_interval"]
                 differ = [name for name, same in row["identical_by_cache"].items() if not same]
                 logits = ("same" if not differ else "DIFFER: " + ",".join(differ)) + \
                     ("" if row["dynamic_repeatable"] else " (dyn!=dyn)")
@@ -139,7 +160,9 @@ def main() -> None:
                                  for n in caches)  # fmt: skip
                 print(f"{dtype.replace('float8_', 'fp8 '):<10} {batch:>5} {prompt:>6}  {logits:<14}  "
                       f"{'':>24}{host}  {'':>14}{speed}  {'':>21}"
-                      + " ".join(f"{paired[n]:6.3f}x [{band[n][0]:.3f}, {band[n][1]:.3f}]" for n in others),
+                      + " ".join(f"{paired[n]:6.3f}x [{band[n][0]:.3f}, {band[n][1]:.3f}]" for n in others)
+                      + f"  {'':>26}" + " ".join(f"{step[n]:6.3f}x [{step_band[n][0]:.3f}, {step_band[n][1]:.3f}]"
+                                                 for n in others),
                       flush=True)  # fmt: skip
     out = os.path.join(os.environ.get("OUT", "/tmp"), "hf_generate.json")
     with open(out, "w") as f:
@@ -213,7 +236,9 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
     host = {name: min((host_us(make) for _ in range(3)), key=lambda t: t[1]) for name, make in makers.items()}
 
     # 3. generate: tokens per second
-    def run(cache, tokens) -> float:
+    def run(cache, tokens) -> tuple[float, float]:
+        """(seconds of the generate, its median decode step's seconds)."""
+        clock = StepClock()
         gc.collect()  # the caches of earlier runs (cycles: a cache and its layers) gone before the clock starts
         sync(device)
         gc.disable()  # no collection inside the timed run (it lands on one cache or the other)
@@ -221,20 +246,28 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
             start = time.perf_counter()
             with torch.no_grad():
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                               do_sample=False, pad_token_id=0, **{CACHE_KW: cache})  # fmt: skip
+                               do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
+                               **{CACHE_KW: cache})  # fmt: skip
             sync(device)
-            return time.perf_counter() - start
+            return time.perf_counter() - start, clock.median_step()
         finally:
             gc.enable()
 
     for make in makers.values():
         run(make(), 4)  # warm-up: every kernel compiled, every plan made
     times = {name: [] for name in makers}
+    steps_s = {name: [] for name in makers}
     order = list(makers.items())
     for r in range(rounds):  # each round in the other order from the last: no cache always runs first
         for name, make in order if r % 2 == 0 else order[::-1]:
-            times[name].append(run(make(), new))
+            seconds, step = run(make(), new)
+            times[name].append(seconds)
+            steps_s[name].append(step)
+    step_ratios = {name: [d / c for d, c in zip(steps_s["dynamic"], t)] for name, t in steps_s.items()}
     return dict(
+        median_step_ms={name: [1e3 * s for s in t] for name, t in steps_s.items()},
+        paired_step_ratio={name: statistics.median(r) for name, r in step_ratios.items()},
+        paired_step_interval={name: median_interval(r) for name, r in step_ratios.items()},
         dtype=dtype, batch=batch, prompt=prompt, new_tokens=new, attn=args.attn,
         tok_s={name: batch * new / min(t) for name, t in times.items()},
         median_tok_s={name: batch * new / statistics.median(t) for name, t in times.items()},
