@@ -29,7 +29,7 @@ __all__ = ["RowStore"]
 MAX_BUFFERS = 3
 _NUM_WARPS = 4
 #: a tile converting into fp8 is bound by the encoder's ALU work, not by memory, and runs faster small: 1024
-#: elements over 2 warps measured 0.71-0.78 of the copy ceiling where 4096 over 4 warps measured 0.61-0.68
+#: elements over 2 warps measured 0.71-0.78 of the copy ceiling where 4096 over 4 warps measured 0.64-0.68
 #: (MiniMax's 128-wide fp8 index keys, 32768 rows, H200, 2026-12-03, benchmarks/probe_fp8_rows.py)
 FP8_TILE_ELEMS = 1024
 _FP8_NUM_WARPS = 2
