@@ -6,9 +6,9 @@ A random-weight Llama of Llama-3-8B's attention shape (8 layers, hidden 4096, 32
 
 1. **Logit identity**: one prefill and two decode steps through each cache, and through DynamicCache again; their
    logits are compared bit for bit.  A bf16 cache is compared with DynamicCache, an fp8 cache with a DynamicCache
-   whose keys and values are rounded through fp8 the same way (what the fp8 cache stores).  ``dyn==dyn`` says
-   whether DynamicCache gave its own logits again (on a GPU it need not: a difference there is the GPU's, not
-   the cache's).
+   whose keys and values are rounded through fp8 the same way (what the fp8 cache stores); ``dynamic2`` with
+   DynamicCache in every case.  ``dyn==dyn`` says whether DynamicCache gave its own logits again (on a GPU it need
+   not: a difference there is the GPU's, not the cache's).
 2. **Host time per layer and decode step**: ``cache.update`` alone, every layer, over ``--steps`` decode steps
    after the prompt, no synchronization inside (launches are asynchronous, so this is the host's time; when the
    device falls behind, it is the device's).  Layers 1..L-1 (``us/layer``) apart from layer 0 (which also gives
@@ -24,10 +24,21 @@ A random-weight Llama of Llama-3-8B's attention shape (8 layers, hidden 4096, 32
    round's total, hardly its median step).  No garbage collection runs inside a timed generate;
    ``--pin-cpu`` keeps the process on one core (every thread of it, CUDA's and torch's own too; on the H200 it did
    not narrow the rounds' spread, 2026-12-03).
+4. **Lockstep**: one ``model.generate`` per cache, all running at once in threads that take turns a decode step
+   each (a logits processor waits for the device, notes the time, hands the turn to the next generate and waits
+   for its own).  A cache's step runs from its turn's start to its next note, so no cache's time holds another's,
+   and the host's slow stretches (seconds long on the H200, 8 against 14 ms a step) fall on neighbouring steps of
+   every cache alike; the threads share one core, so none runs on a busier or colder one.  Per cache: tokens/s
+   over its own steps (the prefill excluded), and DynamicCache's time over its own in blocks of 16 consecutive
+   steps, the median of those ratios with a 90% bootstrap interval (the blocks resampled), over ``--lockstep``
+   runs.
 
 Caches: ``dynamic`` (DynamicCache), ``kvcore`` (PagedKVCache as built: pages of 16 allocated as the rows grow,
 keys and values gathered for attention in one launch a layer) and ``contig`` (``contiguous_rows=True``: one
-reserved run per row, attention reads strided views of the pool when the cache keeps the model's dtype).
+reserved run per row, attention reads strided views of the pool when the cache keeps the model's dtype);
+``dynamic2`` and ``kvcore2`` do their cache's work twice (every update also goes to a second cache of the same kind),
+so that, run in lockstep beside the plain ones, each one's step time less its plain cache's is what that cache's own
+work costs inside a real step.
 
     python benchmarks/bench_hf_generate.py                    # on the GPU; results also in $OUT/hf_generate.json
     python benchmarks/bench_hf_generate.py --device cpu --small   # a quick smoke run on the CPU
@@ -42,6 +53,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 
 import torch
@@ -72,6 +84,129 @@ class StepClock(LogitsProcessor):
     def median_step(self) -> float:
         """The median gap between steps, seconds (the prefill excluded: it ends at the first stamp)."""
         return statistics.median(b - a for a, b in zip(self.stamps, self.stamps[1:]))
+
+
+class Turns:
+    """Decode steps of several generates, one at a time in a fixed order: generate ``i`` runs while the others
+    wait in :meth:`hand_on`; a generate that has made its last step leaves the ring."""
+
+    def __init__(self, count: int, timeout: float = 600.0):
+        self.turn, self.live, self.timeout = 0, list(range(count)), timeout
+        self.cond = threading.Condition()
+        self.failed: BaseException | None = None
+
+    def wait_for(self, who: int) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.turn == who or self.failed is not None, self.timeout):
+                raise TimeoutError(f"generate {who} waited {self.timeout} s for its turn")
+            if self.failed is not None:
+                raise RuntimeError("another generate of the lockstep run failed") from self.failed
+
+    def hand_on(self, who: int, last: bool) -> None:
+        """``who`` has made a step: the next live generate's turn; ``who`` waits for its own unless ``last``."""
+        with self.cond:
+            at = self.live.index(who)
+            if last:
+                self.live.remove(who)
+            if self.live:
+                self.turn = self.live[(at if last else at + 1) % len(self.live)]
+            self.cond.notify_all()
+        if not last:
+            self.wait_for(who)
+
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            self.failed = error
+            self.cond.notify_all()
+
+
+class TurnClock(LogitsProcessor):
+    """A generate's share of a lockstep run: after each step it waits for the device, notes the time, hands the turn
+    on and notes when it gets it back; its ``i``-th decode step ran from ``resumed[i - 1]`` to ``stamps[i]``."""
+
+    def __init__(self, turns: Turns, who: int, tokens: int, device: str):
+        self.turns, self.who, self.tokens, self.device = turns, who, tokens, device
+        self.stamps: list[float] = []
+        self.resumed: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        sync(self.device)
+        self.stamps.append(time.perf_counter())
+        self.turns.hand_on(self.who, last=len(self.stamps) == self.tokens)
+        self.resumed.append(time.perf_counter())
+        return scores
+
+    def steps(self) -> list[float]:
+        """Seconds of each decode step (the prefill excluded; the last step too, whose end overlaps the others')."""
+        return [end - start for start, end in zip(self.resumed[:-2], self.stamps[1:-1])]
+
+
+def lockstep(model, caches: dict, ids, mask, tokens: int, device: str) -> dict[str, list[float]]:
+    """One generate of ``tokens`` per cache of ``caches`` (name -> cache), in turns (:class:`Turns`): each one's
+    decode step times, seconds."""
+    turns = Turns(len(caches))
+    clocks = {name: TurnClock(turns, who, tokens, device) for who, name in enumerate(caches)}
+
+    core = sorted(os.sched_getaffinity(0))[-1] if hasattr(os, "sched_getaffinity") else None
+
+    def generate(name: str, cache) -> None:
+        clock = clocks[name]
+        try:
+            if core is not None:  # every generate's thread on the same core: none runs on a busier or colder one
+                os.sched_setaffinity(0, {core})
+            turns.wait_for(clock.who)
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                               do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
+                               **{CACHE_KW: cache})  # fmt: skip
+        except BaseException as error:  # the others stop waiting for this one's turn
+            turns.fail(error)
+            raise
+
+    threads = [threading.Thread(target=generate, args=item, name=f"lockstep-{item[0]}") for item in caches.items()]
+    gc.collect()
+    sync(device)
+    gc.disable()
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        gc.enable()
+    if turns.failed is not None:
+        raise RuntimeError("a lockstep generate failed") from turns.failed
+    return {name: clock.steps() for name, clock in clocks.items()}
+
+
+def block_ratios(base: list[float], other: list[float], block: int = 16) -> list[float]:
+    """``sum(base) / sum(other)`` over each run of ``block`` consecutive steps (a partial last run dropped; runs of
+    a quarter of the steps when there are fewer than ``4 * block``)."""
+    block = max(1, min(block, len(base) // 4))
+    return [sum(base[i : i + block]) / sum(other[i : i + block]) for i in range(0, len(base) - block + 1, block)]
+
+
+class ShadowedDynamicCache(DynamicCache):
+    """DynamicCache doing its work twice: every update also goes to a second DynamicCache (``dynamic2``).  Its
+    step time less DynamicCache's is what DynamicCache's own work costs inside a real step (host and device)."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.shadow = DynamicCache(config=config)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.shadow.update(key_states, value_states, layer_idx, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class ShadowedPagedKVCache(PagedKVCache):
+    """:class:`ShadowedDynamicCache` for kvcore (``kvcore2``): every update also goes to a second PagedKVCache."""
+
+    shadow: PagedKVCache
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.shadow.update(key_states, value_states, layer_idx, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 class RoundedLayer(DynamicLayer):
@@ -115,12 +250,15 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
-    parser.add_argument("--caches", default="dynamic,kvcore,contig", help="caches timed (dynamic always is)")
+    parser.add_argument("--caches", default="dynamic,kvcore,contig",
+                        help="caches timed (dynamic always is): dynamic, kvcore, contig, dynamic2, kvcore2")
+    parser.add_argument("--lockstep", type=int, default=None, help="lockstep runs per case (2; --small: 1; 0: none)")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
     args = parser.parse_args()
     new = args.new or (16 if args.small else 256)
     rounds = args.rounds or (1 if args.small else 3)
     steps = args.steps or (16 if args.small else 64)
+    lockstep_runs = args.lockstep if args.lockstep is not None else (1 if args.small else 2)
     prompts = [int(p) for p in (args.prompts or ("20,200" if args.small else "100,4000")).split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     device = args.device
@@ -142,13 +280,16 @@ def main() -> None:
     header = (f"{'dtype':<10} {'batch':>5} {'prompt':>6}  {'logits':<14}  host us/layer (layer 0): "
               + " ".join(f"{name:>15}" for name in caches) + "  tok/s (best): "
               + " ".join(f"{name:>16}" for name in caches) + "  paired median [90%]: " + " ".join(f"{n:>22}" for n in others)
-              + "  paired step median [90%]: " + " ".join(f"{n:>22}" for n in others))
+              + "  paired step median [90%]: " + " ".join(f"{n:>22}" for n in others)
+              + "  lockstep tok/s: " + " ".join(f"{name:>16}" for name in caches)
+              + "  lockstep ratio [90%]: " + " ".join(f"{n:>22}" for n in others))
     print(header)
     print("-" * len(header))
     for dtype in args.dtypes.split(","):
         for batch in batches:
             for prompt in prompts:
-                row = run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, vocab, caches)
+                row = run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, vocab, caches,
+                               lockstep_runs)
                 results.append(row)
                 t, paired, us, band = row["tok_s"], row["paired_ratio"], row["host_us"], row["paired_interval"]
                 step, step_band = row["paired_step_ratio"], row["paired_step_interval"]
@@ -162,15 +303,15 @@ def main() -> None:
                       f"{'':>24}{host}  {'':>14}{speed}  {'':>21}"
                       + " ".join(f"{paired[n]:6.3f}x [{band[n][0]:.3f}, {band[n][1]:.3f}]" for n in others)
                       + f"  {'':>26}" + " ".join(f"{step[n]:6.3f}x [{step_band[n][0]:.3f}, {step_band[n][1]:.3f}]"
-                                                 for n in others),
-                      flush=True)  # fmt: skip
+                                                 for n in others)
+                      + lockstep_columns(row, caches), flush=True)  # fmt: skip
     out = os.path.join(os.environ.get("OUT", "/tmp"), "hf_generate.json")
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"results in {out}")
 
 
-def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, vocab, caches) -> dict:
+def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, vocab, caches, lockstep_runs) -> dict:
     gen = torch.Generator().manual_seed(batch * 10007 + prompt)
     ids = torch.randint(1, vocab, (batch, prompt), generator=gen).to(device)
     mask = torch.ones_like(ids)
@@ -179,14 +320,20 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
     layers = model.config.num_hidden_layers
     capacity = batch * (prompt + max(new, steps) + 64)
 
-    def paged(contiguous_rows: bool = False):
-        return PagedKVCache.from_model(model, max_total_tokens=capacity, page_size=args.page_size, dtype=dtype,
-                                       max_batch_size=batch, contiguous_rows=contiguous_rows)  # fmt: skip
+    def paged(contiguous_rows: bool = False, cls=PagedKVCache):
+        return cls.from_model(model, max_total_tokens=capacity, page_size=args.page_size, dtype=dtype,
+                              max_batch_size=batch, contiguous_rows=contiguous_rows)  # fmt: skip
 
     def dynamic():
         return DynamicCache(config=model.config)
 
-    makers = {"dynamic": dynamic, "kvcore": paged, "contig": lambda: paged(True)}
+    def shadowed_paged():
+        cache = paged(cls=ShadowedPagedKVCache)
+        cache.shadow = paged()
+        return cache
+
+    makers = {"dynamic": dynamic, "kvcore": paged, "contig": lambda: paged(True),
+              "dynamic2": lambda: ShadowedDynamicCache(model.config), "kvcore2": shadowed_paged}  # fmt: skip
     makers = {name: makers[name] for name in caches}
 
     # 1. logit identity: a prefill and two decode steps
@@ -206,8 +353,9 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
         reference = dynamic
     want = three_steps(reference())
     repeatable = all(map(torch.equal, three_steps(reference()), want))
-    identical = {name: all(map(torch.equal, three_steps(make()), want)) for name, make in makers.items()
-                 if name != "dynamic"}  # fmt: skip
+    plain = three_steps(dynamic()) if dtype in FP8 else want  # what DynamicCache's kind (dynamic2) must give
+    identical = {name: all(map(torch.equal, three_steps(make()), plain if name.startswith("dynamic") else want))
+                 for name, make in makers.items() if name != "dynamic"}  # fmt: skip
 
     # 2. host time per layer and decode step, cache.update alone
     heads, dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
@@ -264,7 +412,21 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
             times[name].append(seconds)
             steps_s[name].append(step)
     step_ratios = {name: [d / c for d, c in zip(steps_s["dynamic"], t)] for name, t in steps_s.items()}
+
+    # 4. lockstep: every cache's generate at once, a decode step each in turn
+    own = {name: [] for name in makers}
+    blocks = {name: [] for name in makers}
+    for r in range(lockstep_runs):
+        ring = list(makers) if r % 2 == 0 else list(makers)[::-1]  # no cache always steps first
+        took = lockstep(model, {name: makers[name]() for name in ring}, ids, mask, new, device)
+        for name in makers:
+            own[name] += took[name]
+            blocks[name] += block_ratios(took["dynamic"], took[name])
     return dict(
+        lockstep_tok_s={name: batch * len(t) / sum(t) for name, t in own.items() if t},
+        lockstep_ratio={name: statistics.median(b) for name, b in blocks.items() if b},
+        lockstep_interval={name: median_interval(b) for name, b in blocks.items() if b},
+        lockstep_step_ms={name: [1e3 * s for s in t] for name, t in own.items()},
         median_step_ms={name: [1e3 * s for s in t] for name, t in steps_s.items()},
         paired_step_ratio={name: statistics.median(r) for name, r in step_ratios.items()},
         paired_step_interval={name: median_interval(r) for name, r in step_ratios.items()},
@@ -276,6 +438,17 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
         seconds=times,
         host_us=host, identical=all(identical.values()), identical_by_cache=identical, dynamic_repeatable=repeatable,
     )  # fmt: skip
+
+
+def lockstep_columns(row: dict, caches: list[str]) -> str:
+    """The lockstep columns of a case's line (blank without lockstep runs)."""
+    tok_s, ratio, band = row["lockstep_tok_s"], row["lockstep_ratio"], row["lockstep_interval"]
+    if not tok_s:
+        return ""
+    speed = " ".join(f"{tok_s[n]:7.1f}" + (f" ({tok_s[n] / tok_s['dynamic']:4.2f}x)" if n != "dynamic" else " " * 8)
+                     for n in caches)  # fmt: skip
+    return f"  {'':>16}{speed}  {'':>21}" + " ".join(f"{ratio[n]:6.3f}x [{band[n][0]:.3f}, {band[n][1]:.3f}]"
+                                                      for n in caches[1:])  # fmt: skip
 
 
 def median_interval(ratios: list[float], level: float = 0.9, draws: int = 2000) -> tuple[float, float]:
