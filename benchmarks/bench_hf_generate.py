@@ -38,7 +38,8 @@ keys and values gathered for attention in one launch a layer) and ``contig`` (``
 reserved run per row, attention reads strided views of the pool when the cache keeps the model's dtype);
 ``dynamic2`` and ``kvcore2`` do their cache's work twice (every update also goes to a second cache of the same kind),
 so that, run in lockstep beside the plain ones, each one's step time less its plain cache's is what that cache's own
-work costs inside a real step.
+work costs inside a real step; ``kvlean`` is an experiment, kvcore with a leaner decode path for the layers after a
+step's first (:class:`LeanPagedKVCache`).
 
     python benchmarks/bench_hf_generate.py                    # on the GPU; results also in $OUT/hf_generate.json
     python benchmarks/bench_hf_generate.py --device cpu --small   # a quick smoke run on the CPU
@@ -63,6 +64,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import LlamaModel
 
 from kvcore.integrations.transformers import PagedKVCache
+from kvcore.kernels.launch import launch_hooks_installed
 
 FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -209,6 +211,64 @@ class ShadowedPagedKVCache(PagedKVCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
+class LeanPagedKVCache(PagedKVCache):
+    """An experiment (``kvlean``): PagedKVCache whose decode layers, after a step's first, skip what they share
+    with it.  The first layer of a step runs the cache's own path; it then keeps that layer's launch (the plan
+    ``HeadGather.store_and_gather`` made, the locations' address and stride, the outputs' shapes).  Each later
+    layer of the step checks its new rows against that layer's (shape, strides, dtype, device, 16-byte alignment),
+    allocates its two outputs and launches directly; anything else goes the cache's own way.  The same launch
+    arguments as ``store_and_gather``'s direct launch (checked on the CPU with a recording launcher), built from
+    kvcore's private state: a measurement of what a leaner hot path would save, not a path to ship."""
+
+    _lean: tuple | None = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        lean, layer = self._lean, self.layers[layer_idx]
+        if lean is not None and lean[0] is self._step and layer.seq_len + lean[0].q == lean[0].end:
+            step, shape, strides, dtype, device, align, launch, head, tail, new, out_shapes, addresses = lean
+            if (key_states.shape == shape[0] and value_states.shape == shape[1]
+                    and (key_states.stride(), value_states.stride()) == strides and key_states.dtype is dtype
+                    and value_states.dtype is dtype and key_states.get_device() == device
+                    and value_states.get_device() == device):  # fmt: skip
+                k_out, v_out = new(out_shapes[0]), new(out_shapes[1])
+                ko, vo, knp, vnp = k_out.data_ptr(), v_out.data_ptr(), key_states.data_ptr(), value_states.data_ptr()
+                if (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12 == align:
+                    kp, vp = addresses[layer.layer_id]
+                    launch(*head, kp, vp, ko, vo, tail[0], knp, vnp, *tail[1:])
+                    layer.seq_len = step.end
+                    return k_out, v_out
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self._lean = self._lean_launch(layer.layer_id, key_states, value_states, out)
+        return out
+
+    def _lean_launch(self, layer_id: int, k_new, v_new, out) -> tuple | None:
+        """What the later layers of this step reuse of layer ``layer_id``'s launch (None: the step is not a fused
+        one, or its plan launches through the dispatcher)."""
+        step = self._step
+        if step is None or not step.fused:
+            return None
+        gather, locs = step.gather, step.read_locs
+        k_out, v_out = out
+        batch, seq = locs.shape
+        lp, ko, vo, knp, vnp = locs.data_ptr(), k_out.data_ptr(), v_out.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
+        signature = (locs.dtype, locs.stride(1), locs.get_device(), batch, k_new.shape, k_new.stride(), k_new.dtype,
+                     k_new.get_device(), v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device(),
+                     (lp & 15) | (ko & 15) << 4 | (vo & 15) << 8 | (knp & 15) << 12 | (vnp & 15) << 16,
+                     gather._aligned[layer_id])  # fmt: skip
+        plan = gather._store_plans.get(signature)
+        if plan is None or plan.entry is None or launch_hooks_installed():
+            return None
+        if any(gather._aligned[i] != gather._aligned[layer_id] for i in range(len(gather._aligned))):
+            return None  # the layers' rows differ in alignment: each may need its own plan
+        q = k_new.shape[2]
+        head = (-(-seq // plan.block_n), batch, 2, plan.raw_stream(plan.device_index), *plan.entry[1])
+        tail = (lp, seq, seq - q, locs.stride(0), *plan.suffix)
+        align = (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12
+        return (step, (k_new.shape, v_new.shape), (k_new.stride(), v_new.stride()), k_new.dtype, k_new.get_device(),
+                align, plan.entry[0], head, tail, gather._template.new_empty, (k_out.shape, v_out.shape),
+                gather._addresses)  # fmt: skip
+
+
 class RoundedLayer(DynamicLayer):
     """A DynamicLayer holding its keys/values rounded through an fp8 dtype: what an fp8 PagedKVCache stores."""
 
@@ -251,7 +311,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
     parser.add_argument("--caches", default="dynamic,kvcore,contig",
-                        help="caches timed (dynamic always is): dynamic, kvcore, contig, dynamic2, kvcore2")
+                        help="caches timed (dynamic always is): dynamic, kvcore, contig, dynamic2, kvcore2, kvlean")
     parser.add_argument("--lockstep", type=int, default=None, help="lockstep runs per case (2; --small: 1; 0: none)")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
     args = parser.parse_args()
@@ -333,7 +393,8 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
         return cache
 
     makers = {"dynamic": dynamic, "kvcore": paged, "contig": lambda: paged(True),
-              "dynamic2": lambda: ShadowedDynamicCache(model.config), "kvcore2": shadowed_paged}  # fmt: skip
+              "dynamic2": lambda: ShadowedDynamicCache(model.config), "kvcore2": shadowed_paged,
+              "kvlean": lambda: paged(cls=LeanPagedKVCache)}  # fmt: skip
     makers = {name: makers[name] for name in caches}
 
     # 1. logit identity: a prefill and two decode steps
