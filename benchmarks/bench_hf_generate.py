@@ -38,8 +38,9 @@ keys and values gathered for attention in one launch a layer) and ``contig`` (``
 reserved run per row, attention reads strided views of the pool when the cache keeps the model's dtype);
 ``dynamic2`` and ``kvcore2`` do their cache's work twice (every update also goes to a second cache of the same kind),
 so that, run in lockstep beside the plain ones, each one's step time less its plain cache's is what that cache's own
-work costs inside a real step; ``kvlean`` is an experiment, kvcore with a leaner decode path for the layers after a
-step's first (:class:`LeanPagedKVCache`).
+work costs inside a real step; ``kvlean`` and ``kvreuse`` are experiments, kvcore with a leaner decode path for the
+layers after a step's first (:class:`LeanPagedKVCache`), and that path writing into the outputs the layer before
+returned once nothing holds them (:class:`ReusingPagedKVCache`).
 
     python benchmarks/bench_hf_generate.py                    # on the GPU; results also in $OUT/hf_generate.json
     python benchmarks/bench_hf_generate.py --device cpu --small   # a quick smoke run on the CPU
@@ -54,6 +55,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 
@@ -225,21 +227,26 @@ class LeanPagedKVCache(PagedKVCache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         lean, layer = self._lean, self.layers[layer_idx]
         if lean is not None and lean[0] is self._step and layer.seq_len + lean[0].q == lean[0].end:
-            step, shape, strides, dtype, device, align, launch, head, tail, new, out_shapes, addresses = lean
+            step, shape, strides, dtype, device, align, launch, grid, stream, head, tail, out_shapes, addresses = lean
             if (key_states.shape == shape[0] and value_states.shape == shape[1]
                     and (key_states.stride(), value_states.stride()) == strides and key_states.dtype is dtype
                     and value_states.dtype is dtype and key_states.get_device() == device
                     and value_states.get_device() == device):  # fmt: skip
-                k_out, v_out = new(out_shapes[0]), new(out_shapes[1])
+                k_out, v_out = self._outputs(out_shapes)
                 ko, vo, knp, vnp = k_out.data_ptr(), v_out.data_ptr(), key_states.data_ptr(), value_states.data_ptr()
                 if (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12 == align:
                     kp, vp = addresses[layer.layer_id]
-                    launch(*head, kp, vp, ko, vo, tail[0], knp, vnp, *tail[1:])
+                    launch(*grid, stream(device), *head, kp, vp, ko, vo, tail[0], knp, vnp, *tail[1:])
                     layer.seq_len = step.end
                     return k_out, v_out
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self._lean = self._lean_launch(layer.layer_id, key_states, value_states, out)
         return out
+
+    def _outputs(self, shapes: tuple) -> tuple:
+        """Two new tensors for a layer's keys and values (what ``store_and_gather`` allocates)."""
+        new = self._step.gather._template.new_empty
+        return new(shapes[0]), new(shapes[1])
 
     def _lean_launch(self, layer_id: int, k_new, v_new, out) -> tuple | None:
         """What the later layers of this step reuse of layer ``layer_id``'s launch (None: the step is not a fused
@@ -261,12 +268,39 @@ class LeanPagedKVCache(PagedKVCache):
         if any(gather._aligned[i] != gather._aligned[layer_id] for i in range(len(gather._aligned))):
             return None  # the layers' rows differ in alignment: each may need its own plan
         q = k_new.shape[2]
-        head = (-(-seq // plan.block_n), batch, 2, plan.raw_stream(plan.device_index), *plan.entry[1])
+        grid = (-(-seq // plan.block_n), batch, 2)
         tail = (lp, seq, seq - q, locs.stride(0), *plan.suffix)
         align = (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12
         return (step, (k_new.shape, v_new.shape), (k_new.stride(), v_new.stride()), k_new.dtype, k_new.get_device(),
-                align, plan.entry[0], head, tail, gather._template.new_empty, (k_out.shape, v_out.shape),
+                align, plan.entry[0], grid, plan.raw_stream, plan.entry[1], tail, (k_out.shape, v_out.shape),
                 gather._addresses)  # fmt: skip
+
+
+class ReusingPagedKVCache(LeanPagedKVCache):
+    """A second experiment (``kvreuse``): :class:`LeanPagedKVCache` whose later layers of a step write into the
+    output pair the layer before them returned, when nothing holds it any more (no Python reference but this
+    cache's, no view of its memory: ``sys.getrefcount`` and the storages' use counts) and the current stream is the
+    one it was made on; otherwise two new tensors, as before.  What a layer's two allocations cost inside a step."""
+
+    _kept: tuple | None = None  # (keys, values, their storages' use counts when free, the stream, the shapes)
+
+    def _outputs(self, shapes: tuple) -> tuple:
+        on_gpu = self._step.gather._template.is_cuda
+        kept, stream = self._kept, torch.cuda.current_stream().cuda_stream if on_gpu else 0
+        if kept is not None and kept[3] == stream and kept[4] == shapes:
+            k_out, v_out, free = kept[0], kept[1], kept[2]
+            # references to each: the tuple kept, the local here, getrefcount's argument
+            if (sys.getrefcount(k_out) == 3 and sys.getrefcount(v_out) == 3
+                    and _storage_uses(k_out) == free[0] and _storage_uses(v_out) == free[1]):  # fmt: skip
+                return k_out, v_out
+        k_out, v_out = super()._outputs(shapes)
+        self._kept = (k_out, v_out, (_storage_uses(k_out), _storage_uses(v_out)), stream, shapes)
+        return k_out, v_out
+
+
+def _storage_uses(x: torch.Tensor) -> int:
+    """How many tensors (views included) hold ``x``'s memory."""
+    return torch._C._storage_Use_Count(x.untyped_storage()._cdata)
 
 
 class RoundedLayer(DynamicLayer):
@@ -310,8 +344,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float8_e4m3fn")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
-    parser.add_argument("--caches", default="dynamic,kvcore,contig",
-                        help="caches timed (dynamic always is): dynamic, kvcore, contig, dynamic2, kvcore2, kvlean")
+    parser.add_argument("--caches", default="dynamic,kvcore,contig", help="caches timed (dynamic always is): "
+                        "dynamic, kvcore, contig, dynamic2, kvcore2, kvlean, kvreuse")
     parser.add_argument("--lockstep", type=int, default=None, help="lockstep runs per case (2; --small: 1; 0: none)")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
     args = parser.parse_args()
@@ -394,7 +428,8 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
 
     makers = {"dynamic": dynamic, "kvcore": paged, "contig": lambda: paged(True),
               "dynamic2": lambda: ShadowedDynamicCache(model.config), "kvcore2": shadowed_paged,
-              "kvlean": lambda: paged(cls=LeanPagedKVCache)}  # fmt: skip
+              "kvlean": lambda: paged(cls=LeanPagedKVCache),
+              "kvreuse": lambda: paged(cls=ReusingPagedKVCache)}  # fmt: skip
     makers = {name: makers[name] for name in caches}
 
     # 1. logit identity: a prefill and two decode steps

@@ -3,7 +3,8 @@
 tiny Llama's shapes have made the plans, every plan's direct launch is replaced by a recorder; a second decode step
 then runs through the lean cache, and for each layer after the first the recorded arguments are compared with those
 ``store_and_gather`` passes for the same inputs (the two fresh outputs' addresses aside).  Batches of 1 and 3, an
-fp8 cache, values as a transposed view (as a model's).
+fp8 cache, values as a transposed view (as a model's).  Then ``kvreuse`` (:class:`ReusingPagedKVCache`): its output
+pair is written again only when nothing holds it (no reference, no view) and the shapes match.
 
     python benchmarks/check_lean_launch.py
 """
@@ -18,7 +19,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_hf_generate import LeanPagedKVCache, build_model  # noqa: E402
+from bench_hf_generate import LeanPagedKVCache, ReusingPagedKVCache, build_model  # noqa: E402
 
 from kvcore.integrations.transformers import PagedKVCache  # noqa: E402
 
@@ -70,6 +71,38 @@ def main() -> None:
             assert outs[layer][0].shape == k_out.shape and outs[layer][1].shape == v_out.shape
         print(f"batch {batch}, prompt {prompt}: layers 1..{layers - 1} launched as store_and_gather launches "
               f"({len(launched[1])} arguments)")  # fmt: skip
+    check_reuse(model)
+
+
+def check_reuse(model) -> None:
+    cache = ReusingPagedKVCache.from_model(model, max_total_tokens=4096, page_size=16, dtype=None, max_batch_size=1,
+                                           kernels="triton")  # fmt: skip
+    heads, dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    rows = torch.randn(2, 1, heads, 5, dim).to(torch.bfloat16)
+    for layer in range(model.config.num_hidden_layers):
+        cache.update(rows[0], rows[1], layer)
+    shapes = ((1, heads, 5, dim),) * 2
+
+    def ids(pair) -> tuple:
+        return id(pair[0]), id(pair[1])
+
+    first = ids(cache._outputs(shapes))
+    pair = cache._outputs(shapes)
+    assert ids(pair) == first, "a free pair is written again"
+    held = pair[0]
+    del pair
+    pair = cache._outputs(shapes)
+    assert id(pair[0]) != id(held), "a pair someone holds is not"
+    del held
+    view, kept = pair[1].transpose(2, 3), ids(pair)
+    del pair
+    pair = cache._outputs(shapes)
+    assert ids(pair) != kept, "nor one whose memory a view holds"
+    kept = ids(pair)
+    del pair, view
+    assert ids(cache._outputs(shapes)) == kept
+    assert cache._outputs(((1, heads, 6, dim),) * 2)[0].shape == (1, heads, 6, dim), "another shape: new tensors"
+    print("kvreuse: a pair is written again only when nothing holds it")
 
 
 if __name__ == "__main__":
