@@ -1,7 +1,10 @@
 """Where a transformers decode step's host time goes, per cache (issue 31): ``cProfile`` over one ``model.generate``
 of each cache (after a warm-up), then the functions whose own time differs most between DynamicCache and kvcore's
-``PagedKVCache``, per decode step.  The profiler slows every Python call alike, so the differences, not the totals,
-are the point; a difference in ``synchronize``/``item`` is the host waiting for the device.
+``PagedKVCache``, per decode step; a difference in ``synchronize``/``item`` is the host waiting for the device.  It
+names the calls each cache makes and what they cost under the profiler, which charges every call (many small ones
+look dearer than they run) and runs the two caches one after the other: it cannot rank a difference of a few percent
+(on the H200, 2026-12-03, the model's own ``linear`` moved by 8% between the two profiles).  Lockstep runs of
+``bench_hf_generate.py`` can.
 
     python benchmarks/probe_hf_step.py            # on the GPU; the full tables also in $OUT/probe_hf_step.txt
 """
