@@ -1,6 +1,7 @@
 """DSA's layer split across the ranks of one host (issue 30): what a read of a layer another rank stores costs.
 
     torchrun --nproc-per-node 2 benchmarks/bench_layer_split.py              # two GPUs (NCCL)
+    torchrun --nproc-per-node 2 benchmarks/bench_layer_split.py --one-gpu    # one GPU (gloo): part 3 only is real
     torchrun --nproc-per-node 2 benchmarks/bench_layer_split.py --device cpu --small   # a smoke run (gloo)
 
 Every rank builds its shard of DeepSeek-V3.2's fp8 DSA pool (``LayerSplitDSATokenToKVPool``: 61 layers, 656-byte
@@ -12,10 +13,17 @@ then, every rank making the same calls:
    indexer pages) and compares them with what the owner reads of its own layer (sent to it): the same bytes.
 2. **Fetch**: a layer another rank stores, brought into the scratch (its latent rows and indexer pages, one
    broadcast each), beside the ceiling: one broadcast of the same number of bytes as a single tensor.
-3. **Reads and stores at N tokens** (CUDA events, median; rank 0's view): ``get_mla_kv_buffer`` of its own layer
-   and of the fetched one (the same launch: the split adds nothing once a layer is here; a read is collective, so
-   every rank reads the same layer), and ``set_mla_kv_buffer`` of its own layer and of another's (dropped: host
-   time only), beside the torch path (a pool built with ``kernels="native"``).
+3. **Reads and stores at N tokens** (rank 0's view): ``get_mla_kv_buffer`` of its own layer and of the fetched one
+   (the same launch: the split adds nothing once a layer is here), ``set_mla_kv_buffer`` of its own layer and of
+   another's (dropped: host time only), beside the torch path (a pool built with ``kernels="native"``) and, on a
+   GPU, the measured copy ceiling (656 fp8 + 1152 bf16 bytes a token).  Every rank makes each call once together
+   (a read may be collective: it fetches the layer when the scratch holds another); rank 0 then times its repeats
+   alone, in CUDA-graph replay (``kvcore.tools.timing.graph_us``; the wall clock on the CPU), while the others
+   wait: the repeats are local, and leave every rank's scratch as the first call did.
+
+``--one-gpu`` puts every rank on the first GPU and links them with gloo: the fetch then goes through the host (not
+what NCCL between two GPUs does), but the reads and stores of part 3 are timed as on two GPUs (rank 0 alone on the
+device).
 
 Rank 0 prints the table; each rank's own lines go to ``$OUT/layer_split_rank<r>.txt``.
 """
@@ -28,10 +36,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from kvcore.tools.timing import median_ms
+from kvcore.tools.timing import copy_ceiling_gbps, graph_us, median_ms
 from kvcore_dsa.layer_split import LayerSplitDSATokenToKVPool, layer_shard_range
 
 LAYERS, RANK, ROPE, INDEX_DIM, PAGE = 61, 512, 64, 128, 64
+#: bytes a token of a latent read or store moves: the fp8 row with its scales and bf16 rope, and the bf16 row
+ROW_BYTES = 656 + (RANK + ROPE) * 2
 
 
 def build(args, rank: int, world: int, device: str, kernels: str) -> LayerSplitDSATokenToKVPool:
@@ -47,14 +57,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", type=int, default=131072, help="slots of each rank's pool")
     parser.add_argument("--small", action="store_true", help="4 layers and 2048 slots (a smoke run)")
+    parser.add_argument("--one-gpu", action="store_true", help="every rank on the first GPU, linked by gloo")
     args = parser.parse_args()
     args.layers = 4 if args.small else LAYERS
     args.tokens = 2048 if args.small else args.tokens
     cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda and not args.one_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(0 if args.one_gpu else int(os.environ.get("LOCAL_RANK", rank)))
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     log = open(os.path.join(os.environ.get("OUT", "/tmp"), f"layer_split_rank{rank}.txt"), "w")
 
@@ -70,8 +81,10 @@ def main() -> None:
     pool = build(args, rank, world, device, "triton" if cuda else "native")
     torch_pool = build(args, rank, world, device, "native")
     first, last = layer_shard_range(0, world, args.layers)
-    say(f"{torch.cuda.get_device_name() if cuda else 'cpu'} x {world} ranks; DeepSeek-V3.2 DSA, {args.layers} layers, "
-        f"{args.tokens} slots a rank; rank 0 stores layers {first}..{last - 1}")  # fmt: skip
+    where = (f"{torch.cuda.get_device_name()} x {world} ranks" + (" on one GPU (gloo)" if args.one_gpu else " (NCCL)")
+             if cuda else f"cpu x {world} ranks (gloo)")  # fmt: skip
+    say(f"{where}; DeepSeek-V3.2 DSA, {args.layers} layers, {args.tokens} slots a rank; rank 0 stores layers "
+        f"{first}..{last - 1}")  # fmt: skip
 
     gen = torch.Generator().manual_seed(0)  # the same on every rank: the same locations and inputs
     loc_all = torch.randperm(args.tokens - PAGE, generator=gen)[: args.tokens // 2] + PAGE
@@ -111,30 +124,43 @@ def main() -> None:
         f"({layer_bytes / t_fetch / 1e6:.1f} GB/s); one broadcast of as many bytes {t_ceil:.3f} ms: "
         f"{t_ceil / t_fetch:.2f} of it")  # fmt: skip
 
-    # 3. reads and stores at N tokens: rank 0's own layer and rank 1's, kvcore and the torch path (a read of any
-    # layer is collective, so every rank reads the same layer; after its first read, a layer's rows stay in every
-    # rank's scratch until it is written, so the timed repeats are local reads)
-    say(f"{'op (rank 0)':<48} {'N':>6} {'kvcore ms':>10} {'torch ms':>9} {'torch/kvcore':>13}")
+    # 3. reads and stores at N tokens: rank 0's own layer and rank 1's, kvcore and the torch path.  Every rank makes
+    # a call once (a read of a layer the scratch does not hold is collective: its owner broadcasts it); rank 0 then
+    # times its repeats alone (they are local, and leave the scratch as the first call did) while the others wait.
+    def alone(fn):
+        result = fn() if rank == 0 else None
+        dist.barrier()
+        return result
+
+    def local_us(fn) -> float:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        return alone(lambda: graph_us(fn) if cuda else median_ms(fn, 20, cuda=False) * 1e3)
+
+    ceiling = alone(copy_ceiling_gbps) if cuda else None
+    if ceiling:
+        say(f"copy ceiling (rank 0's device alone): {ceiling:.0f} GB/s")
+    say(f"{'op (rank 0)':<48} {'N':>6} {'kvcore us':>10} {'of ceiling':>10} {'torch us':>9} {'torch/kvcore':>13}")
     for n in (256, 4096, 32768):
         if n > len(loc_all):
             continue
         at = loc_all[:n].to(device)
         nope = torch.randn(n, 1, RANK, generator=gen).to(device, torch.bfloat16)
         rope = torch.randn(n, 1, ROPE, generator=gen).to(device, torch.bfloat16)
-        for p in (pool, torch_pool):
-            p.prefetch_kv_buffer(remote)  # in the scratch before the timed reads
         rows = (
-            (f"get_mla_kv_buffer, own layer {own}", lambda p: p.get_mla_kv_buffer(own, at)),
-            (f"get_mla_kv_buffer, fetched layer {remote}", lambda p: p.get_mla_kv_buffer(remote, at)),
-            (f"set_mla_kv_buffer, own layer {own}", lambda p: p.set_mla_kv_buffer(own, at, nope, rope)),
+            (f"get_mla_kv_buffer, own layer {own}", lambda p: p.get_mla_kv_buffer(own, at), True),
+            (f"get_mla_kv_buffer, fetched layer {remote}", lambda p: p.get_mla_kv_buffer(remote, at), True),
+            (f"set_mla_kv_buffer, own layer {own}", lambda p: p.set_mla_kv_buffer(own, at, nope, rope), True),
             (f"set_mla_kv_buffer, layer {remote} (dropped on rank 0)",
-             lambda p: p.set_mla_kv_buffer(remote, at, nope, rope)),
+             lambda p: p.set_mla_kv_buffer(remote, at, nope, rope), False),
         )  # fmt: skip
-        for name, op in rows:
-            t_ours, t_torch = timed(lambda: op(pool)), timed(lambda: op(torch_pool))
-            say(f"{name:<48} {n:>6} {t_ours:>10.4f} {t_torch:>9.4f} {t_torch / t_ours:>13.2f}")
-            for p in (pool, torch_pool):
-                p.prefetch_kv_buffer(remote)  # a write (dropped on rank 0) makes the scratch copy stale: fetch again
+        for name, op, moves in rows:
+            us_ours, us_torch = local_us(lambda: op(pool)), local_us(lambda: op(torch_pool))
+            if rank == 0:
+                share = f"{n * ROW_BYTES / us_ours / 1e3 / ceiling:10.2f}" if ceiling and moves else f"{'-':>10}"
+                say(f"{name:<48} {n:>6} {us_ours:>10.2f} {share} {us_torch:>9.2f} {us_torch / us_ours:>13.2f}")
     log.close()
     dist.destroy_process_group()
 
