@@ -12,7 +12,9 @@ A random-weight Llama of Llama-3-8B's attention shape (8 layers, hidden 4096, 32
 2. **Host time per layer and decode step**: ``cache.update`` alone, every layer, over ``--steps`` decode steps
    after the prompt, no synchronization inside (launches are asynchronous, so this is the host's time; when the
    device falls behind, it is the device's).  Layers 1..L-1 (``us/layer``) apart from layer 0 (which also gives
-   the rows their slots).
+   the rows their slots).  Twice: the updates back to back (``alone``: the cache's code and data stay in the CPU's
+   caches), and each update timed by itself after one of the model's MLPs has run (``amid MLPs``: what runs between
+   two layers' updates in a real step passes through the CPU's caches first).
 3. **Tokens per second**: ``model.generate`` of ``--new`` tokens after a warm-up run, the caches interleaved over
    ``--rounds`` rounds, every other round in reverse order (the host's noisy stretches last seconds: interleaving
    spreads them over all caches; reversing keeps any one from always running first); the
@@ -371,8 +373,8 @@ def main() -> None:
     caches = ["dynamic"] + [c for c in args.caches.split(",") if c != "dynamic"]
     others = caches[1:]
     results = []
-    header = (f"{'dtype':<10} {'batch':>5} {'prompt':>6}  {'logits':<14}  host us/layer (layer 0): "
-              + " ".join(f"{name:>15}" for name in caches) + "  tok/s (best): "
+    header = (f"{'dtype':<10} {'batch':>5} {'prompt':>6}  {'logits':<14}  host us/layer (layer 0), alone | amid MLPs: "
+              + " ".join(f"{name:>27}" for name in caches) + "  tok/s (best): "
               + " ".join(f"{name:>16}" for name in caches) + "  paired median [90%]: " + " ".join(f"{n:>22}" for n in others)
               + "  paired step median [90%]: " + " ".join(f"{n:>22}" for n in others)
               + "  lockstep tok/s: " + " ".join(f"{name:>16}" for name in caches)
@@ -390,11 +392,12 @@ def main() -> None:
                 differ = [name for name, same in row["identical_by_cache"].items() if not same]
                 logits = ("same" if not differ else "DIFFER: " + ",".join(differ)) + \
                     ("" if row["dynamic_repeatable"] else " (dyn!=dyn)")
-                host = " ".join(f"{us[n][1]:7.1f} ({us[n][0]:5.1f})" for n in caches)
+                amid = row["host_us_amid"]
+                host = " ".join(f"{us[n][1]:5.1f} ({us[n][0]:5.1f}) {amid[n][1]:5.1f} ({amid[n][0]:5.1f})" for n in caches)
                 speed = " ".join(f"{t[n]:7.1f}" + (f" ({t[n] / t['dynamic']:4.2f}x)" if n != "dynamic" else " " * 8)
                                  for n in caches)  # fmt: skip
                 print(f"{dtype.replace('float8_', 'fp8 '):<10} {batch:>5} {prompt:>6}  {logits:<14}  "
-                      f"{'':>24}{host}  {'':>14}{speed}  {'':>21}"
+                      f"{'':>44}{host}  {'':>14}{speed}  {'':>21}"
                       + " ".join(f"{paired[n]:6.3f}x [{band[n][0]:.3f}, {band[n][1]:.3f}]" for n in others)
                       + f"  {'':>26}" + " ".join(f"{step[n]:6.3f}x [{step_band[n][0]:.3f}, {step_band[n][1]:.3f}]"
                                                  for n in others)
@@ -458,26 +461,41 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
     kv = torch.randn(2, batch, heads, prompt + 1, dim, generator=gen).to(device, torch.bfloat16)
     prompt_kv, step_kv = (kv[0, :, :, :prompt], kv[1, :, :, :prompt]), (kv[0, :, :, prompt:], kv[1, :, :, prompt:])
 
-    def host_us(make):
+    mlp = model.model.layers[0].mlp
+    hidden = torch.randn(batch, 1, model.config.hidden_size, generator=gen).to(device, torch.bfloat16)
+
+    def host_us(make, amid: bool = False):
+        """(layer 0's, the other layers' mean) host µs of ``cache.update`` in a decode step; ``amid``: each update
+        timed alone, after one of the model's MLPs has run (what a real step runs between two layers' updates)."""
         cache = make()
-        for layer in range(layers):
-            cache.update(*prompt_kv, layer)
-        for layer in range(layers):  # one step unmeasured: every plan made
-            cache.update(*step_kv, layer)
-        sync(device)
-        clock = time.perf_counter_ns
-        first = rest = 0
-        for _ in range(steps):
-            start = clock()
-            cache.update(*step_kv, 0)
-            middle = clock()
-            for layer in range(1, layers):
+        with torch.no_grad():
+            for layer in range(layers):
+                cache.update(*prompt_kv, layer)
+            for layer in range(layers):  # one step unmeasured: every plan made
                 cache.update(*step_kv, layer)
-            first, rest = first + middle - start, rest + clock() - middle
-        sync(device)
+            sync(device)
+            clock = time.perf_counter_ns
+            first = rest = 0
+            for _ in range(steps):
+                if amid:
+                    for layer in range(layers):
+                        mlp(hidden)
+                        start = clock()
+                        cache.update(*step_kv, layer)
+                        took = clock() - start
+                        first, rest = (first + took, rest) if layer == 0 else (first, rest + took)
+                    continue
+                start = clock()
+                cache.update(*step_kv, 0)
+                middle = clock()
+                for layer in range(1, layers):
+                    cache.update(*step_kv, layer)
+                first, rest = first + middle - start, rest + clock() - middle
+            sync(device)
         return first / steps / 1e3, rest / steps / (layers - 1) / 1e3
 
-    host = {name: min((host_us(make) for _ in range(3)), key=lambda t: t[1]) for name, make in makers.items()}
+    host, host_amid = ({name: min((host_us(make, amid) for _ in range(3)), key=lambda t: t[1])
+                        for name, make in makers.items()} for amid in (False, True))  # fmt: skip
 
     # 3. generate: tokens per second
     def run(cache, tokens) -> tuple[float, float]:
@@ -532,7 +550,8 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
         paired_ratio={name: statistics.median(d / c for d, c in zip(times["dynamic"], t)) for name, t in times.items()},
         paired_interval={name: median_interval([d / c for d, c in zip(times["dynamic"], t)]) for name, t in times.items()},
         seconds=times,
-        host_us=host, identical=all(identical.values()), identical_by_cache=identical, dynamic_repeatable=repeatable,
+        host_us=host, host_us_amid=host_amid, identical=all(identical.values()), identical_by_cache=identical,
+        dynamic_repeatable=repeatable,
     )  # fmt: skip
 
 
