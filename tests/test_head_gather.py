@@ -200,6 +200,89 @@ def test_store_and_gather_into_page_major_views(page):
             assert same_bits(kv, ref)
 
 
+MODES = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("store", [False, True])
+def test_reused_outputs_are_only_those_nothing_holds(mode, store):
+    """``reuse_outputs``: a call writes into the pair a call before returned only once nothing holds it (no
+    reference, no view, no detached alias) and the shapes agree; a pair still held keeps its values, and every call
+    returns what the torch reference does.  Gathers and store-and-gathers, in grad, no_grad and inference mode."""
+    layers, rows, heads, dk, dv, batch = 2, 300, 2, 16, 8, 2
+    k = random_rows((layers, rows, heads, dk), torch.bfloat16, 40)
+    v = random_rows((layers, rows, heads, dv), torch.bfloat16, 41)
+    k_ref, v_ref = k.clone(), v.clone()
+    gather = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
+    table = distinct_locations(batch, 120, rows, 42)
+    calls = iter(range(1000))
+
+    def call(layer, end):
+        """The layer's keys and values of tokens 0 .. end - 1 (token end - 1 stored first when ``store``),
+        checked against the reference."""
+        locs = table[:, :end]
+        if not store:
+            got, want = gather(layer, locs), gather_heads_native(k_ref[layer], v_ref[layer], locs, torch.bfloat16)
+        else:
+            seed = 100 * next(calls)
+            k_new = new_rows(batch, heads, 1, dk, torch.bfloat16, seed)
+            v_new = new_rows(batch, heads, 1, dv, torch.bfloat16, seed + 1, transposed=True)
+            got = gather.store_and_gather(layer, locs, k_new, v_new)
+            want = store_and_gather_native(k_ref[layer], v_ref[layer], locs, k_new, v_new, torch.bfloat16)
+        assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+        return got
+
+    def ids(pair):
+        return id(pair[0]), id(pair[1])
+
+    with MODES[mode]():
+        end = 40
+        kept = ids(call(0, end))  # dropped at once
+        pair = call(1, end)
+        assert ids(pair) == kept, "a pair nothing holds is written again"
+        held, was = pair[0], pair[0].clone()
+        del pair
+        pair = call(0, end)
+        assert id(pair[0]) != id(held) and same_bits(held, was), "a pair held by a reference is left alone"
+        del held
+        for alias in (lambda x: x.transpose(2, 3), lambda x: x[:, :1], lambda x: x.detach()):
+            other, kept = alias(pair[1]), ids(pair)
+            was = other.clone()
+            del pair
+            pair = call(1, end)
+            assert ids(pair) != kept and same_bits(other.contiguous(), was.contiguous()), \
+                "a pair whose memory a view or alias holds too"
+            del other
+        kept = ids(pair)
+        del pair
+        assert ids(call(0, end)) == kept
+        end += 1
+        assert ids(call(1, end)) != kept, "other shapes: a new pair"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA streams: the compiled suite runs it on the GPU")
+def test_reused_outputs_stay_on_their_stream():
+    """A pair last written on one stream is not written again from another (whose work is not ordered after the
+    reads of the first): that call gets a new pair, and the stream's own next call reuses it."""
+    k = random_rows((2, 100, 2, 16), torch.bfloat16, 43)
+    gather = HeadGather(k.unbind(0), k.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
+    locs = distinct_locations(2, 30, 100, 44)
+    first = gather(0, locs)
+    kept = id(first[0])
+    del first
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pair = gather(1, locs)
+        assert id(pair[0]) != kept, "another stream: a new pair"
+        kept = id(pair[0])
+        del pair
+        pair = gather(1, locs)
+        assert id(pair[0]) == kept, "the same stream again: reused"
+    torch.cuda.current_stream().wait_stream(side)
+    assert same_bits(pair[0], gather_heads_native(k[1], k[1], locs, torch.bfloat16)[0])
+
+
 def test_store_and_gather_native_stores_what_the_mha_pool_stores():
     """The reference's store is the K/V pool's: the MHA pool's ``set_kv_buffer`` (fp8 with scales, and bf16 into
     float32) writes the same bytes."""

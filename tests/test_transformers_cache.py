@@ -691,6 +691,45 @@ def test_the_store_and_the_gather_in_one_launch_keep_every_logit(cache_dtype, sc
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after))
 
 
+def test_a_layers_keys_and_values_are_written_over_only_once_dropped():
+    """On the one-launch path a layer after a step's first writes into the keys and values the layer before
+    returned once nothing holds them (no allocation); a caller that keeps a layer's keys and values, or a view of
+    them, keeps what they held while the later layers update."""
+    model, _, _, device = on_test_device(torch.bfloat16)
+    cache = paged(model, page_size=16, kernels="triton", device=device)
+    heads, dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    g = torch.Generator().manual_seed(5)
+
+    def rows(q):
+        return [torch.randn(2, heads, q, dim, generator=g).to(device, torch.bfloat16) for _ in range(2)]
+
+    for layer in (0, 1):
+        cache.update(*rows(7), layer)
+    assert cache._step.fused
+    # a decode step whose layer-0 keys and values are kept
+    k0, v0 = cache.update(*rows(1), 0)
+    kept = (k0.clone(), v0.clone())
+    k1, v1 = cache.update(*rows(1), 1)
+    assert k1.data_ptr() != k0.data_ptr() and v1.data_ptr() != v0.data_ptr()
+    assert torch.equal(k0, kept[0]) and torch.equal(v0, kept[1])
+    del k0, v0, k1, v1
+    # the next, only a view of layer 0's values kept: not written over either
+    k0, v0 = cache.update(*rows(1), 0)
+    view, mark = v0[:, :, -1], (id(k0), id(v0))
+    was = view.clone()
+    del k0, v0
+    k1, v1 = cache.update(*rows(1), 1)
+    assert (id(k1), id(v1)) != mark and torch.equal(view, was)
+    del k1, v1, view
+    # the next, nothing kept: layer 1 gets layer 0's tensors, holding its own keys and values
+    k0, v0 = cache.update(*rows(1), 0)
+    mark = (id(k0), id(v0))
+    del k0, v0
+    k1, v1 = cache.update(*rows(1), 1)
+    assert (id(k1), id(v1)) == mark
+    assert torch.equal(k1, cache.layers[1].keys) and torch.equal(v1, cache.layers[1].values)
+
+
 def test_a_checked_pool_is_stored_through_set_kv_buffer(monkeypatch):
     """Behind kvcore's checking proxy the cache never writes the pool itself: every layer stores through the proxy's
     ``set_kv_buffer`` (its checks run) and reads with the one-launch gather."""

@@ -411,7 +411,15 @@ class PagedKVCache(Cache):
         over reserved runs and the cache in the model's dtype, a strided view of the pool itself (no copy).  The
         first layer of a forward works out what all of its layers share (:meth:`_begin_step`); each layer then
         makes one store and one read, and nothing in it waits for the device."""
-        return self._update(self.layers[layer_idx], key_states, value_states)
+        layer = self.layers[layer_idx]
+        step = self._step
+        if step is not None and step.fused and layer.is_initialized:  # a forward's later layers: _update's hot path
+            q = key_states.shape[-2]
+            end = layer.seq_len + q
+            if end == step.end and q == step.q:
+                layer.seq_len = end
+                return step.gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states)
+        return self._update(layer, key_states, value_states)
 
     def _update(self, layer: PagedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
         """:meth:`update`, for ``layer``: the hot path, run per layer and step."""
@@ -582,7 +590,7 @@ class PagedKVCache(Cache):
             buffers = self._layer_buffers
             gather = self._gathers[dtype] = HeadGather(
                 [b[0] for b in buffers], [b[1] for b in buffers], dtype, self.k_scale, self.v_scale,
-                use_triton=self._triton_gather,
+                use_triton=self._triton_gather, reuse_outputs=True,
             )
         return gather
 

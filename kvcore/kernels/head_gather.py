@@ -18,6 +18,8 @@ themselves (``KVCache.set_kv_buffer_writes_rows``): a transformers layer's step 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +38,12 @@ __all__ = ["HeadGather", "gather_heads", "gather_heads_native", "gather_heads_tr
 #: elements a program moves per head (tokens x dim); the token block is this over the padded head width
 _TILE_ELEMS = 4096
 _NUM_WARPS = 4
+
+#: how many holders (tensors, views included, and storage objects) a storage has, given its address:
+#: ``torch._C._storage_Use_Count`` (None: outputs are never reused)
+_STORAGE_USES = getattr(torch._C, "_storage_Use_Count", None)
+#: the device's current raw stream (CUDA builds of torch)
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 _SAME, _F32, _F16, _BF16 = (tl.constexpr(dtypes.SAME), tl.constexpr(dtypes.F32), tl.constexpr(dtypes.F16),
@@ -307,10 +315,15 @@ class HeadGather:
     :param k_scale: multiplies converted K rows (another dtype than ``out_dtype``), as :func:`gather_heads`.
     :param v_scale: the same for V.
     :param use_triton: the kernel (True) or :func:`gather_heads_native`.
+    :param reuse_outputs: the kernel writes into the two tensors a call before returned, when nothing holds them any
+        more (no Python reference but this object's, no view of their memory), they have the call's shapes, and the
+        device's current stream is the one they were last written on; otherwise it allocates two.  A caller that
+        reads them on another stream must keep a reference until that stream is done.  What a transformers cache
+        wants: a layer's keys and values are dropped before the next layer's update, which then allocates nothing.
     """
 
     def __init__(self, k_layers, v_layers, out_dtype: torch.dtype, k_scale: float | None = None,
-                 v_scale: float | None = None, *, use_triton: bool):  # fmt: skip
+                 v_scale: float | None = None, *, use_triton: bool, reuse_outputs: bool = False):  # fmt: skip
         k_layers, v_layers = list(k_layers), list(v_layers)
         if not k_layers or len(k_layers) != len(v_layers):
             raise ValueError(f"HeadGather takes as many K as V layers (at least one), got {len(k_layers)} and "
@@ -331,6 +344,11 @@ class HeadGather:
         self.k_scale, self.v_scale, self.use_triton = k_scale, v_scale, use_triton
         self.heads, self.dk, self.dv = k0.shape[-2], k0.shape[-1], v0.shape[-1]
         self._template = torch.empty((0,), dtype=out_dtype, device=k0.device)  # outputs: new_empty of it
+        #: the last outputs, written again when free (``reuse_outputs``): (keys, values, their batch and seq, the
+        #: stream they were last written on, their storage objects, the storages' addresses and use counts when free)
+        self._spare: tuple | None = None
+        self._reuse = bool(reuse_outputs) and _STORAGE_USES is not None
+        self._current_stream = _RAW_STREAM if k0.device.type == "cuda" and _RAW_STREAM is not None else None
         if not use_triton:
             return
         self._block_t, self._constexprs = _constexprs(k0, v0, page, out_dtype, k_scale, v_scale)
@@ -362,8 +380,7 @@ class HeadGather:
             return gather_heads_native(self.k_layers[layer], self.v_layers[layer], locs, self.out_dtype, self.k_scale,
                                        self.v_scale)  # fmt: skip
         batch, seq = locs.shape
-        new = self._template.new_empty
-        k_out, v_out = new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
+        k_out, v_out = self._outputs(batch, seq)
         if not batch or not seq:
             return k_out, v_out
         kp, vp = self._addresses[layer]
@@ -410,8 +427,7 @@ class HeadGather:
         batch, seq = locs.shape
         ks, vs = k_new.shape, v_new.shape
         q = ks[2] if len(ks) == 4 else -1
-        new = self._template.new_empty
-        k_out, v_out = new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
+        k_out, v_out = self._outputs(batch, seq)
         if not batch or not 0 < q <= seq:  # nothing to store, or a call the checks refuse
             if batch and q:
                 self._store_plan(locs, batch, seq, k_new, v_new, k_out, v_out, self._aligned[layer])  # raises
@@ -434,6 +450,30 @@ class HeadGather:
             k, v = self._kernel_layers[layer]
             plan(seq, (kp, vp, ko, vo, lp, knp, vnp, seq, seq - q, locs.stride(0)),
                  lambda: (k, v, k_out, v_out, locs, k_new, v_new))  # fmt: skip
+        return k_out, v_out
+
+    def _outputs(self, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two outputs of a call: the spare pair when ``reuse_outputs`` allows it (see the class), else two new
+        tensors (then kept as the spare)."""
+        if not self._reuse:
+            new = self._template.new_empty
+            return new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
+        spare = self._spare
+        stream = self._current_stream(self._device_index) if self._current_stream is not None else 0
+        if spare is not None and spare[2] == batch and spare[3] == seq and spare[4] == stream:
+            k_out, v_out = spare[0], spare[1]
+            # Nothing else holds them: their Python references are the spare tuple's, these locals' and getrefcount's
+            # own, and their memory is held by them and the spare's storage objects alone (a view, a detached or
+            # set_ tensor would hold it too).
+            if (sys.getrefcount(k_out) == 3 and sys.getrefcount(v_out) == 3
+                    and _STORAGE_USES(spare[6]) == spare[8] and _STORAGE_USES(spare[7]) == spare[9]):  # fmt: skip
+                return k_out, v_out
+        new = self._template.new_empty
+        k_out, v_out = new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
+        k_mem, v_mem = k_out.untyped_storage(), v_out.untyped_storage()  # kept: their addresses stay valid
+        k_at, v_at = k_mem._cdata, v_mem._cdata
+        self._spare = (k_out, v_out, batch, seq, stream, (k_mem, v_mem), k_at, v_at, _STORAGE_USES(k_at),
+                       _STORAGE_USES(v_at))  # fmt: skip
         return k_out, v_out
 
     def _store_plan(self, locs: torch.Tensor, batch: int, seq: int, k_new: torch.Tensor, v_new: torch.Tensor,
