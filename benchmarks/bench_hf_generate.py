@@ -40,9 +40,8 @@ keys and values gathered for attention in one launch a layer) and ``contig`` (``
 reserved run per row, attention reads strided views of the pool when the cache keeps the model's dtype);
 ``dynamic2`` and ``kvcore2`` do their cache's work twice (every update also goes to a second cache of the same kind),
 so that, run in lockstep beside the plain ones, each one's step time less its plain cache's is what that cache's own
-work costs inside a real step; ``kvlean`` and ``kvreuse`` are experiments, kvcore with a leaner decode path for the
-layers after a step's first (:class:`LeanPagedKVCache`), and that path writing into the outputs the layer before
-returned once nothing holds them (:class:`ReusingPagedKVCache`).
+work costs inside a real step; ``kvplain`` is kvcore's cache without the host savings of 2026-12-03 (a new output
+pair per layer, every launch planned in full: :class:`PlainPagedKVCache`).
 
     python benchmarks/bench_hf_generate.py                    # on the GPU; results also in $OUT/hf_generate.json
     python benchmarks/bench_hf_generate.py --device cpu --small   # a quick smoke run on the CPU
@@ -57,7 +56,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import threading
 import time
 
@@ -68,7 +66,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import LlamaModel
 
 from kvcore.integrations.transformers import PagedKVCache
-from kvcore.kernels.launch import launch_hooks_installed
+from kvcore.kernels.head_gather import HeadGather
 
 FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -215,94 +213,32 @@ class ShadowedPagedKVCache(PagedKVCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-class LeanPagedKVCache(PagedKVCache):
-    """An experiment (``kvlean``): PagedKVCache whose decode layers, after a step's first, skip what they share
-    with it.  The first layer of a step runs the cache's own path; it then keeps that layer's launch (the plan
-    ``HeadGather.store_and_gather`` made, the locations' address and stride, the outputs' shapes).  Each later
-    layer of the step checks its new rows against that layer's (shape, strides, dtype, device, 16-byte alignment),
-    allocates its two outputs and launches directly; anything else goes the cache's own way.  The same launch
-    arguments as ``store_and_gather``'s direct launch (checked on the CPU with a recording launcher), built from
-    kvcore's private state: a measurement of what a leaner hot path would save, not a path to ship."""
-
-    _lean: tuple | None = None
+class PlainPagedKVCache(PagedKVCache):
+    """kvcore's cache as it was before 2026-12-03's host savings (``kvplain``), to time beside the cache as built: every
+    layer's update through ``_update``, a new output pair per call (``reuse_outputs=False``) and every
+    ``store_and_gather`` planned in full (:class:`_PlainHeadGather` keeps no last launch)."""
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        lean, layer = self._lean, self.layers[layer_idx]
-        if lean is not None and lean[0] is self._step and layer.seq_len + lean[0].q == lean[0].end:
-            step, shape, strides, dtype, device, align, launch, grid, stream, head, tail, out_shapes, addresses = lean
-            if (key_states.shape == shape[0] and value_states.shape == shape[1]
-                    and (key_states.stride(), value_states.stride()) == strides and key_states.dtype is dtype
-                    and value_states.dtype is dtype and key_states.get_device() == device
-                    and value_states.get_device() == device):  # fmt: skip
-                k_out, v_out = self._outputs(out_shapes)
-                ko, vo, knp, vnp = k_out.data_ptr(), v_out.data_ptr(), key_states.data_ptr(), value_states.data_ptr()
-                if (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12 == align:
-                    kp, vp = addresses[layer.layer_id]
-                    launch(*grid, stream(device), *head, kp, vp, ko, vo, tail[0], knp, vnp, *tail[1:])
-                    layer.seq_len = step.end
-                    return k_out, v_out
-        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        self._lean = self._lean_launch(layer.layer_id, key_states, value_states, out)
-        return out
+        return self._update(self.layers[layer_idx], key_states, value_states)
 
-    def _outputs(self, shapes: tuple) -> tuple:
-        """Two new tensors for a layer's keys and values (what ``store_and_gather`` allocates)."""
-        new = self._step.gather._template.new_empty
-        return new(shapes[0]), new(shapes[1])
-
-    def _lean_launch(self, layer_id: int, k_new, v_new, out) -> tuple | None:
-        """What the later layers of this step reuse of layer ``layer_id``'s launch (None: the step is not a fused
-        one, or its plan launches through the dispatcher)."""
-        step = self._step
-        if step is None or not step.fused:
-            return None
-        gather, locs = step.gather, step.read_locs
-        k_out, v_out = out
-        batch, seq = locs.shape
-        lp, ko, vo, knp, vnp = locs.data_ptr(), k_out.data_ptr(), v_out.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
-        signature = (locs.dtype, locs.stride(1), locs.get_device(), batch, k_new.shape, k_new.stride(), k_new.dtype,
-                     k_new.get_device(), v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device(),
-                     (lp & 15) | (ko & 15) << 4 | (vo & 15) << 8 | (knp & 15) << 12 | (vnp & 15) << 16,
-                     gather._aligned[layer_id])  # fmt: skip
-        plan = gather._store_plans.get(signature)
-        if plan is None or plan.entry is None or launch_hooks_installed():
-            return None
-        if any(gather._aligned[i] != gather._aligned[layer_id] for i in range(len(gather._aligned))):
-            return None  # the layers' rows differ in alignment: each may need its own plan
-        q = k_new.shape[2]
-        grid = (-(-seq // plan.block_n), batch, 2)
-        tail = (lp, seq, seq - q, locs.stride(0), *plan.suffix)
-        align = (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12
-        return (step, (k_new.shape, v_new.shape), (k_new.stride(), v_new.stride()), k_new.dtype, k_new.get_device(),
-                align, plan.entry[0], grid, plan.raw_stream, plan.entry[1], tail, (k_out.shape, v_out.shape),
-                gather._addresses)  # fmt: skip
+    def _gather_for(self, dtype: torch.dtype):
+        gather = super()._gather_for(dtype)
+        if type(gather) is not _PlainHeadGather:
+            gather.__class__ = _PlainHeadGather
+            gather._reuse = False
+        return gather
 
 
-class ReusingPagedKVCache(LeanPagedKVCache):
-    """A second experiment (``kvreuse``): :class:`LeanPagedKVCache` whose later layers of a step write into the
-    output pair the layer before them returned, when nothing holds it any more (no Python reference but this
-    cache's, no view of its memory: ``sys.getrefcount`` and the storages' use counts) and the current stream is the
-    one it was made on; otherwise two new tensors, as before.  What a layer's two allocations cost inside a step."""
+class _PlainHeadGather(HeadGather):
+    """A HeadGather that never repeats its last launch (its memo reads as empty and ignores writes)."""
 
-    _kept: tuple | None = None  # (keys, values, their storages' use counts when free, the stream, the shapes)
+    @property
+    def _last_launch(self):
+        return None
 
-    def _outputs(self, shapes: tuple) -> tuple:
-        on_gpu = self._step.gather._template.is_cuda
-        kept, stream = self._kept, torch.cuda.current_stream().cuda_stream if on_gpu else 0
-        if kept is not None and kept[3] == stream and kept[4] == shapes:
-            k_out, v_out, free = kept[0], kept[1], kept[2]
-            # references to each: the tuple kept, the local here, getrefcount's argument
-            if (sys.getrefcount(k_out) == 3 and sys.getrefcount(v_out) == 3
-                    and _storage_uses(k_out) == free[0] and _storage_uses(v_out) == free[1]):  # fmt: skip
-                return k_out, v_out
-        k_out, v_out = super()._outputs(shapes)
-        self._kept = (k_out, v_out, (_storage_uses(k_out), _storage_uses(v_out)), stream, shapes)
-        return k_out, v_out
-
-
-def _storage_uses(x: torch.Tensor) -> int:
-    """How many tensors (views included) hold ``x``'s memory."""
-    return torch._C._storage_Use_Count(x.untyped_storage()._cdata)
+    @_last_launch.setter
+    def _last_launch(self, value):
+        pass
 
 
 class RoundedLayer(DynamicLayer):
@@ -347,7 +283,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
     parser.add_argument("--caches", default="dynamic,kvcore,contig", help="caches timed (dynamic always is): "
-                        "dynamic, kvcore, contig, dynamic2, kvcore2, kvlean, kvreuse")
+                        "dynamic, kvcore, contig, dynamic2, kvcore2, kvplain")
     parser.add_argument("--lockstep", type=int, default=None, help="lockstep runs per case (2; --small: 1; 0: none)")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
     args = parser.parse_args()
@@ -431,8 +367,7 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
 
     makers = {"dynamic": dynamic, "kvcore": paged, "contig": lambda: paged(True),
               "dynamic2": lambda: ShadowedDynamicCache(model.config), "kvcore2": shadowed_paged,
-              "kvlean": lambda: paged(cls=LeanPagedKVCache),
-              "kvreuse": lambda: paged(cls=ReusingPagedKVCache)}  # fmt: skip
+              "kvplain": lambda: paged(cls=PlainPagedKVCache)}  # fmt: skip
     makers = {name: makers[name] for name in caches}
 
     # 1. logit identity: a prefill and two decode steps

@@ -200,6 +200,64 @@ def test_store_and_gather_into_page_major_views(page):
             assert same_bits(kv, ref)
 
 
+class CountingPlans(dict):
+    """A plan memo that counts its lookups (the full path looks a call's plan up; a call like the last does not)."""
+
+    lookups = 0
+
+    def get(self, *args):
+        self.lookups += 1
+        return super().get(*args)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_call_like_the_last_launches_what_the_full_path_launches(reuse):
+    """``store_and_gather`` launches a call that differs from the last direct launch only in its layer and new rows
+    (the same locations object, shapes, strides, dtypes, alignment) without looking its plan up, with the same
+    arguments the full path passes (the outputs' addresses aside: fresh or reused tensors); anything else goes the
+    full way.  The direct launch replaced by a recorder, so that it runs on the CPU too."""
+    layers, rows, heads, dk, dv, batch = 3, 200, 2, 16, 8, 2
+    k = random_rows((layers, rows, heads, dk), torch.float8_e4m3fn, 50)
+    v = random_rows((layers, rows, heads, dv), torch.float8_e4m3fn, 51)
+    gather = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, 0.5, 2.0, use_triton=True, reuse_outputs=reuse)
+    locs = distinct_locations(batch, 30, rows, 52)[:, :21]
+
+    def rows_of(seed, transposed=False, dim=dk):
+        return new_rows(batch, heads, 1, dim, torch.bfloat16, seed, transposed)
+
+    for keys_transposed in (False, True):  # the plans made
+        gather.store_and_gather(0, locs, rows_of(1, keys_transposed), rows_of(2, True, dv))
+    launched = []
+    for plan in gather._store_plans.values():
+        plan.entry, plan.raw_stream = (lambda *a: launched.append(a), ("HEAD",)), lambda index: 7
+    gather._store_plans = plans = CountingPlans(gather._store_plans)
+
+    def launch(layer, new, full, at_locs=locs):
+        """The arguments of layer ``layer``'s launch storing ``new`` (keys, values), and whether it took the full
+        path."""
+        if full:
+            gather._last_launch = None
+        before = plans.lookups
+        out = gather.store_and_gather(layer, at_locs, *new)
+        args = list(launched.pop())
+        at = 3 + 1 + 1 + 2  # the grid, the stream, the head, the layer's K and V addresses
+        assert args[at : at + 2] == [out[0].data_ptr(), out[1].data_ptr()]
+        args[at : at + 2] = ["k_out", "v_out"]
+        return args, plans.lookups > before
+
+    launch(0, (rows_of(10), rows_of(11, True, dv)), full=True)
+    for layer in (1, 2, 0):
+        new = (rows_of(20 + layer), rows_of(30 + layer, True, dv))
+        fast, took_full = launch(layer, new, full=False)
+        assert not took_full, "a call like the last takes the short way"
+        assert fast == launch(layer, new, full=True)[0]
+    # another locations object or other strides: the full way (then the short way for calls like it)
+    assert launch(1, (rows_of(40), rows_of(41, True, dv)), full=False, at_locs=locs.clone())[1]
+    assert launch(1, (rows_of(40), rows_of(41, True, dv)), full=False)[1]
+    assert launch(2, (rows_of(42, True), rows_of(43, True, dv)), full=False)[1]
+    assert not launch(0, (rows_of(44, True), rows_of(45, True, dv)), full=False)[1]
+
+
 MODES = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}
 
 

@@ -347,8 +347,14 @@ class HeadGather:
         #: the last outputs, written again when free (``reuse_outputs``): (keys, values, their batch and seq, the
         #: stream they were last written on, their storage objects, the storages' addresses and use counts when free)
         self._spare: tuple | None = None
+        self._free_uses: tuple[int, int] | None = None  # the storages' use counts of a pair nothing else holds
         self._reuse = bool(reuse_outputs) and _STORAGE_USES is not None
         self._current_stream = _RAW_STREAM if k0.device.type == "cuda" and _RAW_STREAM is not None else None
+        #: store_and_gather's last direct launch, for a call that differs from it only in the layer and the new
+        #: rows' and outputs' addresses: (locs and what of it the launch took, the new rows' shapes, strides and
+        #: dtype, the layer's and the addresses' alignment, the launch's callable, grid, stream getter, head and
+        #: tail, batch, seq)
+        self._last_launch: tuple | None = None
         if not use_triton:
             return
         self._block_t, self._constexprs = _constexprs(k0, v0, page, out_dtype, k_scale, v_scale)
@@ -424,6 +430,22 @@ class HeadGather:
         if not self.use_triton:
             return store_and_gather_native(self.k_layers[layer], self.v_layers[layer], locs, k_new, v_new,
                                            self.out_dtype, self.k_scale, self.v_scale)  # fmt: skip
+        last = self._last_launch
+        if last is not None and last[0] is locs:  # like the last call (a forward's later layers): its launch again
+            (_, lp, lshape, lstride, ldtype, kshape, vshape, kstride, vstride, dtype, aligned, align, run, grid,
+             stream, index, head, tail, batch, seq) = last  # fmt: skip
+            if (k_new.shape == kshape and v_new.shape == vshape and k_new.stride() == kstride
+                    and v_new.stride() == vstride and k_new.dtype is dtype and v_new.dtype is dtype
+                    and k_new.get_device() == self._device_index == v_new.get_device()
+                    and self._aligned[layer] == aligned and locs.data_ptr() == lp and locs.shape == lshape
+                    and locs.stride() == lstride and locs.dtype is ldtype
+                    and not launch_hooks_installed()):  # fmt: skip
+                k_out, v_out = self._outputs(batch, seq)
+                ko, vo, knp, vnp = k_out.data_ptr(), v_out.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
+                if (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12 == align:
+                    kp, vp = self._addresses[layer]
+                    run(*grid, stream(index), *head, kp, vp, ko, vo, lp, knp, vnp, *tail)
+                    return k_out, v_out
         batch, seq = locs.shape
         ks, vs = k_new.shape, v_new.shape
         q = ks[2] if len(ks) == 4 else -1
@@ -434,8 +456,9 @@ class HeadGather:
             return self(layer, locs)
         kp, vp = self._addresses[layer]
         lp, ko, vo, knp, vnp = locs.data_ptr(), k_out.data_ptr(), v_out.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
-        signature = (locs.dtype, locs.stride(1), locs.get_device(), batch, ks, k_new.stride(), k_new.dtype,
-                     k_new.get_device(), vs, v_new.stride(), v_new.dtype, v_new.get_device(),
+        lst, kst, vst = locs.stride(), k_new.stride(), v_new.stride()
+        signature = (locs.dtype, lst[1], locs.get_device(), batch, ks, kst, k_new.dtype, k_new.get_device(), vs, vst,
+                     v_new.dtype, v_new.get_device(),
                      (lp & 15) | (ko & 15) << 4 | (vo & 15) << 8 | (knp & 15) << 12 | (vnp & 15) << 16,
                      self._aligned[layer])  # fmt: skip
         plan = self._store_plans.get(signature, UNPLANNED)
@@ -444,8 +467,13 @@ class HeadGather:
                             self._store_plan(locs, batch, seq, k_new, v_new, k_out, v_out, self._aligned[layer]))
         entry = plan.entry
         if entry is not None and not launch_hooks_installed():  # Plan.__call__'s direct launch, inlined
-            entry[0](-(-seq // plan.block_n), batch, 2, plan.raw_stream(plan.device_index), *entry[1], kp, vp, ko, vo,
-                     lp, knp, vnp, seq, seq - q, locs.stride(0), *plan.suffix)  # fmt: skip
+            grid, tail = (-(-seq // plan.block_n), batch, 2), (seq, seq - q, lst[0], *plan.suffix)
+            entry[0](*grid, plan.raw_stream(plan.device_index), *entry[1], kp, vp, ko, vo, lp, knp, vnp, *tail)
+            self._last_launch = (  # what a call like this one launches again (see above)
+                locs, lp, (batch, seq), lst, locs.dtype, ks, vs, kst, vst, k_new.dtype, self._aligned[layer],
+                (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12, entry[0], grid, plan.raw_stream,
+                plan.device_index, entry[1], tail, batch, seq,
+            )  # fmt: skip
         else:
             k, v = self._kernel_layers[layer]
             plan(seq, (kp, vp, ko, vo, lp, knp, vnp, seq, seq - q, locs.stride(0)),
@@ -472,8 +500,10 @@ class HeadGather:
         k_out, v_out = new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
         k_mem, v_mem = k_out.untyped_storage(), v_out.untyped_storage()  # kept: their addresses stay valid
         k_at, v_at = k_mem._cdata, v_mem._cdata
-        self._spare = (k_out, v_out, batch, seq, stream, (k_mem, v_mem), k_at, v_at, _STORAGE_USES(k_at),
-                       _STORAGE_USES(v_at))  # fmt: skip
+        free = self._free_uses
+        if free is None:  # a new tensor's storage and the storage object kept of it: counted once
+            free = self._free_uses = (_STORAGE_USES(k_at), _STORAGE_USES(v_at))
+        self._spare = (k_out, v_out, batch, seq, stream, (k_mem, v_mem), k_at, v_at, *free)
         return k_out, v_out
 
     def _store_plan(self, locs: torch.Tensor, batch: int, seq: int, k_new: torch.Tensor, v_new: torch.Tensor,
