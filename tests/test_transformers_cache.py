@@ -728,6 +728,9 @@ def test_a_layers_keys_and_values_are_written_over_only_once_dropped():
     k1, v1 = cache.update(*rows(1), 1)
     assert (id(k1), id(v1)) == mark
     assert torch.equal(k1, cache.layers[1].keys) and torch.equal(v1, cache.layers[1].values)
+    del k1, v1
+    cache.free_all()  # nothing kept for reuse past the batch
+    assert all(gather._spare is None and gather._last_launch is None for gather in cache._gathers.values())
 
 
 def test_a_checked_pool_is_stored_through_set_kv_buffer(monkeypatch):

@@ -394,31 +394,23 @@ class PagedKVCache(Cache):
 
     # -- storage ------------------------------------------------------------------------------------------
     #
-    # Per forward, the first layer runs _begin_step: a new batch takes its request slots; rows that reach a page
-    # they do not hold take whole pages (one allocator call for every row; a decode step inside a page takes
-    # none); the new tokens' locations (the store's) and the rows' locations (the gather's) are worked out once,
-    # as views of the request table when the rows sit in consecutive request slots.  Every layer then runs
-    # _update: one store (set_kv_buffer) and one gather (or, over reserved runs, two strided views).
-    # Nothing here reads the device back, except once per batch (contiguous_rows checks its run) and when the
-    # pool is nearly full (the allocator counts its free pages exactly).
+    # Per forward, the first layer runs _begin_step: a new batch takes its request slots, rows reaching a page they
+    # do not hold take whole pages (one allocator call for every row), and the store's and the gather's locations
+    # are worked out once (views of the request table when the rows sit in consecutive slots).  Every layer then
+    # stores and gathers (one launch on the Triton path; over reserved runs, two strided views).  Nothing reads the
+    # device back, except once per batch (contiguous_rows checks its run) and when the pool is nearly full.
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store layer ``layer_idx``'s new keys/values (``[batch, kv_heads, q, head_dim]``) and return those of
         every token so far, ``[batch, kv_heads, seq, head_dim]`` in the dtype of ``key_states`` (transformers'
-        per-layer call; no offloading: the pool stays where it is).
-
-        What attention receives is a gathered copy (converted from the cache dtype), or, with ``contiguous_rows``
-        over reserved runs and the cache in the model's dtype, a strided view of the pool itself (no copy).  The
-        first layer of a forward works out what all of its layers share (:meth:`_begin_step`); each layer then
-        makes one store and one read, and nothing in it waits for the device."""
-        layer = self.layers[layer_idx]
-        step = self._step
-        if step is not None and step.fused and layer.is_initialized:  # a forward's later layers: _update's hot path
-            q = key_states.shape[-2]
-            end = layer.seq_len + q
-            if end == step.end and q == step.q:
-                layer.seq_len = end
-                return step.gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states)
+        per-layer call; the pool stays where it is): a gathered copy (converted from the cache dtype), which a later
+        layer's update writes over once nothing holds it, or, with ``contiguous_rows`` over reserved runs and the
+        cache in the model's dtype, a strided view of the pool (no copy).  Nothing in it waits for the device."""
+        layer, step = self.layers[layer_idx], self._step
+        if (step is not None and step.fused and layer.is_initialized and key_states.shape[-2] == step.q
+                and layer.seq_len + step.q == step.end):  # a forward's later layers: _update's fused path, at once
+            layer.seq_len = step.end
+            return step.gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states)
         return self._update(layer, key_states, value_states)
 
     def _update(self, layer: PagedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -646,6 +638,8 @@ class PagedKVCache(Cache):
         self._set_slots([])
         self._allocated = 0
         self._row_base, self._row_cap, self._row_views = None, 0, None
+        for gather in self._gathers.values():  # the last outputs kept for reuse go back to torch's allocator
+            gather.release()
         for layer in self.layers:
             layer.reset()
 

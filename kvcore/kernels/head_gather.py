@@ -345,9 +345,11 @@ class HeadGather:
         self.heads, self.dk, self.dv = k0.shape[-2], k0.shape[-1], v0.shape[-1]
         self._template = torch.empty((0,), dtype=out_dtype, device=k0.device)  # outputs: new_empty of it
         #: the last outputs, written again when free (``reuse_outputs``): (keys, values, their batch and seq, the
-        #: stream they were last written on, their storage objects, the storages' addresses and use counts when free)
+        #: stream they were last written on, their storage objects, the storages' addresses and use counts when free,
+        #: the outputs' reference counts when free)
         self._spare: tuple | None = None
         self._free_uses: tuple[int, int] | None = None  # the storages' use counts of a pair nothing else holds
+        self._free_refs: int | None = None  # sys.getrefcount of an output nothing else holds, in _outputs
         self._reuse = bool(reuse_outputs) and _STORAGE_USES is not None
         self._current_stream = _RAW_STREAM if k0.device.type == "cuda" and _RAW_STREAM is not None else None
         #: store_and_gather's last direct launch, for a call that differs from it only in the layer and the new
@@ -480,6 +482,11 @@ class HeadGather:
                  lambda: (k, v, k_out, v_out, locs, k_new, v_new))  # fmt: skip
         return k_out, v_out
 
+    def release(self) -> None:
+        """Drop what calls keep for the next: the spare outputs (their memory goes back to torch's allocator) and
+        the last launch (with the locations it holds)."""
+        self._spare = self._last_launch = None
+
     def _outputs(self, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The two outputs of a call: the spare pair when ``reuse_outputs`` allows it (see the class), else two new
         tensors (then kept as the spare)."""
@@ -490,10 +497,11 @@ class HeadGather:
         stream = self._current_stream(self._device_index) if self._current_stream is not None else 0
         if spare is not None and spare[2] == batch and spare[3] == seq and spare[4] == stream:
             k_out, v_out = spare[0], spare[1]
-            # Nothing else holds them: their Python references are the spare tuple's, these locals' and getrefcount's
-            # own, and their memory is held by them and the spare's storage objects alone (a view, a detached or
-            # set_ tensor would hold it too).
-            if (sys.getrefcount(k_out) == 3 and sys.getrefcount(v_out) == 3
+            # Nothing else holds them: their Python references are the spare tuple's and these locals' (as counted
+            # when the pair was new), and their memory is held by them and the spare's storage objects alone (a
+            # view, a detached or set_ tensor would hold it too).
+            refs = spare[10]
+            if (sys.getrefcount(k_out) == refs and sys.getrefcount(v_out) == refs
                     and _STORAGE_USES(spare[6]) == spare[8] and _STORAGE_USES(spare[7]) == spare[9]):  # fmt: skip
                 return k_out, v_out
         new = self._template.new_empty
@@ -503,7 +511,12 @@ class HeadGather:
         free = self._free_uses
         if free is None:  # a new tensor's storage and the storage object kept of it: counted once
             free = self._free_uses = (_STORAGE_USES(k_at), _STORAGE_USES(v_at))
-        self._spare = (k_out, v_out, batch, seq, stream, (k_mem, v_mem), k_at, v_at, *free)
+        refs = self._free_refs
+        if refs is None:  # what getrefcount shows above for an output nothing else holds: a tuple's and a local's
+            held = (k_out,)
+            refs = self._free_refs = sys.getrefcount(k_out)
+            del held
+        self._spare = (k_out, v_out, batch, seq, stream, (k_mem, v_mem), k_at, v_at, *free, refs)
         return k_out, v_out
 
     def _store_plan(self, locs: torch.Tensor, batch: int, seq: int, k_new: torch.Tensor, v_new: torch.Tensor,
