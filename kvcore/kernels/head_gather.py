@@ -29,7 +29,8 @@ from kvcore.kernels.dtypes import is_fp8_dtype
 from kvcore.kernels.fp8 import (e4m3fn_bits_to_f32_hw, e5m2_bits_to_f32, f32_to_bf16_bits, f32_to_fp8_bits,
                                f32_to_fp8_bits_hw, torch_e4m3fn_saturates)  # fmt: skip
 from kvcore.kernels.kernel_mode import triton_interpreting
-from kvcore.kernels.launch import UNPLANNED, KernelArgs, Plan, cdiv, launch_hooks_installed, launcher_for, remember
+from kvcore.kernels.launch import (_RAW_STREAM, UNPLANNED, KernelArgs, Plan, cdiv, launch_hooks_installed,
+                                   launcher_for, remember)  # fmt: skip
 from kvcore.kernels.row_move import next_pow2
 
 __all__ = ["HeadGather", "gather_heads", "gather_heads_native", "gather_heads_triton", "put_rows", "store_and_gather_native",
@@ -42,8 +43,6 @@ _NUM_WARPS = 4
 #: how many holders (tensors, views included, and storage objects) a storage has, given its address:
 #: ``torch._C._storage_Use_Count`` (None: outputs are never reused)
 _STORAGE_USES = getattr(torch._C, "_storage_Use_Count", None)
-#: the device's current raw stream (CUDA builds of torch)
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 _SAME, _F32, _F16, _BF16 = (tl.constexpr(dtypes.SAME), tl.constexpr(dtypes.F32), tl.constexpr(dtypes.F16),
@@ -344,7 +343,7 @@ class HeadGather:
         self.k_scale, self.v_scale, self.use_triton = k_scale, v_scale, use_triton
         self.heads, self.dk, self.dv = k0.shape[-2], k0.shape[-1], v0.shape[-1]
         self._template = torch.empty((0,), dtype=out_dtype, device=k0.device)  # outputs: new_empty of it
-        #: the last outputs, written again when free (``reuse_outputs``): (keys, values, their batch and seq, the
+        #: the last outputs, written again when free (``reuse_outputs``): (keys, values, their ``(batch, seq)``, the
         #: stream they were last written on, their storage objects, the storages' addresses and use counts when free,
         #: the outputs' reference counts when free)
         self._spare: tuple | None = None
@@ -353,9 +352,9 @@ class HeadGather:
         self._reuse = bool(reuse_outputs) and _STORAGE_USES is not None
         self._current_stream = _RAW_STREAM if k0.device.type == "cuda" and _RAW_STREAM is not None else None
         #: store_and_gather's last direct launch, for a call that differs from it only in the layer and the new
-        #: rows' and outputs' addresses: (locs and what of it the launch took, the new rows' shapes, strides and
-        #: dtype, the layer's and the addresses' alignment, the launch's callable, grid, stream getter, head and
-        #: tail, batch, seq)
+        #: rows' and outputs' addresses: (locs and what of it the launch took, its shape ``(batch, seq)`` among
+        #: them, the new rows' shapes, strides and dtype, the layer's and the addresses' alignment, the launch's
+        #: callable, grid, stream getter and device, head and tail)
         self._last_launch: tuple | None = None
         if not use_triton:
             return
@@ -435,14 +434,14 @@ class HeadGather:
         last = self._last_launch
         if last is not None and last[0] is locs:  # like the last call (a forward's later layers): its launch again
             (_, lp, lshape, lstride, ldtype, kshape, vshape, kstride, vstride, dtype, aligned, align, run, grid,
-             stream, index, head, tail, batch, seq) = last  # fmt: skip
+             stream, index, head, tail) = last  # fmt: skip
             if (k_new.shape == kshape and v_new.shape == vshape and k_new.stride() == kstride
                     and v_new.stride() == vstride and k_new.dtype is dtype and v_new.dtype is dtype
                     and k_new.get_device() == self._device_index == v_new.get_device()
                     and self._aligned[layer] == aligned and locs.data_ptr() == lp and locs.shape == lshape
                     and locs.stride() == lstride and locs.dtype is ldtype
                     and not launch_hooks_installed()):  # fmt: skip
-                k_out, v_out = self._outputs(batch, seq)
+                k_out, v_out = self._outputs(*lshape)
                 ko, vo, knp, vnp = k_out.data_ptr(), v_out.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
                 if (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12 == align:
                     kp, vp = self._addresses[layer]
@@ -474,7 +473,7 @@ class HeadGather:
             self._last_launch = (  # what a call like this one launches again (see above)
                 locs, lp, (batch, seq), lst, locs.dtype, ks, vs, kst, vst, k_new.dtype, self._aligned[layer],
                 (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12, entry[0], grid, plan.raw_stream,
-                plan.device_index, entry[1], tail, batch, seq,
+                plan.device_index, entry[1], tail,
             )  # fmt: skip
         else:
             k, v = self._kernel_layers[layer]
@@ -493,17 +492,17 @@ class HeadGather:
         if not self._reuse:
             new = self._template.new_empty
             return new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
-        spare = self._spare
         stream = self._current_stream(self._device_index) if self._current_stream is not None else 0
-        if spare is not None and spare[2] == batch and spare[3] == seq and spare[4] == stream:
-            k_out, v_out = spare[0], spare[1]
+        if self._spare is not None:
+            k_out, v_out, shape, on_stream, _, k_at, v_at, k_free, v_free, refs = self._spare
             # Nothing else holds them: their Python references are the spare tuple's and these locals' (as counted
             # when the pair was new), and their memory is held by them and the spare's storage objects alone (a
             # view, a detached or set_ tensor would hold it too).
-            refs = spare[10]
-            if (sys.getrefcount(k_out) == refs and sys.getrefcount(v_out) == refs
-                    and _STORAGE_USES(spare[6]) == spare[8] and _STORAGE_USES(spare[7]) == spare[9]):  # fmt: skip
+            if (shape == (batch, seq) and on_stream == stream and sys.getrefcount(k_out) == refs
+                    and sys.getrefcount(v_out) == refs and _STORAGE_USES(k_at) == k_free
+                    and _STORAGE_USES(v_at) == v_free):  # fmt: skip
                 return k_out, v_out
+            del k_out, v_out
         new = self._template.new_empty
         k_out, v_out = new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
         k_mem, v_mem = k_out.untyped_storage(), v_out.untyped_storage()  # kept: their addresses stay valid
@@ -516,7 +515,7 @@ class HeadGather:
             held = (k_out,)
             refs = self._free_refs = sys.getrefcount(k_out)
             del held
-        self._spare = (k_out, v_out, batch, seq, stream, (k_mem, v_mem), k_at, v_at, *free, refs)
+        self._spare = (k_out, v_out, (batch, seq), stream, (k_mem, v_mem), k_at, v_at, *free, refs)
         return k_out, v_out
 
     def _store_plan(self, locs: torch.Tensor, batch: int, seq: int, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -1,8 +1,8 @@
 """How ``kvcore bench`` measures and prints: host time of eager calls (:func:`host_us`, and
 :func:`host_us_of_calls` for calls of changing sizes), device time in CUDA-graph replay (:func:`graph_us`), the
-median of timed eager runs (:func:`median_ms`, for benchmarks of moves too large for a graph), the device-copy ceiling (:func:`copy_ceiling_gbps`), and the rows and tables of the report (:class:`Row`,
-:func:`format_tables`).  Knows no pool: :mod:`kvcore.tools.bench` and :mod:`kvcore.tools.bench_engine` time
-theirs with it."""
+median of timed eager runs (:func:`median_ms`, for benchmarks of moves too large for a graph), the device-copy
+ceiling (:func:`copy_ceiling_gbps`), and the rows and tables of the report (:class:`Row`, :func:`format_tables`).
+Knows no pool: :mod:`kvcore.tools.bench` and :mod:`kvcore.tools.bench_engine` time theirs with it."""
 
 from __future__ import annotations
 
