@@ -145,11 +145,12 @@ class TurnClock(LogitsProcessor):
         return [end - start for start, end in zip(self.resumed[:-2], self.stamps[1:-1])]
 
 
-def lockstep(model, caches: dict, ids, mask, tokens: int, device: str) -> dict[str, list[float]]:
+def lockstep(model, caches: dict, ids, mask, tokens: int, device: str, clock_cls=TurnClock) -> dict[str, list[float]]:
     """One generate of ``tokens`` per cache of ``caches`` (name -> cache), in turns (:class:`Turns`): each one's
-    decode step times, seconds."""
+    decode step times, seconds.  ``clock_cls(turns, who, tokens, device)`` makes each generate's
+    :class:`TurnClock`."""
     turns = Turns(len(caches))
-    clocks = {name: TurnClock(turns, who, tokens, device) for who, name in enumerate(caches)}
+    clocks = {name: clock_cls(turns, who, tokens, device) for who, name in enumerate(caches)}
 
     core = sorted(os.sched_getaffinity(0))[-1] if hasattr(os, "sched_getaffinity") else None
 

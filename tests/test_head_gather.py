@@ -213,14 +213,15 @@ class CountingPlans(dict):
 @pytest.mark.parametrize("reuse", [False, True])
 def test_a_call_like_the_last_launches_what_the_full_path_launches(reuse):
     """``store_and_gather`` launches a call that differs from the last direct launch only in its layer and new rows
-    (the same locations object, shapes, strides, dtypes, alignment) without looking its plan up, with the same
-    arguments the full path passes (the outputs' addresses aside: fresh or reused tensors); anything else goes the
-    full way.  The direct launch replaced by a recorder, so that it runs on the CPU too."""
+    (the same locations object, shapes, strides, dtypes, alignment), or in the length of the same rows of locations
+    (another view of them: a decode's next step), without looking its plan up, with the same arguments the full
+    path passes (the outputs' addresses aside: fresh or reused tensors); anything else goes the full way.  The direct launch replaced by a recorder, so that it runs on the CPU too."""
     layers, rows, heads, dk, dv, batch = 3, 200, 2, 16, 8, 2
     k = random_rows((layers, rows, heads, dk), torch.float8_e4m3fn, 50)
     v = random_rows((layers, rows, heads, dv), torch.float8_e4m3fn, 51)
     gather = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, 0.5, 2.0, use_triton=True, reuse_outputs=reuse)
-    locs = distinct_locations(batch, 30, rows, 52)[:, :21]
+    table = distinct_locations(batch, 30, rows, 52)
+    locs = table[:, :21]
 
     def rows_of(seed, transposed=False, dim=dk):
         return new_rows(batch, heads, 1, dim, torch.bfloat16, seed, transposed)
@@ -251,6 +252,14 @@ def test_a_call_like_the_last_launches_what_the_full_path_launches(reuse):
         fast, took_full = launch(layer, new, full=False)
         assert not took_full, "a call like the last takes the short way"
         assert fast == launch(layer, new, full=True)[0]
+    # the same rows of locations at another length (a decode's next step): the short way, the full way's arguments
+    for width in (22, 20):
+        longer = table[:, :width]
+        new = (rows_of(50 + width), rows_of(60 + width, True, dv))
+        fast, took_full = launch(0, new, full=False, at_locs=longer)
+        assert not took_full, "the same rows at another length take the short way"
+        assert fast == launch(0, new, full=True, at_locs=longer)[0]
+        assert not launch(1, new, full=False, at_locs=longer)[1]
     # another locations object or other strides: the full way (then the short way for calls like it)
     assert launch(1, (rows_of(40), rows_of(41, True, dv)), full=False, at_locs=locs.clone())[1]
     assert launch(1, (rows_of(40), rows_of(41, True, dv)), full=False)[1]

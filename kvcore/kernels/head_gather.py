@@ -432,9 +432,11 @@ class HeadGather:
             return store_and_gather_native(self.k_layers[layer], self.v_layers[layer], locs, k_new, v_new,
                                            self.out_dtype, self.k_scale, self.v_scale)  # fmt: skip
         last = self._last_launch
-        if last is not None and last[0] is locs:  # like the last call (a forward's later layers): its launch again
-            (_, lp, lshape, lstride, ldtype, kshape, vshape, kstride, vstride, dtype, aligned, align, run, grid,
-             stream, index, head, tail) = last  # fmt: skip
+        if last is not None and last[0] is not locs:  # the same rows of locations at another length (a next step)?
+            last = self._last_at_length(last, locs)
+        if last is not None:  # the last direct launch again for a call that differs only in the layer and addresses
+            (_, lp, lshape, lstride, ldtype, kshape, vshape, kstride, vstride, dtype, aligned, align, run, grid, stream,
+             index, head, tail, _) = last  # fmt: skip
             if (k_new.shape == kshape and v_new.shape == vshape and k_new.stride() == kstride
                     and v_new.stride() == vstride and k_new.dtype is dtype and v_new.dtype is dtype
                     and k_new.get_device() == self._device_index == v_new.get_device()
@@ -473,13 +475,31 @@ class HeadGather:
             self._last_launch = (  # what a call like this one launches again (see above)
                 locs, lp, (batch, seq), lst, locs.dtype, ks, vs, kst, vst, k_new.dtype, self._aligned[layer],
                 (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12, entry[0], grid, plan.raw_stream,
-                plan.device_index, entry[1], tail,
+                plan.device_index, entry[1], tail, plan,
             )  # fmt: skip
         else:
             k, v = self._kernel_layers[layer]
             plan(seq, (kp, vp, ko, vo, lp, knp, vnp, seq, seq - q, locs.stride(0)),
                  lambda: (k, v, k_out, v_out, locs, k_new, v_new))  # fmt: skip
         return k_out, v_out
+
+    def _last_at_length(self, last: tuple, locs: torch.Tensor) -> tuple | None:
+        """The last direct launch ``last`` for ``locs``, another tensor of the same rows of locations at another
+        length (the next step of a decode: its first layer), or None: the same signature (the plan, the address,
+        the batch, strides and dtype of the locations), only the grid and the lengths after the runtime addresses
+        taken from ``locs`` (kept as the last launch)."""
+        (_, lp, lshape, lstride, ldtype, kshape, vshape, kstride, vstride, dtype, aligned, align, run, _, stream,
+         index, head, _, plan) = last  # fmt: skip
+        if locs.data_ptr() != lp or locs.dtype is not ldtype or locs.dim() != 2 or locs.stride() != lstride:
+            return None
+        batch, seq = locs.shape
+        q = kshape[2]
+        if batch != lshape[0] or not 0 < q <= seq:
+            return None
+        grid, tail = (-(-seq // plan.block_n), batch, 2), (seq, seq - q, lstride[0], *plan.suffix)
+        self._last_launch = last = (locs, lp, (batch, seq), lstride, ldtype, kshape, vshape, kstride, vstride, dtype,
+                                    aligned, align, run, grid, stream, index, head, tail, plan)  # fmt: skip
+        return last
 
     def release(self) -> None:
         """Drop what calls keep for the next: the spare outputs (their memory goes back to torch's allocator) and
