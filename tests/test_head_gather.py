@@ -215,7 +215,8 @@ def test_a_call_like_the_last_launches_what_the_full_path_launches(reuse):
     """``store_and_gather`` launches a call that differs from the last direct launch only in its layer and new rows
     (the same locations object, shapes, strides, dtypes, alignment), or in the length of the same rows of locations
     (another view of them: a decode's next step), without looking its plan up, with the same arguments the full
-    path passes (the outputs' addresses aside: fresh or reused tensors); anything else goes the full way.  The direct launch replaced by a recorder, so that it runs on the CPU too."""
+    path passes (the outputs' addresses aside: fresh or reused tensors); anything else goes the full way.  The
+    direct launch replaced by a recorder, so that it runs on the CPU too."""
     layers, rows, heads, dk, dv, batch = 3, 200, 2, 16, 8, 2
     k = random_rows((layers, rows, heads, dk), torch.float8_e4m3fn, 50)
     v = random_rows((layers, rows, heads, dv), torch.float8_e4m3fn, 51)

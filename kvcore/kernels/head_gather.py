@@ -352,9 +352,10 @@ class HeadGather:
         self._reuse = bool(reuse_outputs) and _STORAGE_USES is not None
         self._current_stream = _RAW_STREAM if k0.device.type == "cuda" and _RAW_STREAM is not None else None
         #: store_and_gather's last direct launch, for a call that differs from it only in the layer and the new
-        #: rows' and outputs' addresses: (locs and what of it the launch took, its shape ``(batch, seq)`` among
-        #: them, the new rows' shapes, strides and dtype, the layer's and the addresses' alignment, the launch's
-        #: callable, grid, stream getter and device, head and tail)
+        #: rows' and outputs' addresses, or also in the length of the same rows of locations (_last_at_length):
+        #: (locs and what of it the launch took, its shape ``(batch, seq)`` among them, the new rows' shapes, strides
+        #: and dtype, the layer's and the addresses' alignment, the launch's callable, grid, stream getter and
+        #: device, head and tail, its plan)
         self._last_launch: tuple | None = None
         if not use_triton:
             return
