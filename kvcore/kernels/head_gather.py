@@ -345,7 +345,7 @@ class HeadGather:
         self._template = torch.empty((0,), dtype=out_dtype, device=k0.device)  # outputs: new_empty of it
         #: the last outputs, written again when free (``reuse_outputs``): (keys, values, their ``(batch, seq)``, the
         #: stream they were last written on, their storage objects, the storages' addresses and use counts when free,
-        #: the outputs' reference counts when free)
+        #: the outputs' reference counts when free, their data addresses)
         self._spare: tuple | None = None
         self._free_uses: tuple[int, int] | None = None  # the storages' use counts of a pair nothing else holds
         self._free_refs: int | None = None  # sys.getrefcount of an output nothing else holds, in _outputs
@@ -388,11 +388,11 @@ class HeadGather:
             return gather_heads_native(self.k_layers[layer], self.v_layers[layer], locs, self.out_dtype, self.k_scale,
                                        self.v_scale)  # fmt: skip
         batch, seq = locs.shape
-        k_out, v_out = self._outputs(batch, seq)
+        k_out, v_out, ko, vo = self._outputs(batch, seq)
         if not batch or not seq:
             return k_out, v_out
         kp, vp = self._addresses[layer]
-        lp, ko, vo = locs.data_ptr(), k_out.data_ptr(), v_out.data_ptr()
+        lp = locs.data_ptr()
         signature = (locs.dtype, locs.stride(1), locs.get_device(), lp & 15, batch, (ko & 15) | (vo & 15) << 4,
                      self._aligned[layer])  # fmt: skip
         plan = self._plans.get(signature, UNPLANNED)
@@ -444,22 +444,23 @@ class HeadGather:
                     and self._aligned[layer] == aligned and locs.data_ptr() == lp and locs.shape == lshape
                     and locs.stride() == lstride and locs.dtype is ldtype
                     and not launch_hooks_installed()):  # fmt: skip
-                k_out, v_out = self._outputs(*lshape)
-                ko, vo, knp, vnp = k_out.data_ptr(), v_out.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
+                on = stream(index)
+                k_out, v_out, ko, vo = self._outputs(*lshape, on)
+                knp, vnp = k_new.data_ptr(), v_new.data_ptr()
                 if (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12 == align:
                     kp, vp = self._addresses[layer]
-                    run(*grid, stream(index), *head, kp, vp, ko, vo, lp, knp, vnp, *tail)
+                    run(*grid, on, *head, kp, vp, ko, vo, lp, knp, vnp, *tail)
                     return k_out, v_out
         batch, seq = locs.shape
         ks, vs = k_new.shape, v_new.shape
         q = ks[2] if len(ks) == 4 else -1
-        k_out, v_out = self._outputs(batch, seq)
+        k_out, v_out, ko, vo = self._outputs(batch, seq)
         if not batch or not 0 < q <= seq:  # nothing to store, or a call the checks refuse
             if batch and q:
                 self._store_plan(locs, batch, seq, k_new, v_new, k_out, v_out, self._aligned[layer])  # raises
             return self(layer, locs)
         kp, vp = self._addresses[layer]
-        lp, ko, vo, knp, vnp = locs.data_ptr(), k_out.data_ptr(), v_out.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
+        lp, knp, vnp = locs.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
         lst, kst, vst = locs.stride(), k_new.stride(), v_new.stride()
         signature = (locs.dtype, lst[1], locs.get_device(), batch, ks, kst, k_new.dtype, k_new.get_device(), vs, vst,
                      v_new.dtype, v_new.get_device(),
@@ -507,22 +508,25 @@ class HeadGather:
         the last launch (with the locations it holds)."""
         self._spare = self._last_launch = None
 
-    def _outputs(self, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two outputs of a call: the spare pair when ``reuse_outputs`` allows it (see the class), else two new
-        tensors (then kept as the spare)."""
+    def _outputs(self, batch: int, seq: int, stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The two outputs of a call and their addresses: the spare pair when ``reuse_outputs`` allows it (see the
+        class), else two new tensors (then kept as the spare).  ``stream``: the device's current raw stream, when
+        the caller has read it already."""
         if not self._reuse:
             new = self._template.new_empty
-            return new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
-        stream = self._current_stream(self._device_index) if self._current_stream is not None else 0
+            k_out, v_out = new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
+            return k_out, v_out, k_out.data_ptr(), v_out.data_ptr()
+        if stream is None:
+            stream = self._current_stream(self._device_index) if self._current_stream is not None else 0
         if self._spare is not None:
-            k_out, v_out, shape, on_stream, _, k_at, v_at, k_free, v_free, refs = self._spare
+            k_out, v_out, shape, on_stream, _, k_at, v_at, k_free, v_free, refs, ko, vo = self._spare
             # Nothing else holds them: their Python references are the spare tuple's and these locals' (as counted
             # when the pair was new), and their memory is held by them and the spare's storage objects alone (a
             # view, a detached or set_ tensor would hold it too).
             if (shape == (batch, seq) and on_stream == stream and sys.getrefcount(k_out) == refs
                     and sys.getrefcount(v_out) == refs and _STORAGE_USES(k_at) == k_free
                     and _STORAGE_USES(v_at) == v_free):  # fmt: skip
-                return k_out, v_out
+                return k_out, v_out, ko, vo
             del k_out, v_out
         new = self._template.new_empty
         k_out, v_out = new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
@@ -536,8 +540,9 @@ class HeadGather:
             held = (k_out,)
             refs = self._free_refs = sys.getrefcount(k_out)
             del held
-        self._spare = (k_out, v_out, (batch, seq), stream, (k_mem, v_mem), k_at, v_at, *free, refs)
-        return k_out, v_out
+        ko, vo = k_out.data_ptr(), v_out.data_ptr()
+        self._spare = (k_out, v_out, (batch, seq), stream, (k_mem, v_mem), k_at, v_at, *free, refs, ko, vo)
+        return k_out, v_out, ko, vo
 
     def _store_plan(self, locs: torch.Tensor, batch: int, seq: int, k_new: torch.Tensor, v_new: torch.Tensor,
                     k_out: torch.Tensor, v_out: torch.Tensor, aligned: tuple[bool, bool]) -> Plan:  # fmt: skip
