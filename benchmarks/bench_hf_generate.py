@@ -266,6 +266,16 @@ def build_model(args):
     return LlamaForCausalLM(cfg).to(args.device, torch.bfloat16).eval()
 
 
+def probe_case(model, case: str, device: str) -> tuple[str, int, int, torch.Tensor, torch.Tensor]:
+    """A probe's case ``"dtype:batch:prompt"``: ``(dtype, batch, prompt, ids, mask)``, the prompt ids random (seed 0)
+    and unpadded."""
+    dtype, batch, prompt = case.split(":")
+    batch, prompt = int(batch), int(prompt)
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    return dtype, batch, prompt, ids, torch.ones_like(ids)
+
+
 def sync(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_hf_generate import TurnClock, build_model, lockstep  # noqa: E402
+from bench_hf_generate import TurnClock, build_model, lockstep, probe_case  # noqa: E402
 
 from kvcore.integrations.transformers import PagedKVCache  # noqa: E402
 
@@ -155,11 +155,8 @@ def main() -> None:
     print(f"{'case':<22} {'part':<12} {'dynamic us':>11} {'kvcore us':>10} {'kvcore-dyn':>11}"
           + (f" {'nolaunch us':>12}" if "nolaunch" in names else ""))
     for case in args.cases.split(","):
-        dtype, batch, prompt = case.split(":")
-        batch, prompt = int(batch), int(prompt)
-        ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(args.device)
-        mask = torch.ones_like(ids)
+        dtype, batch, prompt, ids, mask = probe_case(model, case, args.device)
+
         def paged(cls):
             return cls.from_model(model, max_total_tokens=batch * (prompt + args.new + 64), page_size=16, dtype=dtype,
                                   max_batch_size=batch)  # fmt: skip
@@ -184,19 +181,16 @@ def main() -> None:
                 for seconds, part in zip(times[name], clock.per_step[1:]):
                     steps[name].append({"step": seconds * 1e9, **part})
         row = {"case": case}
+        shown = {}  # per cache, the parts as printed: each clocked part less the one inside it
         for name in makers:
-            row[name] = {key: statistics.median(s[key] for s in steps[name]) / 1e3 for key in ("step", *PARTS)}
+            m = row[name] = {key: statistics.median(s[key] for s in steps[name]) / 1e3 for key in ("step", *PARTS)}
+            shown[name] = {"update": m["update"], "attn-rest": m["attn"] - m["update"],
+                           "layers-rest": m["layers"] - m["attn"], "outside": m["step"] - m["layers"], "step": m["step"]}
         report.append(row)
-        for key, label in (("update", "update"), ("attn", "attn-rest"), ("layers", "layers-rest"),
-                           ("step", "outside"), ("step", "step")):  # fmt: skip
-            def value(name, key=key, label=label):
-                r = row[name]
-                return {"attn-rest": r["attn"] - r["update"], "layers-rest": r["layers"] - r["attn"],
-                        "outside": r["step"] - r["layers"]}.get(label, r[key])  # fmt: skip
-
-            d, k = value("dynamic"), value("kvcore")
+        for label in shown["dynamic"]:
+            d, k = shown["dynamic"][label], shown["kvcore"][label]
             print(f"{case:<22} {label:<12} {d:11.1f} {k:10.1f} {k - d:+11.1f}"
-                  + (f" {value('nolaunch'):12.1f}" if "nolaunch" in names else ""), flush=True)  # fmt: skip
+                  + (f" {shown['nolaunch'][label]:12.1f}" if "nolaunch" in names else ""), flush=True)  # fmt: skip
     out = os.path.join(os.environ.get("OUT", "/tmp"), "probe_hf_parts.json")
     with open(out, "w") as f:
         json.dump(report, f, indent=1)

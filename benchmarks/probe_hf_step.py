@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_hf_generate import CACHE_KW, build_model, sync  # noqa: E402
+from bench_hf_generate import CACHE_KW, build_model, probe_case, sync  # noqa: E402
 
 from kvcore.integrations.transformers import PagedKVCache  # noqa: E402
 
@@ -38,11 +38,7 @@ def main() -> None:
     model = build_model(args)
     log = open(os.path.join(os.environ.get("OUT", "/tmp"), "probe_hf_step.txt"), "w")
     for case in args.cases.split(","):
-        dtype, batch, prompt = case.split(":")
-        batch, prompt = int(batch), int(prompt)
-        ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(args.device)
-        mask = torch.ones_like(ids)
+        dtype, batch, prompt, ids, mask = probe_case(model, case, args.device)
         makers = {
             "dynamic": lambda: DynamicCache(config=model.config),
             "kvcore": lambda: PagedKVCache.from_model(model, max_total_tokens=batch * (prompt + args.new + 64),
