@@ -171,7 +171,10 @@ def test_store_and_gather_matches_a_store_then_a_gather(cache_dtype, model_dtype
         for layer in range(layers):
             k_new = new_rows(batch, heads, q, dk, model_dtype, 100 * step + layer)
             v_new = new_rows(batch, heads, q, dv, model_dtype, 100 * step + layer + 50, transposed=True)
-            got = gather.store_and_gather(layer, locs, k_new, v_new)
+            if layer % 2 and step != 4:  # the table's rows and a length, as a decode passes them
+                got = gather.store_and_gather(layer, table, k_new, v_new, end)
+            else:
+                got = gather.store_and_gather(layer, locs, k_new, v_new)
             want = store_and_gather_native(k_ref[layer], v_ref[layer], locs, k_new, v_new, model_dtype, scale, scale)
             assert got[0].shape == (batch, heads, end, dk) and got[1].shape == (batch, heads, end, dv)
             assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), (step, layer)
@@ -234,13 +237,13 @@ def test_a_call_like_the_last_launches_what_the_full_path_launches(reuse):
         plan.entry, plan.raw_stream = (lambda *a: launched.append(a), ("HEAD",)), lambda index: 7
     gather._store_plans = plans = CountingPlans(gather._store_plans)
 
-    def launch(layer, new, full, at_locs=locs):
+    def launch(layer, new, full, at_locs=locs, length=None):
         """The arguments of layer ``layer``'s launch storing ``new`` (keys, values), and whether it took the full
         path."""
         if full:
             gather._last_launch = None
         before = plans.lookups
-        out = gather.store_and_gather(layer, at_locs, *new)
+        out = gather.store_and_gather(layer, at_locs, *new, length)
         args = list(launched.pop())
         at = 3 + 1 + 1 + 2  # the grid, the stream, the head, the layer's K and V addresses
         assert args[at : at + 2] == [out[0].data_ptr(), out[1].data_ptr()]
@@ -261,11 +264,38 @@ def test_a_call_like_the_last_launches_what_the_full_path_launches(reuse):
         assert not took_full, "the same rows at another length take the short way"
         assert fast == launch(0, new, full=True, at_locs=longer)[0]
         assert not launch(1, new, full=False, at_locs=longer)[1]
+    # the table's rows each step, with a length: the short way too, from the first layer of each length on
+    for length in (23, 24, 19):
+        new = (rows_of(70 + length), rows_of(80 + length, True, dv))
+        fast, took_full = launch(0, new, full=False, at_locs=table, length=length)
+        assert not took_full, "the same rows object at another length takes the short way"
+        assert fast == launch(0, new, full=True, at_locs=table, length=length)[0]
+        assert fast == launch(0, new, full=True, at_locs=table[:, :length])[0], "a length reads what a view does"
+        assert not launch(2, new, full=False, at_locs=table, length=length)[1]
     # another locations object or other strides: the full way (then the short way for calls like it)
     assert launch(1, (rows_of(40), rows_of(41, True, dv)), full=False, at_locs=locs.clone())[1]
     assert launch(1, (rows_of(40), rows_of(41, True, dv)), full=False)[1]
     assert launch(2, (rows_of(42, True), rows_of(43, True, dv)), full=False)[1]
     assert not launch(0, (rows_of(44, True), rows_of(45, True, dv)), full=False)[1]
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_store_and_gather_refuses_a_length_outside_the_locations(use_triton):
+    """``length`` counts a row's first tokens: more than the locations hold, a negative count or a non-int is
+    refused with what it must be, on both paths, before anything is stored."""
+    k = random_rows((1, 100, 2, 16), torch.bfloat16, 60)
+    v = random_rows((1, 100, 2, 8), torch.bfloat16, 61)
+    before = k.clone(), v.clone()
+    gather = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=use_triton)
+    table = distinct_locations(2, 20, 100, 62)
+    k_new, v_new = new_rows(2, 2, 1, 16, torch.bfloat16, 63), new_rows(2, 2, 1, 8, torch.bfloat16, 64)
+    gather.store_and_gather(0, table, k_new, v_new, 12)  # (a launch to be like: the short way checks too)
+    stored = k.clone(), v.clone()
+    assert not (same_bits(stored[0], before[0]) and same_bits(stored[1], before[1]))
+    for length in (21, -1, 12.0, True):
+        with pytest.raises(ValueError, match=r"length must be an int in 0\.\.20"):
+            gather.store_and_gather(0, table, k_new, v_new, length)
+        assert same_bits(k, stored[0]) and same_bits(v, stored[1])
 
 
 MODES = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}
@@ -324,8 +354,28 @@ def test_reused_outputs_are_only_those_nothing_holds(mode, store):
         kept = ids(pair)
         del pair
         assert ids(call(0, end)) == kept
-        end += 1
-        assert ids(call(1, end)) != kept, "other shapes: a new pair"
+        assert ids(call(1, end + 1)) == kept, "a decode's next step: the pair resized in place (room for 16 more)"
+        assert ids(call(0, end - 9)) == kept, "fewer tokens: resized too"
+        assert ids(call(1, 100)) != kept, "more tokens than the pair's memory holds: a new pair"
+
+
+def test_reused_outputs_made_in_inference_mode_are_not_resized_outside_it():
+    """torch refuses to resize an inference-mode tensor outside inference mode: a call of another length there gets
+    a new pair (and the right values), no error."""
+    k = random_rows((2, 100, 2, 16), torch.bfloat16, 45)
+    v = random_rows((2, 100, 2, 8), torch.bfloat16, 46)
+    gather = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
+    locs = distinct_locations(2, 40, 100, 47)
+    with torch.inference_mode():
+        first = gather(0, locs[:, :30])
+    assert first[0].is_inference()
+    kept = id(first[0])
+    del first
+    with torch.no_grad():
+        got = gather(1, locs[:, :31])
+    want = gather_heads_native(k[1], v[1], locs[:, :31], torch.bfloat16)
+    assert id(got[0]) != kept and not got[0].is_inference()
+    assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA streams: the compiled suite runs it on the GPU")

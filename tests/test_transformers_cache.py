@@ -733,6 +733,41 @@ def test_a_layers_keys_and_values_are_written_over_only_once_dropped():
     assert all(gather._spare is None and gather._last_launch is None for gather in cache._gathers.values())
 
 
+def test_a_decode_steps_first_layer_only_resizes_the_outputs_within_held_pages(monkeypatch):
+    """On the one-launch path a decode step whose rows stay within the pages they hold works nothing out again: its
+    first layer passes the same table rows with a new length and makes no op but resizing the two outputs (no view
+    of the table; an allocation only once they are outgrown, 16 tokens or more apart), and the layers after it none
+    of their own; only a forward that takes pages goes through the step's set-up."""
+    model, ids, mask, device = on_test_device(torch.bfloat16)
+    cache = paged(model, page_size=16, kernels="triton", device=device)
+    begins = []
+    begin_step = cache._begin_step
+    monkeypatch.setattr(cache, "_begin_step", lambda k, v, end: begins.append(end) or begin_step(k, v, end))
+    recorder = RecordOps(cache)
+    new = 40
+    generate(model, cache, new, ids, mask)
+    width = ids.shape[1]
+    ends = range(width, width + new)  # the forwards: the prompt's, then a decode step each
+    assert begins == [end for end in ends if end == width or -(-end // 16) > -(-(end - 1) // 16)]
+    layers = model.config.num_hidden_layers
+    steps = [recorder.calls[i : i + layers] for i in range(layers, len(recorder.calls), layers)]
+    assert len(steps) == new - 1
+    grown = []
+    for end, step in zip(ends[1:], steps):
+        if end in begins:
+            continue
+        (_, _, first), *later = step
+        for _, q, ops in later:  # (under the interpreter the launch makes ops of its own, the same in every layer)
+            assert q == 1 and ops == later[0][2], f"layer ops differ at length {end}: {ops} and {later[0][2]}"
+        own = first - later[0][2]
+        assert not later[0][2] - first
+        if own == {"new_empty": 2, "resize_": 2}:  # outputs outgrown: two more, with room for 16 more tokens a row
+            grown.append(end)
+        else:
+            assert own == {"resize_": 2}, f"a decode step's first layer at length {end}: {own}"
+    assert len(grown) <= -(-new // 16) and all(b - a >= 16 for a, b in zip(grown, grown[1:])), grown
+
+
 def test_a_checked_pool_is_stored_through_set_kv_buffer(monkeypatch):
     """Behind kvcore's checking proxy the cache never writes the pool itself: every layer stores through the proxy's
     ``set_kv_buffer`` (its checks run) and reads with the one-launch gather."""

@@ -21,9 +21,10 @@ by ``k_scale`` / ``v_scale``) and hands attention the keys and values of all the
 location in one launch and converted back to the model's dtype, as ``[batch, kv_heads, seq, head_dim]`` (or,
 with ``contiguous_rows``, strided views of the pool).  On a GPU over kvcore's own K/V pools (whose
 ``set_kv_buffer_writes_rows`` says the store is a plain row write) the store and the gather are one launch
-(:meth:`~kvcore.kernels.head_gather.HeadGather.store_and_gather`): a layer's step is one allocation and one
-launch.  No forward waits for the device, but when the pool is nearly full (the allocator then counts its free
-pages exactly) and, with ``contiguous_rows``, once per batch.
+(:meth:`~kvcore.kernels.head_gather.HeadGather.store_and_gather`): a layer's step is one launch, into the
+keys and values the layer before returned once nothing holds them (a decode step's first layer resizes them).
+No forward waits for the device, but when the pool is nearly full (the allocator then counts its free pages
+exactly) and, with ``contiguous_rows``, once per batch.
 Left padding of prompts of different lengths is stored like any token; the attention mask hides it, exactly as
 with ``DynamicCache``.
 
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 
 try:
-    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.cache_utils import Cache
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         'kvcore.integrations.transformers needs transformers; install it with: pip install "kvcore[hf]"'
@@ -53,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from kvcore.errors import ConfigError, KVCoreError
 from kvcore.integrations.hf_model import (BACKEND, SUPPORTED_DTYPES, build_pools_at, config_overrides, model_dimensions,
                                           resolve_dtype)  # fmt: skip
+from kvcore.integrations.paged_layer import PagedKVLayer
 from kvcore.kernels.head_gather import HeadGather, take_rows
 from kvcore.kernels.kernel_mode import use_triton
 
@@ -68,92 +70,6 @@ def _unwrap(obj: Any) -> Any:
     return getattr(obj, "unchecked", obj)
 
 
-class PagedKVLayer(CacheLayerMixin):
-    """One decoder layer's view of a :class:`PagedKVCache`: it counts the tokens the layer has stored and
-    writes / gathers them through the shared pool.  ``keys`` / ``values`` read the stored rows back (a
-    gathered copy, ``[batch, kv_heads, seq, head_dim]``, in the cache dtype)."""
-
-    is_compileable = False
-    is_croppable = True
-    is_sliding = False
-
-    def __init__(self, cache: PagedKVCache, layer_id: int):
-        self._cache = cache
-        self.layer_id = layer_id
-        self.seq_len = 0
-        super().__init__()
-
-    def __repr__(self) -> str:
-        return f"PagedKVLayer(layer_id={self.layer_id}, seq_len={self.seq_len})"
-
-    # transformers' base __init__ assigns keys/values = None; here they are derived from the pool.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._cache._read(self.layer_id, "k", self.seq_len) if self.seq_len else None
-
-    @keys.setter
-    def keys(self, value) -> None:
-        if value is not None:
-            raise AttributeError("PagedKVLayer.keys live in the kvcore pool; write them through update()")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._cache._read(self.layer_id, "v", self.seq_len) if self.seq_len else None
-
-    @values.setter
-    def values(self, value) -> None:
-        if value is not None:
-            raise AttributeError("PagedKVLayer.values live in the kvcore pool; write them through update()")
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens' keys/values and return those of every token so far (in the dtype of
-        ``key_states``): :meth:`PagedKVCache.update` of this layer.  Extra arguments (``cache_kwargs`` of older
-        transformers) are not needed."""
-        return self._cache._update(self, key_states, value_states)
-
-    def get_seq_length(self) -> int:
-        return self.seq_len
-
-    def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        """``(kv_length, kv_offset)``: every past token plus the new ones.  Takes the query length (recent
-        transformers) or the ``cache_position`` tensor (5.0's signature)."""
-        if isinstance(query_length, torch.Tensor):
-            query_length = query_length.shape[0]
-        return self.seq_len + int(query_length), 0
-
-    def get_max_length(self) -> int:
-        """-1: no fixed maximum (the pool's free slots are the limit)."""
-        return -1
-
-    get_max_cache_shape = get_max_length  # the same question under transformers 5.0's name
-
-    def reset(self) -> None:
-        self.seq_len = 0
-        self.is_initialized = False
-
-    def crop(self, max_length: int) -> None:
-        self._cache.crop(max_length)
-
-    def offload(self) -> None:  # the pool stays where it is
-        pass
-
-    def prefetch(self) -> None:
-        pass
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("reorder a PagedKVCache as a whole: cache.reorder_cache(beam_idx)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._cache.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._cache.batch_select_indices(indices)
-
-
 class _Step:
     """What the first layer of a forward works out for every layer of it (:meth:`PagedKVCache._begin_step`).
 
@@ -163,13 +79,15 @@ class _Step:
     reads ``gather(layer, read_locs)`` (``read_locs``: ``[batch, end]`` locations, freed rows at the padding slot)
     or, when ``gather`` is None, strided views of the reserved runs, ``[*view_shape, dim]``.  ``fused``: the layers
     store and read in one launch, ``gather.store_and_gather(layer, read_locs, keys, values)`` (every row live, a
-    pool whose ``set_kv_buffer`` only writes its rows, the Triton path)."""
+    pool whose ``set_kv_buffer`` only writes its rows, the Triton path), which then reads ``read_locs[:, :length]``
+    (``length``: None, or ``end`` when ``read_locs`` are the batch's whole rows of the request table: the same tensor
+    every step)."""
 
-    __slots__ = ("end", "q", "live", "write_locs", "read_locs", "gather", "view_shape", "fused")
+    __slots__ = ("end", "q", "live", "write_locs", "read_locs", "length", "gather", "view_shape", "fused")
 
     def __init__(self, end: int, q: int):
         self.end, self.q = end, q
-        self.live = self.write_locs = self.read_locs = self.gather = self.view_shape = None
+        self.live = self.write_locs = self.read_locs = self.length = self.gather = self.view_shape = None
         self.fused = False
 
 
@@ -410,7 +328,7 @@ class PagedKVCache(Cache):
         if (step is not None and step.fused and layer.is_initialized and key_states.shape[-2] == step.q
                 and layer.seq_len + step.q == step.end):  # a forward's later layers: _update's fused path, at once
             layer.seq_len = step.end
-            return step.gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states)
+            return step.gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states, step.length)
         return self._update(layer, key_states, value_states)
 
     def _update(self, layer: PagedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -421,10 +339,18 @@ class PagedKVCache(Cache):
         end = layer.seq_len + q
         step = self._step
         if step is None or step.end != end or step.q != q:
-            step = self._begin_step(key_states, value_states, end)
+            if (step is not None and step.length is not None and end <= self._allocated
+                    and end <= self.req_to_token_pool.max_context_len and key_states.shape[0] == len(self._slots)
+                    and key_states.dtype is step.gather.out_dtype and key_states.stride(-1) == 1
+                    and value_states.stride(-1) == 1):  # fmt: skip
+                # the next forward of rows read from the table as they are (a decode's next step), its locations
+                # held already: what _begin_step would work out again, but the length
+                step.end, step.q, step.length = end, q, end
+            else:
+                step = self._begin_step(key_states, value_states, end)
         if step.fused:  # the pool's rows written and read in one launch
             layer.seq_len = end
-            return step.gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states)
+            return step.gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states, step.length)
         k, v = key_states, value_states
         if step.live is not None:  # some rows freed: only the others store
             k, v = k[step.live], v[step.live]
@@ -551,11 +477,16 @@ class PagedKVCache(Cache):
                 self._row_views = [self._row_geometry(k) + self._row_geometry(v) for k, v in self._layer_buffers]
             step.view_shape = (batch, k_buf.shape[1], end)
         else:
-            step.read_locs = rows[:, :end] if rows is not None else table[self._slot_t, :end]
             step.gather = self._gather_for(key_states.dtype)
             # one launch stores and reads when the pool's store is a plain row write this cache may make itself
             step.fused = (self._fused_store and step.live is None and key_states.stride(-1) == 1
                           and value_states.stride(-1) == 1)  # fmt: skip
+            if rows is None:
+                step.read_locs = table[self._slot_t, :end]
+            elif step.fused:  # the rows as they are, every step: no view a step, and the launch's last arguments
+                step.read_locs, step.length = rows, end
+            else:
+                step.read_locs = rows[:, :end]
         if not step.fused:  # the store's locations: views of the table when every row is live in consecutive slots
             if rows is not None:
                 step.write_locs = rows[:, prefix] if q == 1 else rows[:, prefix:end]

@@ -28,6 +28,7 @@ from kvcore.kernels import dtypes
 from kvcore.kernels.dtypes import is_fp8_dtype
 from kvcore.kernels.fp8 import (e4m3fn_bits_to_f32_hw, e5m2_bits_to_f32, f32_to_bf16_bits, f32_to_fp8_bits,
                                f32_to_fp8_bits_hw, torch_e4m3fn_saturates)  # fmt: skip
+from kvcore.kernels.head_rows import gather_heads_native, put_rows, store_and_gather_native, take_rows
 from kvcore.kernels.kernel_mode import triton_interpreting
 from kvcore.kernels.launch import (_RAW_STREAM, UNPLANNED, KernelArgs, Plan, cdiv, launch_hooks_installed,
                                    launcher_for, remember)  # fmt: skip
@@ -275,6 +276,25 @@ def _outputs(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: to
             torch.empty((batch, heads, seq, v.shape[-1]), dtype=out_dtype, device=k.device))  # fmt: skip
 
 
+def _checked_length(length: int, width: int) -> int:
+    """``length`` as a count of a row's first tokens, checked against the row's ``width`` locations."""
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= width:
+        raise ValueError(f"length must be an int in 0..{width} (the locations' width), got {length!r}")
+    return length
+
+
+def _first_tokens(locs: torch.Tensor, length: int) -> torch.Tensor:
+    """``locs[:, :length]``, the length checked."""
+    return locs[:, : _checked_length(length, locs.shape[1])]
+
+
+def _room(seq: int) -> int:
+    """Tokens a row of :class:`HeadGather`'s reused outputs has room for when they are allocated for ``seq``: a
+    sixteenth more (at least 16 tokens), so that a decode's next steps, one token longer each, resize them in
+    place."""
+    return seq + max(16, seq // 16)
+
+
 def gather_heads_triton(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: torch.dtype,
                         k_scale: float | None = None, v_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Keys and values of tokens ``locs`` (``[batch, seq]``) as two contiguous ``[batch, heads, seq, dim]`` tensors
@@ -353,9 +373,9 @@ class HeadGather:
         self._current_stream = _RAW_STREAM if k0.device.type == "cuda" and _RAW_STREAM is not None else None
         #: store_and_gather's last direct launch, for a call that differs from it only in the layer and the new
         #: rows' and outputs' addresses, or also in the length of the same rows of locations (_last_at_length):
-        #: (locs and what of it the launch took, its shape ``(batch, seq)`` among them, the new rows' shapes, strides
-        #: and dtype, the layer's and the addresses' alignment, the launch's callable, grid, stream getter and
-        #: device, head and tail, its plan)
+        #: (locs and the length given, what of locs the launch took, the outputs' shape ``(batch, seq)``, the new
+        #: rows' shapes, strides and dtype, the layer's and the addresses' alignment, the launch's callable, grid,
+        #: stream getter and device, head and tail, its plan)
         self._last_launch: tuple | None = None
         if not use_triton:
             return
@@ -420,24 +440,30 @@ class HeadGather:
         return Plan(self._launch, key, self._block_t, (batch, 2), _NUM_WARPS, constexprs=self._constexprs,
                     tail=self._tail)  # fmt: skip
 
-    def store_and_gather(self, layer: int, locs: torch.Tensor, k_new: torch.Tensor,
-                         v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def store_and_gather(self, layer: int, locs: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                         length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Store every row's newest ``q`` tokens, then gather all of its tokens, in one launch: ``k_new`` /
         ``v_new`` (``[batch, heads, q, dim]`` of ``out_dtype``, the head dim packed) are written to layer ``layer``'s
-        rows at locations ``locs[:, -q:]``, converted as a K/V pool's ``set_kv_buffer`` converts (in the rows'
-        dtype: as they are, or divided by the scale in float32 when given, then rounded once to nearest even), and
-        the keys and values of tokens ``locs`` are returned as :meth:`__call__` returns them.  Bit for bit what
-        that store followed by :meth:`__call__` gives (:func:`store_and_gather_native`).  The new tokens'
-        locations must be distinct and not among the row's older ones."""
+        rows at locations ``locs[:, length - q : length]``, converted as a K/V pool's ``set_kv_buffer`` converts (in
+        the rows' dtype: as they are, or divided by the scale in float32 when given, then rounded once to nearest
+        even), and the keys and values of tokens ``locs[:, :length]`` are returned as :meth:`__call__` returns them.
+        Bit for bit what that store followed by :meth:`__call__` gives (:func:`store_and_gather_native`).  The new
+        tokens' locations must be distinct and not among the row's older ones.
+
+        :param length: the tokens of each row, at most ``locs.shape[1]`` (None: all of them).  A caller whose rows
+            grow a token a step (a decode) passes the same request-table rows each step with the new length,
+            which spares it a view a step and this method the work of comparing another locations tensor."""
         if not self.use_triton:
+            if length is not None:
+                locs = _first_tokens(locs, length)
             return store_and_gather_native(self.k_layers[layer], self.v_layers[layer], locs, k_new, v_new,
                                            self.out_dtype, self.k_scale, self.v_scale)  # fmt: skip
         last = self._last_launch
-        if last is not None and last[0] is not locs:  # the same rows of locations at another length (a next step)?
-            last = self._last_at_length(last, locs)
+        if last is not None and (last[0] is not locs or last[1] != length):  # the same rows at another length?
+            last = self._last_at_length(last, locs, length)
         if last is not None:  # the last direct launch again for a call that differs only in the layer and addresses
-            (_, lp, lshape, lstride, ldtype, kshape, vshape, kstride, vstride, dtype, aligned, align, run, grid, stream,
-             index, head, tail, _) = last  # fmt: skip
+            (_, _, lp, lshape, lstride, ldtype, out_shape, kshape, vshape, kstride, vstride, dtype, aligned, align, run,
+             grid, stream, index, head, tail, _) = last  # fmt: skip
             if (k_new.shape == kshape and v_new.shape == vshape and k_new.stride() == kstride
                     and v_new.stride() == vstride and k_new.dtype is dtype and v_new.dtype is dtype
                     and k_new.get_device() == self._device_index == v_new.get_device()
@@ -445,20 +471,22 @@ class HeadGather:
                     and locs.stride() == lstride and locs.dtype is ldtype
                     and not launch_hooks_installed()):  # fmt: skip
                 on = stream(index)
-                k_out, v_out, ko, vo = self._outputs(*lshape, on)
+                k_out, v_out, ko, vo = self._outputs(*out_shape, on)
                 knp, vnp = k_new.data_ptr(), v_new.data_ptr()
                 if (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12 == align:
                     kp, vp = self._addresses[layer]
                     run(*grid, on, *head, kp, vp, ko, vo, lp, knp, vnp, *tail)
                     return k_out, v_out
         batch, seq = locs.shape
+        if length is not None:
+            locs_seq, seq = seq, _checked_length(length, seq)
         ks, vs = k_new.shape, v_new.shape
         q = ks[2] if len(ks) == 4 else -1
         k_out, v_out, ko, vo = self._outputs(batch, seq)
         if not batch or not 0 < q <= seq:  # nothing to store, or a call the checks refuse
             if batch and q:
                 self._store_plan(locs, batch, seq, k_new, v_new, k_out, v_out, self._aligned[layer])  # raises
-            return self(layer, locs)
+            return self(layer, locs if length is None or length == locs_seq else locs[:, :length])
         kp, vp = self._addresses[layer]
         lp, knp, vnp = locs.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
         lst, kst, vst = locs.stride(), k_new.stride(), v_new.stride()
@@ -475,9 +503,9 @@ class HeadGather:
             grid, tail = (-(-seq // plan.block_n), batch, 2), (seq, seq - q, lst[0], *plan.suffix)
             entry[0](*grid, plan.raw_stream(plan.device_index), *entry[1], kp, vp, ko, vo, lp, knp, vnp, *tail)
             self._last_launch = (  # what a call like this one launches again (see above)
-                locs, lp, (batch, seq), lst, locs.dtype, ks, vs, kst, vst, k_new.dtype, self._aligned[layer],
-                (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12, entry[0], grid, plan.raw_stream,
-                plan.device_index, entry[1], tail, plan,
+                locs, length, lp, locs.shape, lst, locs.dtype, (batch, seq), ks, vs, kst, vst, k_new.dtype,
+                self._aligned[layer], (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12, entry[0], grid,
+                plan.raw_stream, plan.device_index, entry[1], tail, plan,
             )  # fmt: skip
         else:
             k, v = self._kernel_layers[layer]
@@ -485,22 +513,28 @@ class HeadGather:
                  lambda: (k, v, k_out, v_out, locs, k_new, v_new))  # fmt: skip
         return k_out, v_out
 
-    def _last_at_length(self, last: tuple, locs: torch.Tensor) -> tuple | None:
-        """The last direct launch ``last`` for ``locs``, another tensor of the same rows of locations at another
-        length (the next step of a decode: its first layer), or None: the same signature (the plan, the address,
-        the batch, strides and dtype of the locations), only the grid and the lengths after the runtime addresses
-        taken from ``locs`` (kept as the last launch)."""
-        (_, lp, lshape, lstride, ldtype, kshape, vshape, kstride, vstride, dtype, aligned, align, run, _, stream,
-         index, head, _, plan) = last  # fmt: skip
-        if locs.data_ptr() != lp or locs.dtype is not ldtype or locs.dim() != 2 or locs.stride() != lstride:
+    def _last_at_length(self, last: tuple, locs: torch.Tensor, length: int | None) -> tuple | None:
+        """The last direct launch ``last`` for ``locs`` and ``length``: the same rows of locations (the same tensor,
+        or another of the same address, strides and dtype: a view of another width) read to another length (the
+        next step of a decode: its first layer), or None.  The same signature (the plan, the batch, the strides and
+        dtype of the locations); only the grid and the lengths after the runtime addresses change, and the result
+        is kept as the last launch."""
+        (_, _, lp, _, lstride, ldtype, out_shape, kshape, vshape, kstride, vstride, dtype, aligned, align, run, _,
+         stream, index, head, _, plan) = last  # fmt: skip
+        if locs is not last[0] and (locs.data_ptr() != lp or locs.dtype is not ldtype or locs.dim() != 2
+                                    or locs.stride() != lstride):  # (the caller checks the same tensor's again)
             return None
-        batch, seq = locs.shape
+        batch, seq = lshape = locs.shape
+        if length is not None:
+            if length.__class__ is not int or not 0 <= length <= seq:
+                return None  # (the full path says why)
+            seq = length
         q = kshape[2]
-        if batch != lshape[0] or not 0 < q <= seq:
+        if batch != out_shape[0] or not 0 < q <= seq:
             return None
         grid, tail = (-(-seq // plan.block_n), batch, 2), (seq, seq - q, lstride[0], *plan.suffix)
-        self._last_launch = last = (locs, lp, (batch, seq), lstride, ldtype, kshape, vshape, kstride, vstride, dtype,
-                                    aligned, align, run, grid, stream, index, head, tail, plan)  # fmt: skip
+        self._last_launch = last = (locs, length, lp, lshape, lstride, ldtype, (batch, seq), kshape, vshape, kstride,
+                                    vstride, dtype, aligned, align, run, grid, stream, index, head, tail, plan)  # fmt: skip
         return last
 
     def release(self) -> None:
@@ -510,8 +544,9 @@ class HeadGather:
 
     def _outputs(self, batch: int, seq: int, stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The two outputs of a call and their addresses: the spare pair when ``reuse_outputs`` allows it (see the
-        class), else two new tensors (then kept as the spare).  ``stream``: the device's current raw stream, when
-        the caller has read it already."""
+        class), resized in place when the call's shapes differ and its memory holds them, else two new tensors
+        (then kept as the spare, with room for :func:`_room` tokens a row).  ``stream``: the device's current raw
+        stream, when the caller has read it already."""
         if not self._reuse:
             new = self._template.new_empty
             k_out, v_out = new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
@@ -519,17 +554,22 @@ class HeadGather:
         if stream is None:
             stream = self._current_stream(self._device_index) if self._current_stream is not None else 0
         if self._spare is not None:
-            k_out, v_out, shape, on_stream, _, k_at, v_at, k_free, v_free, refs, ko, vo = self._spare
+            k_out, v_out, shape, on_stream, _, k_at, v_at, k_free, v_free, refs, ko, vo, room = self._spare
             # Nothing else holds them: their Python references are the spare tuple's and these locals' (as counted
             # when the pair was new), and their memory is held by them and the spare's storage objects alone (a
             # view, a detached or set_ tensor would hold it too).
-            if (shape == (batch, seq) and on_stream == stream and sys.getrefcount(k_out) == refs
-                    and sys.getrefcount(v_out) == refs and _STORAGE_USES(k_at) == k_free
-                    and _STORAGE_USES(v_at) == v_free):  # fmt: skip
-                return k_out, v_out, ko, vo
+            if (on_stream == stream and sys.getrefcount(k_out) == refs and sys.getrefcount(v_out) == refs
+                    and _STORAGE_USES(k_at) == k_free and _STORAGE_USES(v_at) == v_free):  # fmt: skip
+                if shape == (batch, seq):
+                    return k_out, v_out, ko, vo
+                if batch * seq <= room and self._resized(k_out, v_out, batch, seq):  # a decode's next step
+                    self._spare = (k_out, v_out, (batch, seq), *self._spare[3:])
+                    return k_out, v_out, ko, vo
             del k_out, v_out
         new = self._template.new_empty
-        k_out, v_out = new((batch, self.heads, seq, self.dk)), new((batch, self.heads, seq, self.dv))
+        room = batch * _room(seq)
+        k_out, v_out = new((room, self.heads, 1, self.dk)), new((room, self.heads, 1, self.dv))
+        self._resized(k_out, v_out, batch, seq)  # (tensors of this mode: it does not refuse)
         k_mem, v_mem = k_out.untyped_storage(), v_out.untyped_storage()  # kept: their addresses stay valid
         k_at, v_at = k_mem._cdata, v_mem._cdata
         free = self._free_uses
@@ -541,8 +581,19 @@ class HeadGather:
             refs = self._free_refs = sys.getrefcount(k_out)
             del held
         ko, vo = k_out.data_ptr(), v_out.data_ptr()
-        self._spare = (k_out, v_out, (batch, seq), stream, (k_mem, v_mem), k_at, v_at, *free, refs, ko, vo)
+        self._spare = (k_out, v_out, (batch, seq), stream, (k_mem, v_mem), k_at, v_at, *free, refs, ko, vo, room)
         return k_out, v_out, ko, vo
+
+    def _resized(self, k_out: torch.Tensor, v_out: torch.Tensor, batch: int, seq: int) -> bool:
+        """Whether ``k_out`` / ``v_out`` now have the shapes of a call of ``batch`` rows of ``seq`` tokens (contiguous,
+        over the memory they have: the caller checked it holds them); False when torch refuses to resize them (an
+        inference-mode tensor outside inference mode), which leaves them as they were."""
+        try:
+            k_out.resize_((batch, self.heads, seq, self.dk))
+            v_out.resize_((batch, self.heads, seq, self.dv))
+        except RuntimeError:
+            return False
+        return True
 
     def _store_plan(self, locs: torch.Tensor, batch: int, seq: int, k_new: torch.Tensor, v_new: torch.Tensor,
                     k_out: torch.Tensor, v_out: torch.Tensor, aligned: tuple[bool, bool]) -> Plan:  # fmt: skip
@@ -564,62 +615,6 @@ class HeadGather:
         key = (gather.key, k_new.dtype, strides, k_new.data_ptr() % 16 == 0, v_new.data_ptr() % 16 == 0)
         return Plan(self._store_launch, key, self._block_t, (batch, 2), _NUM_WARPS,
                     constexprs=self._store_constexprs, tail=strides + self._tail)  # fmt: skip
-
-
-def take_rows(buffer: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
-    """The rows of tokens ``locs`` (a copy, ``[*locs.shape, heads, dim]``) of a layer's token rows ``[rows, heads,
-    dim]`` or paged view ``[pages, page_size, heads, dim]``; fp8 rows are gathered as their bytes (fp8 indexing
-    kernels are not on every device) and viewed back."""
-    dtype = buffer.dtype
-    if is_fp8_dtype(dtype):
-        buffer = buffer.view(torch.uint8)
-    if buffer.dim() == 4:
-        rows = buffer[locs // buffer.shape[1], locs % buffer.shape[1]]
-    else:
-        rows = buffer[locs]
-    return rows.view(dtype) if rows.dtype != dtype else rows
-
-
-def gather_heads_native(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: torch.dtype,
-                        k_scale: float | None = None, v_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Torch reference of :func:`gather_heads_triton` (an index gather, a conversion and a transposing copy per
-    tensor)."""
-    outs = []
-    for buffer, scale in ((k, k_scale), (v, v_scale)):
-        rows = take_rows(buffer, locs.to(torch.int64))
-        if rows.dtype != out_dtype:
-            rows = rows.to(torch.float32)
-            rows = (rows * scale if scale is not None else rows).to(out_dtype)
-        outs.append(rows.transpose(1, 2).contiguous())
-    return outs[0], outs[1]
-
-
-def put_rows(buffer: torch.Tensor, locs: torch.Tensor, rows: torch.Tensor) -> None:
-    """Write ``rows`` (``[*locs.shape, heads, dim]``, the buffer's dtype) at tokens ``locs`` of a layer's token rows
-    or paged view (:func:`take_rows`'s layouts; fp8 written as its bytes)."""
-    if is_fp8_dtype(buffer.dtype):
-        buffer, rows = buffer.view(torch.uint8), rows.view(torch.uint8)
-    if buffer.dim() == 4:
-        buffer[locs // buffer.shape[1], locs % buffer.shape[1]] = rows
-    else:
-        buffer[locs] = rows
-
-
-def store_and_gather_native(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, k_new: torch.Tensor,
-                            v_new: torch.Tensor, out_dtype: torch.dtype, k_scale: float | None = None,
-                            v_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Torch reference of :meth:`HeadGather.store_and_gather`: the new rows stored as a K/V pool's ``set_kv_buffer``
-    stores them, then :func:`gather_heads_native`."""
-    q = k_new.shape[2]
-    new_locs = locs[:, locs.shape[1] - q :].to(torch.int64)
-    for buffer, x, scale in ((k, k_new, k_scale), (v, v_new, v_scale)):
-        rows = x.transpose(1, 2)  # [batch, q, heads, dim]
-        if rows.dtype != buffer.dtype:
-            if scale is not None:  # a device tensor: torch divides element-wise (a number would be a reciprocal)
-                rows = rows.float() / torch.tensor([float(scale)], device=rows.device)
-            rows = rows.to(buffer.dtype)
-        put_rows(buffer, new_locs, rows)
-    return gather_heads_native(k, v, locs, out_dtype, k_scale, v_scale)
 
 
 def gather_heads(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: torch.dtype,

@@ -1,0 +1,96 @@
+"""One decoder layer's view of a :class:`~kvcore.integrations.transformers.PagedKVCache`: the
+``transformers.cache_utils.CacheLayerMixin`` each attention layer of a model talks to (its ``update``, lengths and
+edits go to the shared cache).  Needs ``transformers``, as that module does."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+__all__ = ["PagedKVLayer"]
+
+
+class PagedKVLayer(CacheLayerMixin):
+    """One decoder layer's view of a :class:`~kvcore.integrations.transformers.PagedKVCache`: it counts the tokens
+    the layer has stored and writes / gathers them through the shared pool.  ``keys`` / ``values`` read the stored
+    rows back (a gathered copy, ``[batch, kv_heads, seq, head_dim]``, in the cache dtype)."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, cache: Cache, layer_id: int):
+        self._cache = cache
+        self.layer_id = layer_id
+        self.seq_len = 0
+        super().__init__()
+
+    def __repr__(self) -> str:
+        return f"PagedKVLayer(layer_id={self.layer_id}, seq_len={self.seq_len})"
+
+    # transformers' base __init__ assigns keys/values = None; here they are derived from the pool.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._cache._read(self.layer_id, "k", self.seq_len) if self.seq_len else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("PagedKVLayer.keys live in the kvcore pool; write them through update()")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._cache._read(self.layer_id, "v", self.seq_len) if self.seq_len else None
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("PagedKVLayer.values live in the kvcore pool; write them through update()")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new tokens' keys/values and return those of every token so far (in the dtype of
+        ``key_states``): :meth:`~kvcore.integrations.transformers.PagedKVCache.update` of this layer.  Extra
+        arguments (``cache_kwargs`` of older transformers) are not needed."""
+        return self._cache._update(self, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: every past token plus the new ones.  Takes the query length (recent
+        transformers) or the ``cache_position`` tensor (5.0's signature)."""
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self.seq_len + int(query_length), 0
+
+    def get_max_length(self) -> int:
+        """-1: no fixed maximum (the pool's free slots are the limit)."""
+        return -1
+
+    get_max_cache_shape = get_max_length  # the same question under transformers 5.0's name
+
+    def reset(self) -> None:
+        self.seq_len = 0
+        self.is_initialized = False
+
+    def crop(self, max_length: int) -> None:
+        self._cache.crop(max_length)
+
+    def offload(self) -> None:  # the pool stays where it is
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("reorder a PagedKVCache as a whole: cache.reorder_cache(beam_idx)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._cache.batch_select_indices(indices)
