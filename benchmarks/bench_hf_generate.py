@@ -216,11 +216,18 @@ class ShadowedPagedKVCache(PagedKVCache):
 
 class PlainPagedKVCache(PagedKVCache):
     """kvcore's cache as it was before 2026-12-03's host savings (``kvplain``), to time beside the cache as built: every
-    layer's update through ``_update``, a new output pair per call (``reuse_outputs=False``) and every
-    ``store_and_gather`` planned in full (:class:`_PlainHeadGather` keeps no last launch)."""
+    layer's update through ``_update``, every forward's set-up worked out in full with a view of the table's rows, a
+    new output pair per call (``reuse_outputs=False``) and every ``store_and_gather`` planned in full
+    (:class:`_PlainHeadGather` keeps no last launch)."""
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self._update(self.layers[layer_idx], key_states, value_states)
+
+    def _begin_step(self, key_states, value_states, end):
+        step = super()._begin_step(key_states, value_states, end)
+        if step.length is not None:  # a view of the table a step (no length: every forward planned again)
+            step.read_locs, step.length = step.read_locs[:, :end], None
+        return step
 
     def _gather_for(self, dtype: torch.dtype):
         gather = super()._gather_for(dtype)

@@ -2,7 +2,8 @@
 ``PagedKVCache`` generate in lockstep (``bench_hf_generate.lockstep``: threads on one core taking turns a step each),
 and each step is split by clocks on the model's own modules into
 
-* ``update``: the cache's ``update`` calls (every layer);
+* ``update``: the cache's ``update`` calls (every layer), also shown split into ``update-0`` (the first layer's,
+  which sets up the step) and ``update-1+`` (the others');
 * ``attn-rest``: the attention modules less their ``update`` (projections, rotary, attention, the output projection:
   what reads the keys and values the cache hands back);
 * ``layers-rest``: the decoder layers less their attention (norms, MLPs);
@@ -15,7 +16,9 @@ less than DynamicCache's.  Per case: each part's median per step, µs, DynamicCa
 A third cache, ``nolaunch`` (on by default; ``--caches dynamic,kvcore`` leaves it out), is kvcore's with every
 store-and-gather launch replaced by a call of a Python no-op once planned (its outputs are never written: its tokens
 are garbage, its times are not): kvcore's ``update`` less its ``update`` is what the kernel launches cost inside
-real steps, and its own ``update`` what kvcore's Python costs there.
+real steps, and its own ``update`` what kvcore's Python costs there.  Two more, on request: ``onegrid`` launches one
+program instead (the launch's host work without its device work) and ``zerogrid`` an empty grid (Triton's launcher
+takes the arguments and launches nothing).
 
     python benchmarks/probe_hf_parts.py           # on the GPU; per-step parts also in $OUT/probe_hf_parts.json
 """
@@ -38,14 +41,15 @@ from bench_hf_generate import TurnClock, build_model, lockstep, probe_case  # no
 
 from kvcore.integrations.transformers import PagedKVCache  # noqa: E402
 
-PARTS = ("update", "attn", "layers")
+PARTS = ("update", "update0", "update1", "attn", "layers")
 
 
 class NoLaunch:
-    """A kernel launcher whose planned direct launches call a no-op (the first launch of a plan still runs)."""
+    """A kernel launcher whose planned direct launches call a no-op (the first launch of a plan still runs), or, with
+    ``grid``, the real launch on that grid instead of the call's."""
 
-    def __init__(self, launcher):
-        self._real = launcher
+    def __init__(self, launcher, grid=None):
+        self._real, self._grid = launcher, grid
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -55,7 +59,16 @@ class NoLaunch:
 
     def entry(self, full_key):
         entry = self._real.entry(full_key)
-        return None if entry is None else (_no_op, entry[1])
+        if entry is None:
+            return None
+        if self._grid is None:
+            return _no_op, entry[1]
+        real, grid = entry[0], self._grid
+
+        def on_grid(_x, _y, _z, *rest):
+            real(*grid, *rest)
+
+        return on_grid, entry[1]
 
 
 def _no_op(*args):
@@ -65,12 +78,28 @@ def _no_op(*args):
 class NoLaunchPagedKVCache(PagedKVCache):
     """kvcore's cache whose store-and-gather launches are no-ops once planned (``nolaunch``)."""
 
+    grid = None
+
     def _gather_for(self, dtype):
         fresh = dtype not in self._gathers
         gather = super()._gather_for(dtype)
         if fresh and gather.use_triton:  # (the CPU's torch path launches nothing)
-            gather._store_launch = NoLaunch(gather._store_launch)
+            gather._store_launch = NoLaunch(gather._store_launch, self.grid)
         return gather
+
+
+class OneProgram(NoLaunchPagedKVCache):
+    """kvcore's cache whose store-and-gather launches, once planned, run one program (``onegrid``): the launch's host
+    work, almost none of its device work (its outputs are garbage)."""
+
+    grid = (1, 1, 1)
+
+
+class NoProgram(NoLaunchPagedKVCache):
+    """kvcore's cache whose store-and-gather launches, once planned, go to Triton's launcher with an empty grid
+    (``zerogrid``): its argument handling without the driver's launch."""
+
+    grid = (0, 1, 1)
 
 
 class Parts:
@@ -109,10 +138,13 @@ def timed_update(cls, parts: Parts):
     """``cls`` with its ``update`` clocked into ``parts``."""
 
     class Timed(cls):
-        def update(self, *args, **kwargs):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             start = time.perf_counter_ns()
-            out = super().update(*args, **kwargs)
-            parts.totals()["update"] += time.perf_counter_ns() - start
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            took = time.perf_counter_ns() - start
+            totals = parts.totals()
+            totals["update"] += took
+            totals["update0" if layer_idx == 0 else "update1"] += took
             return out
 
     Timed.__name__ = f"Timed{cls.__name__}"
@@ -138,7 +170,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--runs", type=int, default=2, help="lockstep runs per case")
-    parser.add_argument("--caches", default="dynamic,kvcore,nolaunch", help="dynamic, kvcore and optionally nolaunch")
+    parser.add_argument("--caches", default="dynamic,kvcore,nolaunch",
+                        help="dynamic, kvcore and optionally nolaunch, onegrid, zerogrid")
     parser.add_argument("--cases", default="bfloat16:1:100,bfloat16:8:100,float8_e4m3fn:1:100,float8_e4m3fn:1:4000,"
                         "float8_e4m3fn:8:100,bfloat16:8:4000")
     args = parser.parse_args()
@@ -149,11 +182,13 @@ def main() -> None:
         parts.clock(layer.self_attn, "attn")
         parts.clock(layer, "layers")
     timed = {"dynamic": timed_update(DynamicCache, parts), "kvcore": timed_update(PagedKVCache, parts),
-             "nolaunch": timed_update(NoLaunchPagedKVCache, parts)}  # fmt: skip
+             "nolaunch": timed_update(NoLaunchPagedKVCache, parts), "onegrid": timed_update(OneProgram, parts),
+             "zerogrid": timed_update(NoProgram, parts)}  # fmt: skip
     names = args.caches.split(",")
     report = []
+    extra = [name for name in names if name not in ("dynamic", "kvcore")]
     print(f"{'case':<22} {'part':<12} {'dynamic us':>11} {'kvcore us':>10} {'kvcore-dyn':>11}"
-          + (f" {'nolaunch us':>12}" if "nolaunch" in names else ""))
+          + "".join(f" {name + ' us':>12}" for name in extra))
     for case in args.cases.split(","):
         dtype, batch, prompt, ids, mask = probe_case(model, case, args.device)
 
@@ -162,7 +197,8 @@ def main() -> None:
                                   max_batch_size=batch)  # fmt: skip
 
         makers = {"dynamic": lambda: timed["dynamic"](config=model.config),
-                  "kvcore": lambda: paged(timed["kvcore"]), "nolaunch": lambda: paged(timed["nolaunch"])}  # fmt: skip
+                  **{name: (lambda name=name: paged(timed[name])) for name in ("kvcore", "nolaunch", "onegrid",
+                                                                               "zerogrid")}}  # fmt: skip
         makers = {name: makers[name] for name in names}
         steps = {name: [] for name in makers}
         for run in range(args.runs + 1):  # the first run warms up
@@ -184,13 +220,14 @@ def main() -> None:
         shown = {}  # per cache, the parts as printed: each clocked part less the one inside it
         for name in makers:
             m = row[name] = {key: statistics.median(s[key] for s in steps[name]) / 1e3 for key in ("step", *PARTS)}
-            shown[name] = {"update": m["update"], "attn-rest": m["attn"] - m["update"],
-                           "layers-rest": m["layers"] - m["attn"], "outside": m["step"] - m["layers"], "step": m["step"]}
+            shown[name] = {"update": m["update"], "update-0": m["update0"], "update-1+": m["update1"],
+                           "attn-rest": m["attn"] - m["update"], "layers-rest": m["layers"] - m["attn"],
+                           "outside": m["step"] - m["layers"], "step": m["step"]}
         report.append(row)
         for label in shown["dynamic"]:
             d, k = shown["dynamic"][label], shown["kvcore"][label]
             print(f"{case:<22} {label:<12} {d:11.1f} {k:10.1f} {k - d:+11.1f}"
-                  + (f" {shown['nolaunch'][label]:12.1f}" if "nolaunch" in names else ""), flush=True)  # fmt: skip
+                  + "".join(f" {shown[name][label]:12.1f}" for name in extra), flush=True)  # fmt: skip
     out = os.path.join(os.environ.get("OUT", "/tmp"), "probe_hf_parts.json")
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
