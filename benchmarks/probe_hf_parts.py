@@ -17,8 +17,9 @@ A third cache, ``nolaunch`` (on by default; ``--caches dynamic,kvcore`` leaves i
 store-and-gather launch replaced by a call of a Python no-op once planned (its outputs are never written: its tokens
 are garbage, its times are not): kvcore's ``update`` less its ``update`` is what the kernel launches cost inside
 real steps, and its own ``update`` what kvcore's Python costs there.  Two more, on request: ``onegrid`` launches one
-program instead (the launch's host work without its device work) and ``zerogrid`` an empty grid (Triton's launcher
-takes the arguments and launches nothing).
+program instead (the launch's host work without its device work), ``zerogrid`` an empty grid (Triton's launcher
+takes the arguments and launches nothing) and ``torchlaunch`` launches the same compiled kernel through torch's static
+CUDA launcher (Inductor's ``cuLaunchKernel`` from C++) instead of Triton's.
 
     python benchmarks/probe_hf_parts.py           # on the GPU; per-step parts also in $OUT/probe_hf_parts.json
 """
@@ -75,6 +76,54 @@ def _no_op(*args):
     pass
 
 
+class TorchLaunch(NoLaunch):
+    """A kernel launcher whose planned direct launches go through torch's static CUDA launcher (Inductor's:
+    ``cuLaunchKernel`` from torch's C++, not Triton's launcher and its ``cuLaunchKernelEx``), for ``torchlaunch``."""
+
+    def entry(self, full_key):
+        entry = self._real.entry(full_key)
+        if entry is None:
+            return None
+        return static_launch(self._real._compiled[full_key][2]), entry[1]
+
+
+def static_launch(compiled):
+    """``run(grid_x, grid_y, grid_z, stream, *head, *args)`` launching ``compiled`` through torch's static launcher."""
+    import operator
+    import tempfile
+
+    try:
+        from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel
+    except ImportError:  # (torch before 2.13)
+        from torch._inductor.runtime.static_cuda_launcher import StaticallyLaunchedCudaKernel
+
+    if not hasattr(compiled, "_cubin_path"):
+        compiled._cubin_path = None
+    kernel = StaticallyLaunchedCudaKernel(compiled)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        kernel.reload_cubin_from_raw(f.name)
+    kernel.load_kernel(torch.cuda.current_device())
+    src = compiled.src
+    names = list(src.fn.arg_names)
+
+    def index(key):
+        return names.index(key) if isinstance(key, str) else key[0] if isinstance(key, tuple) else key
+
+    signature = {index(key): ty for key, ty in src.signature.items()}
+    constants = {index(key) for key in getattr(src, "constants", {})}
+    keep = [i for i in sorted(signature) if signature[i] != "constexpr" and i not in constants]
+    pick = operator.itemgetter(*keep)
+    scratch = (None,) * (int(kernel.has_global_scratch) + int(kernel.has_profile_scratch))
+    tys = kernel.arg_tys + "O" * len(scratch)
+    launch, function, warps, shared = kernel.C_impl._launch_kernel, kernel.function, kernel.num_warps, kernel.shared
+    compiled._kvcore_static = kernel  # kept: it owns the loaded module
+
+    def run(grid_x, grid_y, grid_z, stream, *rest):
+        launch(function, grid_x, grid_y, grid_z, warps, shared, tys, pick(rest[9:]) + scratch, stream)
+
+    return run
+
+
 class NoLaunchPagedKVCache(PagedKVCache):
     """kvcore's cache whose store-and-gather launches are no-ops once planned (``nolaunch``)."""
 
@@ -85,6 +134,18 @@ class NoLaunchPagedKVCache(PagedKVCache):
         gather = super()._gather_for(dtype)
         if fresh and gather.use_triton:  # (the CPU's torch path launches nothing)
             gather._store_launch = NoLaunch(gather._store_launch, self.grid)
+        return gather
+
+
+class TorchLaunchPagedKVCache(PagedKVCache):
+    """kvcore's cache whose store-and-gather launches, once planned, go through torch's static launcher
+    (``torchlaunch``)."""
+
+    def _gather_for(self, dtype):
+        fresh = dtype not in self._gathers
+        gather = super()._gather_for(dtype)
+        if fresh and gather.use_triton:
+            gather._store_launch = TorchLaunch(gather._store_launch)
         return gather
 
 
@@ -171,7 +232,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--runs", type=int, default=2, help="lockstep runs per case")
     parser.add_argument("--caches", default="dynamic,kvcore,nolaunch",
-                        help="dynamic, kvcore and optionally nolaunch, onegrid, zerogrid")
+                        help="dynamic, kvcore and optionally nolaunch, onegrid, zerogrid, torchlaunch")
     parser.add_argument("--cases", default="bfloat16:1:100,bfloat16:8:100,float8_e4m3fn:1:100,float8_e4m3fn:1:4000,"
                         "float8_e4m3fn:8:100,bfloat16:8:4000")
     args = parser.parse_args()
@@ -183,7 +244,7 @@ def main() -> None:
         parts.clock(layer, "layers")
     timed = {"dynamic": timed_update(DynamicCache, parts), "kvcore": timed_update(PagedKVCache, parts),
              "nolaunch": timed_update(NoLaunchPagedKVCache, parts), "onegrid": timed_update(OneProgram, parts),
-             "zerogrid": timed_update(NoProgram, parts)}  # fmt: skip
+             "zerogrid": timed_update(NoProgram, parts), "torchlaunch": timed_update(TorchLaunchPagedKVCache, parts)}
     names = args.caches.split(",")
     report = []
     extra = [name for name in names if name not in ("dynamic", "kvcore")]
@@ -198,7 +259,7 @@ def main() -> None:
 
         makers = {"dynamic": lambda: timed["dynamic"](config=model.config),
                   **{name: (lambda name=name: paged(timed[name])) for name in ("kvcore", "nolaunch", "onegrid",
-                                                                               "zerogrid")}}  # fmt: skip
+                                                                               "zerogrid", "torchlaunch")}}  # fmt: skip
         makers = {name: makers[name] for name in names}
         steps = {name: [] for name in makers}
         for run in range(args.runs + 1):  # the first run warms up
