@@ -41,7 +41,9 @@ reserved run per row, attention reads strided views of the pool when the cache k
 ``dynamic2`` and ``kvcore2`` do their cache's work twice (every update also goes to a second cache of the same kind),
 so that, run in lockstep beside the plain ones, each one's step time less its plain cache's is what that cache's own
 work costs inside a real step; ``kvplain`` is kvcore's cache without the host savings of 2026-12-03 (a new output
-pair per layer, every launch planned in full: :class:`PlainPagedKVCache`).
+pair per layer, every launch planned in full: :class:`PlainPagedKVCache`); ``contigcopy`` is ``contig`` whose decode
+steps store with ``copy_`` into the pool's views instead of the pool's store (no Triton launch in a decode step:
+:class:`ContigCopyPagedKVCache`, a trial).
 
     python benchmarks/bench_hf_generate.py                    # on the GPU; results also in $OUT/hf_generate.json
     python benchmarks/bench_hf_generate.py --device cpu --small   # a quick smoke run on the CPU
@@ -237,6 +239,29 @@ class PlainPagedKVCache(PagedKVCache):
         return gather
 
 
+class ContigCopyPagedKVCache(PagedKVCache):
+    """``contiguous_rows`` whose decode steps store by ``copy_`` into the pool's strided views of the reserved runs
+    (``contigcopy``): every layer's update two torch views, two ``copy_`` and no Triton launch, a trial of a launch-free
+    decode path (bf16 in the model's dtype only; anything else goes the cache's own way)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if key_states.shape[-2] != 1 or not layer.is_initialized:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        end, step = layer.seq_len + 1, self._step
+        if step is None or step.end != end or step.q != 1:
+            step = self._begin_step(key_states, value_states, end)
+        if step.view_shape is None or step.live is not None:
+            return self._update(layer, key_states, value_states)
+        k_buf, k_dim, k_stride, k_offset, v_buf, v_dim, v_stride, v_offset = self._row_views[layer.layer_id]
+        batch, heads = step.view_shape[:2]
+        k_buf.as_strided((batch, heads, 1, k_dim), k_stride, k_offset + (end - 1) * k_stride[2]).copy_(key_states)
+        v_buf.as_strided((batch, heads, 1, v_dim), v_stride, v_offset + (end - 1) * v_stride[2]).copy_(value_states)
+        layer.seq_len = end
+        return (k_buf.as_strided((*step.view_shape, k_dim), k_stride, k_offset),
+                v_buf.as_strided((*step.view_shape, v_dim), v_stride, v_offset))  # fmt: skip
+
+
 class _PlainHeadGather(HeadGather):
     """A HeadGather that never repeats its last launch (its memo reads as empty and ignores writes)."""
 
@@ -301,7 +326,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
     parser.add_argument("--caches", default="dynamic,kvcore,contig", help="caches timed (dynamic always is): "
-                        "dynamic, kvcore, contig, dynamic2, kvcore2, kvplain")
+                        "dynamic, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy")
     parser.add_argument("--lockstep", type=int, default=None, help="lockstep runs per case (2; --small: 1; 0: none)")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
     args = parser.parse_args()
@@ -385,7 +410,8 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
 
     makers = {"dynamic": dynamic, "kvcore": paged, "contig": lambda: paged(True),
               "dynamic2": lambda: ShadowedDynamicCache(model.config), "kvcore2": shadowed_paged,
-              "kvplain": lambda: paged(cls=PlainPagedKVCache)}  # fmt: skip
+              "kvplain": lambda: paged(cls=PlainPagedKVCache),
+              "contigcopy": lambda: paged(True, cls=ContigCopyPagedKVCache)}  # fmt: skip
     makers = {name: makers[name] for name in caches}
 
     # 1. logit identity: a prefill and two decode steps
