@@ -129,24 +129,23 @@ class NoLaunchPagedKVCache(PagedKVCache):
 
     grid = None
 
+    def _wrap(self, launcher):
+        return NoLaunch(launcher, self.grid)
+
     def _gather_for(self, dtype):
         fresh = dtype not in self._gathers
         gather = super()._gather_for(dtype)
         if fresh and gather.use_triton:  # (the CPU's torch path launches nothing)
-            gather._store_launch = NoLaunch(gather._store_launch, self.grid)
+            gather._store_launch = self._wrap(gather._store_launch)
         return gather
 
 
-class TorchLaunchPagedKVCache(PagedKVCache):
+class TorchLaunchPagedKVCache(NoLaunchPagedKVCache):
     """kvcore's cache whose store-and-gather launches, once planned, go through torch's static launcher
     (``torchlaunch``)."""
 
-    def _gather_for(self, dtype):
-        fresh = dtype not in self._gathers
-        gather = super()._gather_for(dtype)
-        if fresh and gather.use_triton:
-            gather._store_launch = TorchLaunch(gather._store_launch)
-        return gather
+    def _wrap(self, launcher):
+        return TorchLaunch(launcher)
 
 
 class OneProgram(NoLaunchPagedKVCache):
