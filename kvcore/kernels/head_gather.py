@@ -481,14 +481,14 @@ class HeadGather:
                     return k_out, v_out
         batch, seq = locs.shape
         if length is not None:
-            locs_seq, seq = seq, _checked_length(length, seq)
+            seq = _checked_length(length, seq)
         ks, vs = k_new.shape, v_new.shape
         q = ks[2] if len(ks) == 4 else -1
         k_out, v_out, ko, vo = self._outputs(batch, seq)
         if not batch or not 0 < q <= seq:  # nothing to store, or a call the checks refuse
             if batch and q:
                 self._store_plan(locs, batch, seq, k_new, v_new, k_out, v_out, self._aligned[layer])  # raises
-            return self(layer, locs if length is None or length == locs_seq else locs[:, :length])
+            return self(layer, locs if length is None else locs[:, :seq])
         kp, vp = self._addresses[layer]
         lp, knp, vnp = locs.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
         lst, kst, vst = locs.stride(), k_new.stride(), v_new.stride()
