@@ -38,6 +38,7 @@ A random-weight Llama of Llama-3-8B's attention shape (8 layers, hidden 4096, 32
 Caches: ``dynamic`` (DynamicCache), ``kvcore`` (PagedKVCache as built: pages of 16 allocated as the rows grow,
 keys and values gathered for attention in one launch a layer) and ``contig`` (``contiguous_rows=True``: one
 reserved run per row, attention reads strided views of the pool when the cache keeps the model's dtype);
+``dynamic_b`` is DynamicCache again (the method's control: its ratio to ``dynamic`` is 1 but for the noise);
 ``dynamic2`` and ``kvcore2`` do their cache's work twice (every update also goes to a second cache of the same kind),
 so that, run in lockstep beside the plain ones, each one's step time less its plain cache's is what that cache's own
 work costs inside a real step; ``kvplain`` is kvcore's cache without the host savings of 2026-12-03 (a new output
@@ -326,7 +327,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
     parser.add_argument("--caches", default="dynamic,kvcore,contig", help="caches timed (dynamic always is): "
-                        "dynamic, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy")
+                        "dynamic, dynamic_b, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy")
     parser.add_argument("--lockstep", type=int, default=None, help="lockstep runs per case (2; --small: 1; 0: none)")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
     args = parser.parse_args()
@@ -408,7 +409,7 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
         cache.shadow = paged()
         return cache
 
-    makers = {"dynamic": dynamic, "kvcore": paged, "contig": lambda: paged(True),
+    makers = {"dynamic": dynamic, "dynamic_b": dynamic, "kvcore": paged, "contig": lambda: paged(True),
               "dynamic2": lambda: ShadowedDynamicCache(model.config), "kvcore2": shadowed_paged,
               "kvplain": lambda: paged(cls=PlainPagedKVCache),
               "contigcopy": lambda: paged(True, cls=ContigCopyPagedKVCache)}  # fmt: skip
