@@ -288,6 +288,13 @@ def _first_tokens(locs: torch.Tensor, length: int) -> torch.Tensor:
     return locs[:, : _checked_length(length, locs.shape[1])]
 
 
+def _store_geometry(plan: Plan, batch: int, seq: int, q: int, row_stride: int) -> tuple[tuple, tuple]:
+    """``(grid, tail)`` of a planned store-and-gather launch: its grid over ``batch`` rows of ``seq`` tokens, the
+    newest ``q`` of them stored, and the arguments after its runtime addresses (``row_stride``: the locations'
+    stride between rows), the plan's fixed ones last."""
+    return (-(-seq // plan.block_n), batch, 2), (seq, seq - q, row_stride, *plan.suffix)
+
+
 def _room(seq: int) -> int:
     """Tokens a row of :class:`HeadGather`'s reused outputs has room for when they are allocated for ``seq``: a
     sixteenth more (at least 16 tokens), so that a decode's next steps, one token longer each, resize them in
@@ -502,7 +509,7 @@ class HeadGather:
                             self._store_plan(locs, batch, seq, k_new, v_new, k_out, v_out, self._aligned[layer]))
         entry = plan.entry
         if entry is not None and not launch_hooks_installed():  # Plan.__call__'s direct launch, inlined
-            grid, tail = (-(-seq // plan.block_n), batch, 2), (seq, seq - q, lst[0], *plan.suffix)
+            grid, tail = _store_geometry(plan, batch, seq, q, lst[0])
             entry[0](*grid, plan.raw_stream(plan.device_index), *entry[1], kp, vp, ko, vo, lp, knp, vnp, *tail)
             self._last_launch = (  # what a call like this one launches again (see above)
                 locs, length, lp, locs.shape, lst, locs.dtype, (batch, seq), ks, vs, kst, vst, k_new.dtype,
@@ -534,7 +541,7 @@ class HeadGather:
         q = kshape[2]
         if batch != out_shape[0] or not 0 < q <= seq:
             return None
-        grid, tail = (-(-seq // plan.block_n), batch, 2), (seq, seq - q, lstride[0], *plan.suffix)
+        grid, tail = _store_geometry(plan, batch, seq, q, lstride[0])
         self._last_launch = last = (locs, length, lp, lshape, lstride, ldtype, (batch, seq), kshape, vshape, kstride,
                                     vstride, dtype, aligned, align, run, grid, stream, index, head, tail, plan)  # fmt: skip
         return last
