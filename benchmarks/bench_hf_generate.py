@@ -44,7 +44,8 @@ so that, run in lockstep beside the plain ones, each one's step time less its pl
 work costs inside a real step; ``kvplain`` is kvcore's cache without the host savings of 2026-12-03 (a new output
 pair per layer, every launch planned in full: :class:`PlainPagedKVCache`); ``contigcopy`` is ``contig`` whose decode
 steps store with ``copy_`` into the pool's views instead of the pool's store (no Triton launch in a decode step:
-:class:`ContigCopyPagedKVCache`, a trial).
+:class:`ContigCopyPagedKVCache`, a trial); ``kvbare`` is kvcore's cache whose later layers of a forward launch with no
+per-layer check (a bound on what trimming the fast path's Python could save: :class:`BarePagedKVCache`).
 
     python benchmarks/bench_hf_generate.py                    # on the GPU; results also in $OUT/hf_generate.json
     python benchmarks/bench_hf_generate.py --device cpu --small   # a quick smoke run on the CPU
@@ -263,6 +264,30 @@ class ContigCopyPagedKVCache(PagedKVCache):
                 v_buf.as_strided((*step.view_shape, v_dim), v_stride, v_offset))  # fmt: skip
 
 
+class BarePagedKVCache(PagedKVCache):
+    """kvcore's cache whose later layers of a forward launch the first layer's store-and-gather again with no check
+    and no output bookkeeping (``kvbare``, a bound, not a cache to use): the launch's arguments but the layer's and
+    the new rows' addresses come from the first layer's, and the spare output pair is handed out as it is.  What
+    trimming the fast path's per-layer Python could save at most inside a real step; correct only as ``generate``
+    calls it (each layer's keys and values dropped before the next layer's update)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        step = self._step
+        if layer_idx and step is not None and step.fused:
+            gather = step.gather
+            last, spare = gather._last_launch, gather._spare
+            # (the first layer's launch of this forward, onto the spare pair: a first call planned through Triton's
+            # dispatcher leaves an older forward's last launch, or one _last_at_length moved to this length)
+            if (last is not None and spare is not None and last[6] == spare[2] == (len(self._slots), step.end)
+                    and last[7][2] == step.q):  # fmt: skip
+                kp, vp = gather._addresses[layer_idx]
+                last[14](*last[15], last[16](last[17]), *last[18], kp, vp, spare[10], spare[11], last[2],
+                         key_states.data_ptr(), value_states.data_ptr(), *last[19])  # fmt: skip
+                self.layers[layer_idx].seq_len = step.end
+                return spare[0], spare[1]
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 class _PlainHeadGather(HeadGather):
     """A HeadGather that never repeats its last launch (its memo reads as empty and ignores writes)."""
 
@@ -327,7 +352,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
     parser.add_argument("--caches", default="dynamic,kvcore,contig", help="caches timed (dynamic always is): "
-                        "dynamic, dynamic_b, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy")
+                        "dynamic, dynamic_b, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy, kvbare")
     parser.add_argument("--lockstep", type=int, default=None, help="lockstep runs per case (2; --small: 1; 0: none)")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
     args = parser.parse_args()
@@ -412,7 +437,8 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
     makers = {"dynamic": dynamic, "dynamic_b": dynamic, "kvcore": paged, "contig": lambda: paged(True),
               "dynamic2": lambda: ShadowedDynamicCache(model.config), "kvcore2": shadowed_paged,
               "kvplain": lambda: paged(cls=PlainPagedKVCache),
-              "contigcopy": lambda: paged(True, cls=ContigCopyPagedKVCache)}  # fmt: skip
+              "contigcopy": lambda: paged(True, cls=ContigCopyPagedKVCache),
+              "kvbare": lambda: paged(cls=BarePagedKVCache)}  # fmt: skip
     makers = {name: makers[name] for name in caches}
 
     # 1. logit identity: a prefill and two decode steps

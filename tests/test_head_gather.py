@@ -241,7 +241,7 @@ def test_a_call_like_the_last_launches_what_the_full_path_launches(reuse):
         """The arguments of layer ``layer``'s launch storing ``new`` (keys, values), and whether it took the full
         path."""
         if full:
-            gather._last_launch = None
+            gather._last_launch = gather.repeat = None
         before = plans.lookups
         out = gather.store_and_gather(layer, at_locs, *new, length)
         args = list(launched.pop())
@@ -277,6 +277,84 @@ def test_a_call_like_the_last_launches_what_the_full_path_launches(reuse):
     assert launch(1, (rows_of(40), rows_of(41, True, dv)), full=False)[1]
     assert launch(2, (rows_of(42, True), rows_of(43, True, dv)), full=False)[1]
     assert not launch(0, (rows_of(44, True), rows_of(45, True, dv)), full=False)[1]
+
+
+def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
+    """After a forward's first layer (the same rows of locations at a new length), ``repeat`` launches that call
+    again for another layer and its new rows, with the arguments the full path passes (no plan looked up), into the
+    same spare outputs; it declines (None, and ``store_and_gather`` goes its own way) when the outputs are still
+    held, the new rows differ in strides or dtype, or the locations or the length are not the same; ``release``
+    drops it.  The direct launch replaced by a recorder, so that it runs on the CPU too."""
+    layers, rows, heads, dk, dv, batch = 3, 200, 2, 16, 8, 2
+    k = random_rows((layers, rows, heads, dk), torch.bfloat16, 70)
+    v = random_rows((layers, rows, heads, dv), torch.bfloat16, 71)
+    gather = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
+    table = distinct_locations(batch, 40, rows, 72)
+
+    def rows_of(seed, transposed=False, dim=dk, dtype=torch.bfloat16):
+        return new_rows(batch, heads, 1, dim, dtype, seed, transposed)
+
+    gather.store_and_gather(0, table, rows_of(1), rows_of(2, True, dv), 20)  # the plan made
+    launched = []
+    for plan in gather._store_plans.values():  # (stream 0: what the outputs note of the CPU's)
+        plan.entry, plan.raw_stream = (lambda *a: launched.append(a), ("HEAD",)), lambda index: 0
+    gather._store_plans = plans = CountingPlans(gather._store_plans)
+    at = 3 + 1 + 1 + 2  # the grid, the stream, the head, the layer's K and V addresses: then the outputs'
+
+    def launch(layer, new, length, full=False, locs=table):
+        """The launch's arguments (the outputs' addresses as names), whether it looked its plan up, the outputs."""
+        if full:
+            gather._last_launch = gather.repeat = None
+        before = plans.lookups
+        out = gather.store_and_gather(layer, locs, *new, length)
+        args = list(launched.pop())
+        assert args[at : at + 2] == [out[0].data_ptr(), out[1].data_ptr()]
+        args[at : at + 2] = ["k_out", "v_out"]
+        return args, plans.lookups > before, out
+
+    launch(0, (rows_of(3), rows_of(4, True, dv)), 20)  # (a direct launch to repeat)
+    for length in (21, 22):  # a decode's first layer: the same rows at one more token
+        assert not launch(0, (rows_of(10 + length), rows_of(20 + length, True, dv)), length)[1]
+        assert gather.repeat is not None, "a forward's first layer leaves a repeat for the others"
+        kept = None
+        for layer in (1, 2):
+            new = (rows_of(30 + layer), rows_of(40 + layer, True, dv))
+            assert gather.repeat(layer, table, *new, length) is not None
+            args = list(launched.pop())
+            args[at : at + 2] = ["k_out", "v_out"]
+            assert args == launch(layer, new, length, full=True)[0], "the full path's arguments"
+            assert not launch(0, (rows_of(50), rows_of(51, True, dv)), length - 1)[1]  # (back at the step's start)
+            assert not launch(0, (rows_of(52), rows_of(53, True, dv)), length)[1]
+            fast, took_full, out = launch(layer, new, length)
+            assert not took_full and fast == args
+            if kept is not None:
+                assert (id(out[0]), id(out[1])) == kept, "a repeat writes the spare pair again"
+            kept = id(out[0]), id(out[1])
+            del out
+        new = (rows_of(60), rows_of(61, True, dv))
+        held = gather.repeat(1, table, *new, length)
+        launched.pop()
+        assert gather.repeat(2, table, *new, length) is None, "the outputs are held"
+        fast, took_full, out = launch(2, new, length)
+        assert (id(out[0]), id(out[1])) != (id(held[0]), id(held[1])), "a held pair is not written again"
+        del held, out
+        assert gather.repeat is None, "a new spare pair: no repeat of the launches into the last"
+        launch(0, (rows_of(62), rows_of(63, True, dv)), length, full=True)
+        repeat = gather.repeat
+        assert repeat is not None, "the full path's direct launch leaves one too"
+        for declined in (
+            (1, table, rows_of(64, True), rows_of(65, True, dv), length),  # other strides
+            (1, table, rows_of(66, dtype=torch.float16), rows_of(67, True, dv), length),  # another dtype
+            (1, table.clone(), *new, length),  # another locations object
+            (1, table, *new, length + 1),  # another length
+            (1, table, *new, float(length)),  # a length that is no int
+            (1, table, *new, None),
+        ):
+            assert repeat(*declined) is None
+        assert not launched
+        del repeat  # (a repeat holds the spare tuple it writes: a stale one would keep the pair from being reused)
+    gather.release()
+    assert gather.repeat is None
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

@@ -325,10 +325,18 @@ class PagedKVCache(Cache):
         layer's update writes over once nothing holds it, or, with ``contiguous_rows`` over reserved runs and the
         cache in the model's dtype, a strided view of the pool (no copy).  Nothing in it waits for the device."""
         layer, step = self.layers[layer_idx], self._step
-        if (step is not None and step.fused and layer.is_initialized and key_states.shape[-2] == step.q
-                and layer.seq_len + step.q == step.end):  # a forward's later layers: _update's fused path, at once
-            layer.seq_len = step.end
-            return step.gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states, step.length)
+        if step is not None and step.fused and layer.is_initialized and layer.seq_len + step.q == step.end:
+            # a forward's later layers: _update's fused path at once, the first layer's launch again when it may be
+            gather = step.gather
+            repeat = gather.repeat
+            if repeat is not None:
+                out = repeat(layer.layer_id, step.read_locs, key_states, value_states, step.length)
+                if out is not None:  # (it brought step.q new tokens: the repeated launch's shapes)
+                    layer.seq_len = step.end
+                    return out
+            if key_states.shape[-2] == step.q:
+                layer.seq_len = step.end
+                return gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states, step.length)
         return self._update(layer, key_states, value_states)
 
     def _update(self, layer: PagedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor):

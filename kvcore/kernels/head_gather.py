@@ -386,6 +386,9 @@ class HeadGather:
         #: rows' shapes, strides and dtype, the layer's and the addresses' alignment, the launch's callable, grid,
         #: stream getter and device, head and tail, its plan)
         self._last_launch: tuple | None = None
+        #: None, or what a forward's later layers may call first, with :meth:`store_and_gather`'s arguments: the last
+        #: direct launch again for another layer and its new rows, or None when it may not (see :meth:`_repeater`)
+        self.repeat = None
         if not use_triton:
             return
         self._block_t, self._constexprs = _constexprs(k0, v0, page, out_dtype, k_scale, v_scale)
@@ -467,8 +470,14 @@ class HeadGather:
                 locs = _first_tokens(locs, length)
             return store_and_gather_native(self.k_layers[layer], self.v_layers[layer], locs, k_new, v_new,
                                            self.out_dtype, self.k_scale, self.v_scale)  # fmt: skip
+        repeat = self.repeat
+        if repeat is not None:  # a forward's later layer: the first's launch again, for this layer and these rows
+            out = repeat(layer, locs, k_new, v_new, length)
+            if out is not None:
+                return out
         last = self._last_launch
-        if last is not None and (last[0] is not locs or last[1] != length):  # the same rows at another length?
+        moved = last is not None and (last[0] is not locs or last[1] != length)  # the same rows at another length?
+        if moved:
             last = self._last_at_length(last, locs, length)
         if last is not None:  # the last direct launch again for a call that differs only in the layer and addresses
             (_, _, lp, lshape, lstride, ldtype, out_shape, kshape, vshape, kstride, vstride, dtype, aligned, align, run,
@@ -485,6 +494,8 @@ class HeadGather:
                 if (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12 == align:
                     kp, vp = self._addresses[layer]
                     run(*grid, on, *head, kp, vp, ko, vo, lp, knp, vnp, *tail)
+                    if moved:  # a forward's first layer: its later layers repeat this launch
+                        self.repeat = self._repeater(last, on)
                     return k_out, v_out
         batch, seq = locs.shape
         if length is not None:
@@ -510,12 +521,14 @@ class HeadGather:
         entry = plan.entry
         if entry is not None and not launch_hooks_installed():  # Plan.__call__'s direct launch, inlined
             grid, tail = _store_geometry(plan, batch, seq, q, lst[0])
-            entry[0](*grid, plan.raw_stream(plan.device_index), *entry[1], kp, vp, ko, vo, lp, knp, vnp, *tail)
-            self._last_launch = (  # what a call like this one launches again (see above)
+            on = plan.raw_stream(plan.device_index)
+            entry[0](*grid, on, *entry[1], kp, vp, ko, vo, lp, knp, vnp, *tail)
+            self._last_launch = last = (  # what a call like this one launches again (see above)
                 locs, length, lp, locs.shape, lst, locs.dtype, (batch, seq), ks, vs, kst, vst, k_new.dtype,
                 self._aligned[layer], (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12, entry[0], grid,
                 plan.raw_stream, plan.device_index, entry[1], tail, plan,
             )  # fmt: skip
+            self.repeat = self._repeater(last, on)
         else:
             k, v = self._kernel_layers[layer]
             plan(seq, (kp, vp, ko, vo, lp, knp, vnp, seq, seq - q, locs.stride(0)),
@@ -546,10 +559,53 @@ class HeadGather:
                                     vstride, dtype, aligned, align, run, grid, stream, index, head, tail, plan)  # fmt: skip
         return last
 
+    def _repeater(self, last: tuple, stream: int):
+        """What a forward's later layers call first (:meth:`store_and_gather`'s arguments, the same order): the
+        direct launch ``last``, just made on raw stream ``stream``, again for another layer and its new rows, into
+        the same spare outputs, or None when the call is not one it may repeat.  It may when the call brings the same
+        locations object and length, new rows of the same shapes, strides, dtype, device and address alignment, and
+        the spare pair is the one ``last`` wrote, on the same stream, held by nothing else (:meth:`_outputs`'s
+        checks).  None (no repeat) when the outputs are not reused or ``last`` did not write the spare pair.
+
+        Everything the checks compare is bound once here, in a closure: a layer's call costs a fraction of the
+        signature and last-launch comparisons it replaces (a decode step calls it for every layer but the first)."""
+        spare = self._spare
+        (locs, length, lp, _, _, _, out_shape, kshape, vshape, kstride, vstride, dtype, aligned, align, run, grid,
+         raw_stream, index, head, tail, _) = last  # fmt: skip
+        if not self._reuse or spare is None or spare[2] != out_shape or spare[3] != stream:
+            return None
+        gx, gy, gz = grid
+        _, _, _, _, _, k_at, v_at, k_free, v_free, refs, ko, vo, _ = spare
+        new_align = align >> 8  # the new rows' part of the launch's alignment
+        gather, addresses, layer_aligned, length_type = self, self._addresses, self._aligned, length.__class__
+        device = self._device_index
+        count, uses, hooked = sys.getrefcount, _STORAGE_USES, launch_hooks_installed
+
+        def repeat(layer: int, at_locs: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, at_length: int | None):
+            if (at_locs is not locs or at_length != length or at_length.__class__ is not length_type
+                    or gather._spare is not spare):  # fmt: skip
+                return None
+            k_out, v_out = spare[0], spare[1]  # (locals, as _outputs counts its references)
+            if (count(k_out) != refs or count(v_out) != refs or uses(k_at) != k_free or uses(v_at) != v_free
+                    or k_new.shape != kshape or v_new.shape != vshape or k_new.stride() != kstride
+                    or v_new.stride() != vstride or k_new.dtype is not dtype or v_new.dtype is not dtype
+                    or k_new.get_device() != device or v_new.get_device() != device or layer_aligned[layer] != aligned
+                    or locs.data_ptr() != lp or hooked()):  # fmt: skip
+                return None
+            on = raw_stream(index)
+            knp, vnp = k_new.data_ptr(), v_new.data_ptr()
+            if on != stream or (knp & 15) | (vnp & 15) << 4 != new_align:
+                return None
+            kp, vp = addresses[layer]
+            run(gx, gy, gz, on, *head, kp, vp, ko, vo, lp, knp, vnp, *tail)
+            return k_out, v_out
+
+        return repeat
+
     def release(self) -> None:
         """Drop what calls keep for the next: the spare outputs (their memory goes back to torch's allocator) and
         the last launch (with the locations it holds)."""
-        self._spare = self._last_launch = None
+        self._spare = self._last_launch = self.repeat = None
 
     def _outputs(self, batch: int, seq: int, stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The two outputs of a call and their addresses: the spare pair when ``reuse_outputs`` allows it (see the
@@ -572,6 +628,7 @@ class HeadGather:
                 if shape == (batch, seq):
                     return k_out, v_out, ko, vo
                 if batch * seq <= room and self._resized(k_out, v_out, batch, seq):  # a decode's next step
+                    self.repeat = None  # (it holds the spare tuple: the outputs' references would count one more)
                     self._spare = (k_out, v_out, (batch, seq), *self._spare[3:])
                     return k_out, v_out, ko, vo
             del k_out, v_out
@@ -590,6 +647,7 @@ class HeadGather:
             refs = self._free_refs = sys.getrefcount(k_out)
             del held
         ko, vo = k_out.data_ptr(), v_out.data_ptr()
+        self.repeat = None
         self._spare = (k_out, v_out, (batch, seq), stream, (k_mem, v_mem), k_at, v_at, *free, refs, ko, vo, room)
         return k_out, v_out, ko, vo
 
