@@ -603,8 +603,8 @@ class HeadGather:
         return repeat
 
     def release(self) -> None:
-        """Drop what calls keep for the next: the spare outputs (their memory goes back to torch's allocator) and
-        the last launch (with the locations it holds)."""
+        """Drop what calls keep for the next: the spare outputs (their memory goes back to torch's allocator), the
+        last launch and its repeat (with the locations they hold)."""
         self._spare = self._last_launch = self.repeat = None
 
     def _outputs(self, batch: int, seq: int, stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
