@@ -281,8 +281,8 @@ class BarePagedKVCache(PagedKVCache):
             if (last is not None and spare is not None and last[6] == spare[2] == (len(self._slots), step.end)
                     and last[7][2] == step.q):  # fmt: skip
                 kp, vp = gather._addresses[layer_idx]
-                last[14](*last[15], last[16](last[17]), *last[18], kp, vp, spare[10], spare[11], last[2],
-                         key_states.data_ptr(), value_states.data_ptr(), *last[19])  # fmt: skip
+                last[11](*last[12], last[13](last[14]), *last[15], kp, vp, spare[10], spare[11], last[2],
+                         key_states.data_ptr(), value_states.data_ptr(), *last[16])  # fmt: skip
                 self.layers[layer_idx].seq_len = step.end
                 return spare[0], spare[1]
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

@@ -283,7 +283,7 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
     """After a forward's first layer (the same rows of locations at a new length), ``repeat`` launches that call
     again for another layer and its new rows, with the arguments the full path passes (no plan looked up), into the
     same spare outputs; it declines (None, and ``store_and_gather`` goes its own way) when the outputs are still
-    held, the new rows differ in strides or dtype, or the locations or the length are not the same; ``release``
+    held, the new rows differ in shape, strides or dtype, or the locations or the length are not the same; ``release``
     drops it.  The direct launch replaced by a recorder, so that it runs on the CPU too."""
     layers, rows, heads, dk, dv, batch = 3, 200, 2, 16, 8, 2
     k = random_rows((layers, rows, heads, dk), torch.bfloat16, 70)
@@ -345,6 +345,9 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
         for declined in (
             (1, table, rows_of(64, True), rows_of(65, True, dv), length),  # other strides
             (1, table, rows_of(66, dtype=torch.float16), rows_of(67, True, dv), length),  # another dtype
+            (1, table, new_rows(batch, heads, 2, dk, torch.bfloat16, 68), new[1], length),  # two new tokens
+            (1, table, new[0], new_rows(batch - 1, heads, 1, dv, torch.bfloat16, 69), length),  # a row fewer
+            (1, table, new[0], new[0], length),  # one tensor for both (keys' width: not the values')
             (1, table.clone(), *new, length),  # another locations object
             (1, table, *new, length + 1),  # another length
             (1, table, *new, float(length)),  # a length that is no int

@@ -33,6 +33,7 @@ from kvcore.kernels.kernel_mode import triton_interpreting
 from kvcore.kernels.launch import (_RAW_STREAM, UNPLANNED, KernelArgs, Plan, cdiv, launch_hooks_installed,
                                    launcher_for, remember)  # fmt: skip
 from kvcore.kernels.row_move import next_pow2
+from kvcore.kernels.tensor_guard import layout_guard
 
 __all__ = ["HeadGather", "gather_heads", "gather_heads_native", "gather_heads_triton", "put_rows", "store_and_gather_native",
            "take_rows"]
@@ -383,8 +384,9 @@ class HeadGather:
         #: store_and_gather's last direct launch, for a call that differs from it only in the layer and the new
         #: rows' and outputs' addresses, or also in the length of the same rows of locations (_last_at_length):
         #: (locs and the length given, what of locs the launch took, the outputs' shape ``(batch, seq)``, the new
-        #: rows' shapes, strides and dtype, the layer's and the addresses' alignment, the launch's callable, grid,
-        #: stream getter and device, head and tail, its plan)
+        #: keys' shape and a guard of the new rows' layout (:func:`~kvcore.kernels.tensor_guard.layout_guard`: one
+        #: call compares shapes, strides, dtype and device), the layer's and the addresses' alignment, the launch's
+        #: callable, grid, stream getter and device, head and tail, its plan)
         self._last_launch: tuple | None = None
         #: None, or what a forward's later layers may call first, with :meth:`store_and_gather`'s arguments: the last
         #: direct launch again for another layer and its new rows, or None when it may not (see :meth:`_repeater`)
@@ -480,13 +482,10 @@ class HeadGather:
         if moved:
             last = self._last_at_length(last, locs, length)
         if last is not None:  # the last direct launch again for a call that differs only in the layer and addresses
-            (_, _, lp, lshape, lstride, ldtype, out_shape, kshape, vshape, kstride, vstride, dtype, aligned, align, run,
-             grid, stream, index, head, tail, _) = last  # fmt: skip
-            if (k_new.shape == kshape and v_new.shape == vshape and k_new.stride() == kstride
-                    and v_new.stride() == vstride and k_new.dtype is dtype and v_new.dtype is dtype
-                    and k_new.get_device() == self._device_index == v_new.get_device()
-                    and self._aligned[layer] == aligned and locs.data_ptr() == lp and locs.shape == lshape
-                    and locs.stride() == lstride and locs.dtype is ldtype
+            (_, _, lp, lshape, lstride, ldtype, out_shape, _, rows_ok, aligned, align, run, grid, stream, index, head,
+             tail, _) = last  # fmt: skip
+            if (rows_ok(k_new, v_new) and self._aligned[layer] == aligned and locs.data_ptr() == lp
+                    and locs.shape == lshape and locs.stride() == lstride and locs.dtype is ldtype
                     and not launch_hooks_installed()):  # fmt: skip
                 on = stream(index)
                 k_out, v_out, ko, vo = self._outputs(*out_shape, on)
@@ -524,7 +523,7 @@ class HeadGather:
             on = plan.raw_stream(plan.device_index)
             entry[0](*grid, on, *entry[1], kp, vp, ko, vo, lp, knp, vnp, *tail)
             self._last_launch = last = (  # what a call like this one launches again (see above)
-                locs, length, lp, locs.shape, lst, locs.dtype, (batch, seq), ks, vs, kst, vst, k_new.dtype,
+                locs, length, lp, locs.shape, lst, locs.dtype, (batch, seq), ks, layout_guard(k_new, v_new),
                 self._aligned[layer], (ko & 15) | (vo & 15) << 4 | (knp & 15) << 8 | (vnp & 15) << 12, entry[0], grid,
                 plan.raw_stream, plan.device_index, entry[1], tail, plan,
             )  # fmt: skip
@@ -541,8 +540,8 @@ class HeadGather:
         next step of a decode: its first layer), or None.  The same signature (the plan, the batch, the strides and
         dtype of the locations); only the grid and the lengths after the runtime addresses change, and the result
         is kept as the last launch."""
-        (_, _, lp, _, lstride, ldtype, out_shape, kshape, vshape, kstride, vstride, dtype, aligned, align, run, _,
-         stream, index, head, _, plan) = last  # fmt: skip
+        (_, _, lp, _, lstride, ldtype, out_shape, kshape, rows_ok, aligned, align, run, _, stream, index, head, _,
+         plan) = last  # fmt: skip
         if locs is not last[0] and (locs.data_ptr() != lp or locs.dtype is not ldtype or locs.dim() != 2
                                     or locs.stride() != lstride):  # (the caller checks the same tensor's again)
             return None
@@ -555,8 +554,8 @@ class HeadGather:
         if batch != out_shape[0] or not 0 < q <= seq:
             return None
         grid, tail = _store_geometry(plan, batch, seq, q, lstride[0])
-        self._last_launch = last = (locs, length, lp, lshape, lstride, ldtype, (batch, seq), kshape, vshape, kstride,
-                                    vstride, dtype, aligned, align, run, grid, stream, index, head, tail, plan)  # fmt: skip
+        self._last_launch = last = (locs, length, lp, lshape, lstride, ldtype, (batch, seq), kshape, rows_ok, aligned,
+                                    align, run, grid, stream, index, head, tail, plan)  # fmt: skip
         return last
 
     def _repeater(self, last: tuple, stream: int):
@@ -567,18 +566,18 @@ class HeadGather:
         the spare pair is the one ``last`` wrote, on the same stream, held by nothing else (:meth:`_outputs`'s
         checks).  None (no repeat) when the outputs are not reused or ``last`` did not write the spare pair.
 
-        Everything the checks compare is bound once here, in a closure: a layer's call costs a fraction of the
-        signature and last-launch comparisons it replaces (a decode step calls it for every layer but the first)."""
+        Everything the checks compare is bound once here, in a closure, and the new rows' layout is compared in one
+        call (the launch's guard): a layer's call costs a fraction of the signature and last-launch comparisons it
+        replaces (a decode step calls it for every layer but the first)."""
         spare = self._spare
-        (locs, length, lp, _, _, _, out_shape, kshape, vshape, kstride, vstride, dtype, aligned, align, run, grid,
-         raw_stream, index, head, tail, _) = last  # fmt: skip
+        (locs, length, lp, _, _, _, out_shape, _, rows_ok, aligned, align, run, grid, raw_stream, index, head, tail,
+         _) = last  # fmt: skip
         if not self._reuse or spare is None or spare[2] != out_shape or spare[3] != stream:
             return None
         gx, gy, gz = grid
         _, _, _, _, _, k_at, v_at, k_free, v_free, refs, ko, vo, _ = spare
         new_align = align >> 8  # the new rows' part of the launch's alignment
         gather, addresses, layer_aligned, length_type = self, self._addresses, self._aligned, length.__class__
-        device = self._device_index
         count, uses, hooked = sys.getrefcount, _STORAGE_USES, launch_hooks_installed
 
         def repeat(layer: int, at_locs: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, at_length: int | None):
@@ -587,10 +586,8 @@ class HeadGather:
                 return None
             k_out, v_out = spare[0], spare[1]  # (locals, as _outputs counts its references)
             if (count(k_out) != refs or count(v_out) != refs or uses(k_at) != k_free or uses(v_at) != v_free
-                    or k_new.shape != kshape or v_new.shape != vshape or k_new.stride() != kstride
-                    or v_new.stride() != vstride or k_new.dtype is not dtype or v_new.dtype is not dtype
-                    or k_new.get_device() != device or v_new.get_device() != device or layer_aligned[layer] != aligned
-                    or locs.data_ptr() != lp or hooked()):  # fmt: skip
+                    or not rows_ok(k_new, v_new) or layer_aligned[layer] != aligned or locs.data_ptr() != lp
+                    or hooked()):  # fmt: skip
                 return None
             on = raw_stream(index)
             knp, vnp = k_new.data_ptr(), v_new.data_ptr()
