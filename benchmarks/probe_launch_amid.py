@@ -2,11 +2,13 @@
 loop found a later layer's ``PagedKVCache.update`` about 10 µs back to back but about 40 after one of the model's MLPs
 had run, and its bound ``kvbare`` (no checks: one Triton launch) as much, while DynamicCache's two ``torch.cat`` cost
 26 either way.  This probe times, on the host (no sync inside a timed call), one call of each kind of work right after
-each kind of predecessor, to say which launch pays after which work.
+each kind of predecessor, to say which launch pays after which work.  ``layer`` (a whole decoder layer's forward, no
+cache: what runs between two updates in a real step) and ``evict`` (a sum over a million Python ints: the CPU's
+caches hold little else afterwards) tell whether a call costs more because what it touches is no longer cached.
 
 Predecessors: ``none``; ``mlp`` (the model's MLP: three cuBLAS GEMMs and two elementwise kernels); ``ew`` (three torch
-elementwise kernels); ``bmm`` (one batched matmul, what attention's scores are).  Each also with ``+sync`` (the device
-waited for before the timed call: an idle GPU, nothing queued).  Calls: ``cat`` (DynamicCache's update: two
+elementwise kernels); ``bmm`` (one batched matmul, what attention's scores are); ``layer``; ``evict``.  Each also with
+``+sync`` (the device waited for before the timed call: an idle GPU, nothing queued).  Calls: ``cat`` (DynamicCache's update: two
 ``torch.cat``), ``copy`` (one torch copy kernel), ``kvcore`` (a later layer's ``PagedKVCache.update``), ``kvbare``
 (its bound: the store-and-gather launched with no check), ``one`` (the same launch on a grid of one program).
 Median µs of 300 calls, the device waited for every 8 (outside the timing) so that no queue builds up.
@@ -86,11 +88,18 @@ def main() -> None:
         "kvbare": later_update(bare),
         "one": one_program,
     }
+    decoder = model.model.layers[1]
+    positions = torch.full((1, 1), prompt, device="cuda", dtype=torch.long)
+    rotary = model.model.rotary_emb(hidden, positions)
+    objects = list(range(1 << 20))  # about 36 MB of Python ints: what a sum over them reads leaves little else cached
+
     before = {
         "none": lambda: None,
         "mlp": lambda: mlp(hidden),
         "ew": lambda: torch.nn.functional.silu(hidden * 2 + 1),
         "bmm": lambda: torch.bmm(scores_q, scores_k),
+        "layer": lambda: decoder(hidden, position_embeddings=rotary),
+        "evict": lambda: sum(objects),
     }
     clock = time.perf_counter_ns
     print(f"{torch.cuda.get_device_name()}: host µs of one call after its predecessor (median of {args.calls}); "

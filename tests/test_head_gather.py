@@ -280,11 +280,12 @@ def test_a_call_like_the_last_launches_what_the_full_path_launches(reuse):
 
 
 def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
-    """After a forward's first layer (the same rows of locations at a new length), ``repeat`` launches that call
-    again for another layer and its new rows, with the arguments the full path passes (no plan looked up), into the
-    same spare outputs; it declines (None, and ``store_and_gather`` goes its own way) when the outputs are still
-    held, the new rows differ in shape, strides or dtype, or the locations or the length are not the same; ``release``
-    drops it.  The direct launch replaced by a recorder, so that it runs on the CPU too."""
+    """After a forward's first layer (the same rows of locations at a new length), ``repeat(layer, k_new, v_new)``
+    launches that call again for another layer and its new rows, with the arguments the full path passes (no plan
+    looked up), into the same spare outputs; it declines (None, and ``store_and_gather`` goes its own way) when the
+    outputs are still held or the new rows differ in shape, strides or dtype.  ``repeat_for`` hands it out only for
+    the locations object and length it repeats; a launch at another length replaces it, ``release`` drops it.  The
+    direct launch replaced by a recorder, so that it runs on the CPU too."""
     layers, rows, heads, dk, dv, batch = 3, 200, 2, 16, 8, 2
     k = random_rows((layers, rows, heads, dk), torch.bfloat16, 70)
     v = random_rows((layers, rows, heads, dv), torch.bfloat16, 71)
@@ -295,6 +296,7 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
         return new_rows(batch, heads, 1, dim, dtype, seed, transposed)
 
     gather.store_and_gather(0, table, rows_of(1), rows_of(2, True, dv), 20)  # the plan made
+    gather.store_and_gather(0, table, rows_of(5, True), rows_of(6, True, dv), 20)  # and one of keys laid out otherwise
     launched = []
     for plan in gather._store_plans.values():  # (stream 0: what the outputs note of the CPU's)
         plan.entry, plan.raw_stream = (lambda *a: launched.append(a), ("HEAD",)), lambda index: 0
@@ -319,7 +321,8 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
         kept = None
         for layer in (1, 2):
             new = (rows_of(30 + layer), rows_of(40 + layer, True, dv))
-            assert gather.repeat(layer, table, *new, length) is not None
+            assert gather.repeat_for(table, length) is gather.repeat
+            assert gather.repeat(layer, *new) is not None
             args = list(launched.pop())
             args[at : at + 2] = ["k_out", "v_out"]
             assert args == launch(layer, new, length, full=True)[0], "the full path's arguments"
@@ -332,9 +335,9 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
             kept = id(out[0]), id(out[1])
             del out
         new = (rows_of(60), rows_of(61, True, dv))
-        held = gather.repeat(1, table, *new, length)
+        held = gather.repeat(1, *new)
         launched.pop()
-        assert gather.repeat(2, table, *new, length) is None, "the outputs are held"
+        assert gather.repeat(2, *new) is None, "the outputs are held"
         fast, took_full, out = launch(2, new, length)
         assert (id(out[0]), id(out[1])) != (id(held[0]), id(held[1])), "a held pair is not written again"
         del held, out
@@ -343,21 +346,27 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
         repeat = gather.repeat
         assert repeat is not None, "the full path's direct launch leaves one too"
         for declined in (
-            (1, table, rows_of(64, True), rows_of(65, True, dv), length),  # other strides
-            (1, table, rows_of(66, dtype=torch.float16), rows_of(67, True, dv), length),  # another dtype
-            (1, table, new_rows(batch, heads, 2, dk, torch.bfloat16, 68), new[1], length),  # two new tokens
-            (1, table, new[0], new_rows(batch - 1, heads, 1, dv, torch.bfloat16, 69), length),  # a row fewer
-            (1, table, new[0], new[0], length),  # one tensor for both (keys' width: not the values')
-            (1, table.clone(), *new, length),  # another locations object
-            (1, table, *new, length + 1),  # another length
-            (1, table, *new, float(length)),  # a length that is no int
-            (1, table, *new, None),
+            (rows_of(64, True), rows_of(65, True, dv)),  # other strides
+            (rows_of(66, dtype=torch.float16), rows_of(67, True, dv)),  # another dtype
+            (new_rows(batch, heads, 2, dk, torch.bfloat16, 68), new[1]),  # two new tokens
+            (new[0], new_rows(batch - 1, heads, 1, dv, torch.bfloat16, 69)),  # a row fewer
+            (new[0], new[0]),  # one tensor for both (keys' width: not the values')
         ):
-            assert repeat(*declined) is None
+            assert repeat(1, *declined) is None
+        for other in ((table.clone(), length), (table, length + 1), (table, float(length)), (table, None)):
+            assert gather.repeat_for(*other) is None, "another locations object or length"
+        assert gather.repeat_for(table, length) is repeat
         assert not launched
         del repeat  # (a repeat holds the spare tuple it writes: a stale one would keep the pair from being reused)
+    # a first layer at another length whose new rows the last launch does not take: the full path launches, and its
+    # repeat (for that length) replaces the last one
+    launch(0, (rows_of(70, True), rows_of(71, True, dv)), 23)
+    assert gather.repeat_for(table, 22) is None and gather.repeat_for(table, 23) is gather.repeat is not None
+    assert gather.repeat(1, rows_of(72, True), rows_of(73, True, dv)) is not None
+    launched.pop()
+    assert gather.repeat(1, rows_of(74), rows_of(75, True, dv)) is None, "the rows of the launch it repeats"
     gather.release()
-    assert gather.repeat is None
+    assert gather.repeat is None and gather.repeat_for(table, 23) is None
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

@@ -768,6 +768,45 @@ def test_a_decode_steps_first_layer_only_resizes_the_outputs_within_held_pages(m
     assert len(grown) <= -(-new // 16) and all(b - a >= 16 for a, b in zip(grown, grown[1:])), grown
 
 
+def test_a_forwards_later_layers_go_straight_to_the_first_layers_repeat(monkeypatch):
+    """The cache hands a forward's later layers to the head gather's repeat of its first layer's launch (a direct
+    launch on a GPU; here a store-and-gather reference stands in for it, on every device): a decode step's first layer
+    goes the cache's own way, every later one straight to the repeat, and the logits are DynamicCache's; a prompt's
+    forward repeats nothing (its layers initialize themselves), and a crop or free_all leaves nothing to repeat."""
+    from kvcore.kernels.head_gather import HeadGather, store_and_gather_native
+
+    repeated = []
+
+    def repeat_for(gather, locs, length):
+        def repeat(layer, k_new, v_new):
+            repeated.append((layer, length))
+            return store_and_gather_native(gather.k_layers[layer], gather.v_layers[layer], locs[:, :length], k_new,
+                                           v_new, gather.out_dtype, gather.k_scale, gather.v_scale)  # fmt: skip
+
+        return repeat
+
+    monkeypatch.setattr(HeadGather, "repeat_for", repeat_for)
+    model, ids, mask, device = on_test_device(torch.bfloat16)
+    ref = generate(model, DynamicCache(config=model.config), 10, ids, mask)
+    cache = paged(model, page_size=16, kernels="triton", device=device)
+    own_way = []
+    update = cache._update
+    monkeypatch.setattr(cache, "_update", lambda layer, k, v: own_way.append(layer.layer_id) or update(layer, k, v))
+    out = generate(model, cache, 10, ids, mask)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    layers, width = model.config.num_hidden_layers, ids.shape[1]
+    # (store_and_gather takes a repeat for a call of its locations and length too: the stand-in gives it one for every
+    # call, the prompt's layers' and each step's first layer's among them)
+    steps = [(layer, end) for layer, end in repeated if layer and end > width]
+    assert steps == [(layer, end) for end in range(width + 1, width + 10) for layer in range(1, layers)]
+    assert own_way == [*range(layers), *[0] * 9], "the prompt's layers, then each decode step's first"
+    assert cache._later is not None
+    cache.crop(-1)
+    assert cache._later is None
+    cache.free_all()
+    assert cache._later is None
+
+
 def test_a_checked_pool_is_stored_through_set_kv_buffer(monkeypatch):
     """Behind kvcore's checking proxy the cache never writes the pool itself: every layer stores through the proxy's
     ``set_kv_buffer`` (its checks run) and reads with the one-launch gather."""

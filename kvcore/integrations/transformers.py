@@ -158,6 +158,9 @@ class PagedKVCache(Cache):
         self._rows: torch.Tensor | None = None  # the batch's rows of the request table, a view (see _set_slots)
         self._allocated = 0  # positions of every live row that have a location: whole pages (or the reserved run)
         self._step: _Step | None = None  # what the current forward's layers share (see _begin_step)
+        #: a forward's later layers: (the head gather's repeat of its first layer's launch, the rows' length before the
+        #: forward and after it), or None (see update)
+        self._later: tuple | None = None
         self._layer_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # each layer's K and V rows
         self._gathers: dict[torch.dtype, HeadGather] = {}  # the read into attention's layout, by its dtype
         self.contiguous_rows = bool(contiguous_rows)
@@ -324,23 +327,21 @@ class PagedKVCache(Cache):
         per-layer call; the pool stays where it is): a gathered copy (converted from the cache dtype), which a later
         layer's update writes over once nothing holds it, or, with ``contiguous_rows`` over reserved runs and the
         cache in the model's dtype, a strided view of the pool (no copy).  Nothing in it waits for the device."""
-        layer, step = self.layers[layer_idx], self._step
-        if step is not None and step.fused and layer.is_initialized and layer.seq_len + step.q == step.end:
-            # a forward's later layers: _update's fused path at once, the first layer's launch again when it may be
-            gather = step.gather
-            repeat = gather.repeat
-            if repeat is not None:
-                out = repeat(layer.layer_id, step.read_locs, key_states, value_states, step.length)
-                if out is not None:  # (it brought step.q new tokens: the repeated launch's shapes)
-                    layer.seq_len = step.end
+        later = self._later
+        if later is not None:  # a forward's later layer not stored yet: its first layer's launch again, if it may be
+            repeat, before, end = later
+            layer = self.layers[layer_idx]
+            if layer.seq_len == before:
+                out = repeat(layer.layer_id, key_states, value_states)
+                if out is not None:  # (it brought as many new tokens: the repeated launch's shapes)
+                    layer.seq_len = end
                     return out
-            if key_states.shape[-2] == step.q:
-                layer.seq_len = step.end
-                return gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states, step.length)
-        return self._update(layer, key_states, value_states)
+        return self._update(self.layers[layer_idx], key_states, value_states)
 
     def _update(self, layer: PagedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
-        """:meth:`update`, for ``layer``: the hot path, run per layer and step."""
+        """:meth:`update`, for ``layer``, when it does not repeat the first layer's launch: a forward's first layer,
+        and every layer of a forward that may not repeat."""
+        self._later = None
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
@@ -358,7 +359,12 @@ class PagedKVCache(Cache):
                 step = self._begin_step(key_states, value_states, end)
         if step.fused:  # the pool's rows written and read in one launch
             layer.seq_len = end
-            return step.gather.store_and_gather(layer.layer_id, step.read_locs, key_states, value_states, step.length)
+            gather, locs, length = step.gather, step.read_locs, step.length
+            out = gather.store_and_gather(layer.layer_id, locs, key_states, value_states, length)
+            repeat = gather.repeat_for(locs, length)
+            if repeat is not None and end > q:  # (a first forward's layers initialize themselves in _update)
+                self._later = (repeat, end - q, end)
+            return out
         k, v = key_states, value_states
         if step.live is not None:  # some rows freed: only the others store
             k, v = k[step.live], v[step.live]
@@ -417,7 +423,7 @@ class PagedKVCache(Cache):
         first = slots[0] if slots else 0
         consecutive = slots and len(live) == len(slots) and slots == list(range(first, first + len(slots)))
         self._rows = self.req_to_token_pool.req_to_token[first : first + len(slots)] if consecutive else None
-        self._step = None
+        self._step = self._later = None
 
     def _grow(self, end: int) -> None:
         """Give every live row locations for positions ``self._allocated .. end - 1``: whole pages, taken in one
@@ -605,7 +611,7 @@ class PagedKVCache(Cache):
                 dropped = self.req_to_token_pool.req_to_token[self._live_slots, keep : self._allocated]
                 self.allocator.free(dropped.reshape(-1).to(torch.int64))
             self._allocated = keep
-        self._step = None
+        self._step = self._later = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` takes the tokens of row ``beam_idx[i]`` (copied into row ``i``'s own slots,

@@ -7,8 +7,9 @@
 - :mod:`kvcore.kernels.row_move`: the overlap-safe move of token rows across every layer of stacked buffers;
 - :mod:`kvcore.kernels.free_list` and :mod:`kvcore.kernels.allocator_kernels`: the allocators' device-side free
   lists and index arithmetic;
-- :mod:`kvcore.kernels.head_gather`: a batch's keys and values gathered into ``[batch, heads, seq, dim]`` in one
-  launch (what dense attention implementations read).
+- :mod:`kvcore.kernels.head_gather` (its kernels in :mod:`kvcore.kernels.head_gather_kernels`): a batch's keys and
+  values gathered into ``[batch, heads, seq, dim]`` in one launch (what dense attention implementations read);
+- :mod:`kvcore.kernels.tensor_guard`: whether tensors are laid out as a planned launch's were, in one call.
 
 May import: :mod:`kvcore.errors` and :mod:`kvcore.token_rows` (the description of where a token's rows are),
 besides torch and Triton.  Importing this package loads no kernel; its modules do.

@@ -14,6 +14,8 @@ and a quarter of the launches of the torch path.
 :meth:`HeadGather.store_and_gather` also writes a step's new keys and values into the layer's rows in the same
 launch (converted as a K/V pool's ``set_kv_buffer`` converts them), for callers that may write a pool's rows
 themselves (``KVCache.set_kv_buffer_writes_rows``): a transformers layer's step is then one launch.
+
+The kernels are in :mod:`kvcore.kernels.head_gather_kernels`; this module plans and launches them.
 """
 
 from __future__ import annotations
@@ -21,17 +23,14 @@ from __future__ import annotations
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
 from kvcore.kernels import dtypes
 from kvcore.kernels.dtypes import is_fp8_dtype
-from kvcore.kernels.fp8 import (e4m3fn_bits_to_f32_hw, e5m2_bits_to_f32, f32_to_bf16_bits, f32_to_fp8_bits,
-                               f32_to_fp8_bits_hw, torch_e4m3fn_saturates)  # fmt: skip
+from kvcore.kernels.fp8 import torch_e4m3fn_saturates
+from kvcore.kernels.head_gather_kernels import GATHER_ARGS, STORE_GATHER_ARGS
 from kvcore.kernels.head_rows import gather_heads_native, put_rows, store_and_gather_native, take_rows
 from kvcore.kernels.kernel_mode import triton_interpreting
-from kvcore.kernels.launch import (_RAW_STREAM, UNPLANNED, KernelArgs, Plan, cdiv, launch_hooks_installed,
-                                   launcher_for, remember)  # fmt: skip
+from kvcore.kernels.launch import _RAW_STREAM, UNPLANNED, Plan, cdiv, launch_hooks_installed, launcher_for, remember
 from kvcore.kernels.row_move import next_pow2
 from kvcore.kernels.tensor_guard import layout_guard
 
@@ -45,192 +44,6 @@ _NUM_WARPS = 4
 #: how many holders (tensors, views included, and storage objects) a storage has, given its address:
 #: ``torch._C._storage_Use_Count`` (None: outputs are never reused)
 _STORAGE_USES = getattr(torch._C, "_storage_Use_Count", None)
-
-
-_SAME, _F32, _F16, _BF16 = (tl.constexpr(dtypes.SAME), tl.constexpr(dtypes.F32), tl.constexpr(dtypes.F16),
-                            tl.constexpr(dtypes.BF16))  # fmt: skip
-_E4M3FN, _E5M2 = tl.constexpr(dtypes.E4M3FN), tl.constexpr(dtypes.E5M2)
-
-
-@triton.jit
-def _widen(x, IN: tl.constexpr, HW_CVT: tl.constexpr):
-    """Loaded values of code ``IN`` (fp8 as their bytes) -> float32, exactly (bf16 by a bit shift: the
-    interpreter's cast mangles bf16 subnormals)."""
-    if IN == _BF16:
-        xf = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    elif IN == _E4M3FN:
-        xf = e4m3fn_bits_to_f32_hw(x, HW_CVT)
-    elif IN == _E5M2:
-        xf = e5m2_bits_to_f32(x)
-    else:
-        xf = x.to(tl.float32)
-    return xf
-
-
-@triton.jit
-def _narrow(xf, OUT: tl.constexpr, HW_CVT: tl.constexpr):
-    """float32 -> the output dtype, rounding to nearest even as torch does (bf16 by bits under the interpreter,
-    whose cast truncates)."""
-    if OUT == _BF16:
-        if HW_CVT:
-            y = xf.to(tl.bfloat16)
-        else:
-            y = f32_to_bf16_bits(xf).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    elif OUT == _F16:
-        y = xf.to(tl.float16)
-    else:
-        y = xf
-    return y
-
-
-@triton.jit
-def _gather_tile(src, out, loc, mask_t, b, t, seq, page_stride, row_stride, head_stride, scale,
-                 HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                 IN: tl.constexpr, OUT: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
-    d = tl.arange(0, BLOCK_D)
-    mask = mask_t[:, None] & (d < D)[None, :]
-    row = (loc // PAGE) * page_stride + (loc % PAGE) * row_stride
-    for h in range(HEADS):
-        x = tl.load(src + row[:, None] + h * head_stride + d[None, :], mask=mask, other=0)
-        _hand_on(x, out, b, h, t, d, seq, mask, scale, HEADS, D, IN, OUT, SCALED, HW_CVT)
-
-
-@triton.jit
-def _hand_on(x, out, b, h, t, d, seq, mask, scale, HEADS: tl.constexpr, D: tl.constexpr, IN: tl.constexpr,
-             OUT: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
-    """Head ``h``'s cache values ``x`` (code ``IN``) of row ``b``'s tokens ``t``, converted to the output dtype
-    (times ``scale`` when ``SCALED``) and written to ``out[b, h, t]``."""
-    if IN != OUT:
-        xf = _widen(x, IN, HW_CVT)
-        if SCALED:
-            xf = xf * scale
-        x = _narrow(xf, OUT, HW_CVT)
-    tl.store(out + ((b * HEADS + h) * seq + t)[:, None] * D + d[None, :], x, mask=mask)
-
-
-@triton.jit(do_not_specialize=["seq", "loc_stride", "k_scale", "v_scale"])
-def _gather_heads_kernel(
-    k_ptr, v_ptr, k_out, v_out, loc_ptr, seq, loc_stride,
-    k_page_stride, k_row_stride, k_head_stride, v_page_stride, v_row_stride, v_head_stride, k_scale, v_scale,
-    HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_T: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, SCALED: tl.constexpr,
-    HW_CVT: tl.constexpr,
-):  # fmt: skip
-    # grid: (token blocks, batch rows, 2: keys then values)
-    pid_t = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = t < seq
-    loc = tl.load(loc_ptr + b * loc_stride + t, mask=mask_t, other=0).to(tl.int64)
-    if tl.program_id(2) == 0:
-        _gather_tile(k_ptr, k_out, loc, mask_t, b, t, seq, k_page_stride, k_row_stride, k_head_stride, k_scale,
-                     HEADS, DK, BLOCK_DK, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
-    else:
-        _gather_tile(v_ptr, v_out, loc, mask_t, b, t, seq, v_page_stride, v_row_stride, v_head_stride, v_scale,
-                     HEADS, DV, BLOCK_DV, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
-
-
-@triton.jit
-def _encode(xf, CODE: tl.constexpr, SATURATE: tl.constexpr, HW_CVT: tl.constexpr):
-    """float32 -> a cache dtype of code ``CODE`` as a store writes it (fp8 as its byte), rounding to nearest even
-    as torch's ``.to`` does (bf16 and fp8 by bits under the interpreter, whose casts do not)."""
-    if CODE == _F32:
-        c = xf
-    elif CODE == _F16:
-        c = xf.to(tl.float16)
-    elif CODE == _BF16:
-        c = _narrow(xf, CODE, HW_CVT)
-    elif HW_CVT:
-        c = f32_to_fp8_bits_hw(xf, CODE, SATURATE).to(tl.uint8)
-    else:
-        c = f32_to_fp8_bits(xf, CODE, SATURATE).to(tl.uint8)
-    return c
-
-
-@triton.jit
-def _store_gather_tile(src, out, new, loc, mask_t, b, t, seq, prefix, page_stride, row_stride, head_stride, new_sb,
-                       new_sh, new_sq, scale, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       PAGE: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, STORE: tl.constexpr,
-                       SATURATE: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
-    """:func:`_gather_tile` of a tile holding new tokens (positions ``prefix ..``): those are read from ``new``
-    (``[batch, heads, q, D]``), written to the cache at their locations (converted as a store converts) and handed
-    on from there, exactly what a store then a gather would read back."""
-    d = tl.arange(0, BLOCK_D)
-    in_row = (d < D)[None, :]
-    fresh = mask_t & (t >= prefix)
-    old = (mask_t & (t < prefix))[:, None] & in_row
-    stored = fresh[:, None] & in_row
-    row = (loc // PAGE) * page_stride + (loc % PAGE) * row_stride
-    new_row = b * new_sb + tl.where(fresh, t - prefix, 0) * new_sq
-    for h in range(HEADS):
-        at = src + row[:, None] + h * head_stride + d[None, :]
-        x = tl.load(at, mask=old, other=0)
-        y = tl.load(new + new_row[:, None] + h * new_sh + d[None, :], mask=stored, other=0)
-        if STORE != _SAME:  # the store's conversion: float32, divided by the scale, rounded once
-            yf = _widen(y, OUT, HW_CVT)  # the inputs have the output's dtype
-            if SCALED:
-                yf = tl.math.div_rn(yf, tl.zeros_like(yf) + scale)
-            y = _encode(yf, STORE, SATURATE, HW_CVT)
-        tl.store(at, y, mask=stored)
-        _hand_on(tl.where(fresh[:, None], y, x), out, b, h, t, d, seq, mask_t[:, None] & in_row, scale, HEADS, D, IN,
-                 OUT, SCALED, HW_CVT)  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["seq", "prefix", "loc_stride", "k_scale", "v_scale"])
-def _store_gather_heads_kernel(
-    k_ptr, v_ptr, k_out, v_out, loc_ptr, k_new, v_new, seq, prefix, loc_stride,
-    k_new_sb, k_new_sh, k_new_sq, v_new_sb, v_new_sh, v_new_sq,
-    k_page_stride, k_row_stride, k_head_stride, v_page_stride, v_row_stride, v_head_stride, k_scale, v_scale,
-    HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_T: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, STORE: tl.constexpr,
-    SATURATE: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr,
-):  # fmt: skip
-    # grid: (token blocks, batch rows, 2: keys then values); blocks wholly before ``prefix`` only gather
-    pid_t = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = t < seq
-    loc = tl.load(loc_ptr + b * loc_stride + t, mask=mask_t, other=0).to(tl.int64)
-    only_old = (pid_t + 1) * BLOCK_T <= prefix
-    if tl.program_id(2) == 0:
-        if only_old:
-            _gather_tile(k_ptr, k_out, loc, mask_t, b, t, seq, k_page_stride, k_row_stride, k_head_stride, k_scale,
-                         HEADS, DK, BLOCK_DK, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
-        else:
-            _store_gather_tile(k_ptr, k_out, k_new, loc, mask_t, b, t, seq, prefix, k_page_stride, k_row_stride,
-                               k_head_stride, k_new_sb, k_new_sh, k_new_sq, k_scale, HEADS, DK, BLOCK_DK, PAGE, IN,
-                               OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
-    else:
-        if only_old:
-            _gather_tile(v_ptr, v_out, loc, mask_t, b, t, seq, v_page_stride, v_row_stride, v_head_stride, v_scale,
-                         HEADS, DV, BLOCK_DV, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
-        else:
-            _store_gather_tile(v_ptr, v_out, v_new, loc, mask_t, b, t, seq, prefix, v_page_stride, v_row_stride,
-                               v_head_stride, v_new_sb, v_new_sh, v_new_sq, v_scale, HEADS, DV, BLOCK_DV, PAGE, IN,
-                               OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
-
-
-#: the kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`): :func:`gather_heads_triton` passes its
-#: tensors as tensors, :class:`HeadGather` their addresses
-_GATHER_ARGS = KernelArgs(
-    _gather_heads_kernel,
-    "k_ptr v_ptr k_out v_out loc_ptr seq loc_stride k_page_stride k_row_stride k_head_stride v_page_stride "
-    "v_row_stride v_head_stride k_scale v_scale",
-    "HEADS DK DV BLOCK_DK BLOCK_DV PAGE BLOCK_T IN OUT SCALED HW_CVT",
-    pointers="k_ptr v_ptr k_out v_out loc_ptr",
-)
-
-
-#: the store-and-gather kernel's: what a call reads, then what its plan fixes (the inputs' and the layers' strides,
-#: the scales)
-_STORE_GATHER_ARGS = KernelArgs(
-    _store_gather_heads_kernel,
-    ("k_ptr v_ptr k_out v_out loc_ptr k_new v_new seq prefix loc_stride",
-     "k_new_sb k_new_sh k_new_sq v_new_sb v_new_sh v_new_sq k_page_stride k_row_stride k_head_stride v_page_stride "
-     "v_row_stride v_head_stride k_scale v_scale"),
-    "HEADS DK DV BLOCK_DK BLOCK_DV PAGE BLOCK_T IN OUT STORE SATURATE SCALED HW_CVT",
-    pointers="k_ptr v_ptr k_out v_out loc_ptr k_new v_new",
-)  # fmt: skip
 
 
 def _paged(buffer: torch.Tensor) -> tuple[int, int, int, int]:
@@ -265,7 +78,7 @@ def _constexprs(k: torch.Tensor, v: torch.Tensor, page: int, out_dtype: torch.dt
     block_t = max(1, _TILE_ELEMS // max(block_dk, block_dv))
     code_in = dtypes.dtype_code(k.dtype, "the cache")
     code_out = dtypes.dtype_code(out_dtype, "out_dtype") if k.dtype != out_dtype else code_in
-    return block_t, _GATHER_ARGS.constexprs(HEADS=heads, DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+    return block_t, GATHER_ARGS.constexprs(HEADS=heads, DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
                                             PAGE=page, BLOCK_T=block_t, IN=code_in, OUT=code_out, SCALED=scaled,
                                             HW_CVT=not triton_interpreting())  # fmt: skip
 
@@ -326,7 +139,7 @@ def gather_heads_triton(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, ou
             1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale), *constexprs)  # fmt: skip
     key = (k.dtype, out_dtype, locs.dtype, locs.stride(1), kps, krs, khs, vps, vrs, vhs,
            *(t.data_ptr() % 16 == 0 for t in (k, v, k_out, v_out, locs)))  # fmt: skip
-    launcher_for(_GATHER_ARGS, k.device)(key, cdiv(seq, block_t), batch, args, num_warps=_NUM_WARPS, grid_z=2)
+    launcher_for(GATHER_ARGS, k.device)(key, cdiv(seq, block_t), batch, args, num_warps=_NUM_WARPS, grid_z=2)
     return k_out, v_out
 
 
@@ -388,8 +201,8 @@ class HeadGather:
         #: call compares shapes, strides, dtype and device), the layer's and the addresses' alignment, the launch's
         #: callable, grid, stream getter and device, head and tail, its plan)
         self._last_launch: tuple | None = None
-        #: None, or what a forward's later layers may call first, with :meth:`store_and_gather`'s arguments: the last
-        #: direct launch again for another layer and its new rows, or None when it may not (see :meth:`_repeater`)
+        #: None, or ``repeat(layer, k_new, v_new)``: the last direct launch again for another layer and its new rows
+        #: (the same locations and length), or None when it may not (see :meth:`_repeater`, :meth:`repeat_for`)
         self.repeat = None
         if not use_triton:
             return
@@ -401,18 +214,21 @@ class HeadGather:
                                for k, v in zip(k_layers, v_layers)]  # fmt: skip
         self._addresses = [(k.data_ptr(), v.data_ptr()) for k, v in zip(k_layers, v_layers)]
         self._aligned = [(k % 16 == 0, v % 16 == 0) for k, v in self._addresses]  # what Triton specializes on
+        #: per alignment of the layers' addresses: each layer's addresses, None where the layer's differs
+        self._addresses_aligned = {a: [at if al == a else None for at, al in zip(self._addresses, self._aligned)]
+                                   for a in set(self._aligned)}  # fmt: skip
         self._key = (k0.dtype, out_dtype, *k_strides, *v_strides)
-        self._launch = launcher_for(_GATHER_ARGS, k0.device)
+        self._launch = launcher_for(GATHER_ARGS, k0.device)
         self._device_index = k0.get_device()
         self._plans: dict[tuple, Plan] = {}
         # store_and_gather: the layers' conversion codes and the output's, and what a store adds to them
         *_, block_dk, block_dv, page, _, code_in, code_out, scaled, hw_cvt = self._constexprs
-        self._store_constexprs = _STORE_GATHER_ARGS.constexprs(
+        self._store_constexprs = STORE_GATHER_ARGS.constexprs(
             HEADS=self.heads, DK=self.dk, DV=self.dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, PAGE=page,
             BLOCK_T=self._block_t, IN=code_in, OUT=code_out, STORE=dtypes.conversion_code(out_dtype, k0.dtype, "the cache"),
             SATURATE=torch_e4m3fn_saturates(), SCALED=scaled, HW_CVT=hw_cvt,
         )  # fmt: skip
-        self._store_launch = launcher_for(_STORE_GATHER_ARGS, k0.device)
+        self._store_launch = launcher_for(STORE_GATHER_ARGS, k0.device)
         self._store_plans: dict[tuple, Plan] = {}
 
     def __call__(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,9 +288,9 @@ class HeadGather:
                 locs = _first_tokens(locs, length)
             return store_and_gather_native(self.k_layers[layer], self.v_layers[layer], locs, k_new, v_new,
                                            self.out_dtype, self.k_scale, self.v_scale)  # fmt: skip
-        repeat = self.repeat
+        repeat = self.repeat_for(locs, length)
         if repeat is not None:  # a forward's later layer: the first's launch again, for this layer and these rows
-            out = repeat(layer, locs, k_new, v_new, length)
+            out = repeat(layer, k_new, v_new)
             if out is not None:
                 return out
         last = self._last_launch
@@ -554,49 +370,57 @@ class HeadGather:
         if batch != out_shape[0] or not 0 < q <= seq:
             return None
         grid, tail = _store_geometry(plan, batch, seq, q, lstride[0])
+        self.repeat = None  # (it repeated the launch this one replaces)
         self._last_launch = last = (locs, length, lp, lshape, lstride, ldtype, (batch, seq), kshape, rows_ok, aligned,
                                     align, run, grid, stream, index, head, tail, plan)  # fmt: skip
         return last
 
     def _repeater(self, last: tuple, stream: int):
-        """What a forward's later layers call first (:meth:`store_and_gather`'s arguments, the same order): the
-        direct launch ``last``, just made on raw stream ``stream``, again for another layer and its new rows, into
-        the same spare outputs, or None when the call is not one it may repeat.  It may when the call brings the same
-        locations object and length, new rows of the same shapes, strides, dtype, device and address alignment, and
-        the spare pair is the one ``last`` wrote, on the same stream, held by nothing else (:meth:`_outputs`'s
-        checks).  None (no repeat) when the outputs are not reused or ``last`` did not write the spare pair.
+        """``repeat(layer, k_new, v_new)``: the direct launch ``last``, just made on raw stream ``stream``, again for
+        another layer and its new rows (:meth:`store_and_gather` of the same locations and length), into the same spare
+        outputs, or None when the call is not one it may repeat.  It may when the new rows have the same shapes,
+        strides, dtype, device and address alignment, the layer's addresses the same alignment, the locations the same
+        address, and the spare pair is the one ``last`` wrote, on the same stream, held by nothing else
+        (:meth:`_outputs`'s checks).  None (no repeat) when the outputs are not reused or ``last`` did not write the
+        spare pair.  Kept as :attr:`repeat` while ``last`` is the last launch.
 
         Everything the checks compare is bound once here, in a closure, and the new rows' layout is compared in one
-        call (the launch's guard): a layer's call costs a fraction of the signature and last-launch comparisons it
-        replaces (a decode step calls it for every layer but the first)."""
+        call (the launch's guard): a call touches little that a decode step's other work may have pushed out of the
+        CPU's caches (it is made for every layer but the first)."""
         spare = self._spare
-        (locs, length, lp, _, _, _, out_shape, _, rows_ok, aligned, align, run, grid, raw_stream, index, head, tail,
+        (locs, _, lp, _, _, _, out_shape, _, rows_ok, aligned, align, run, grid, raw_stream, index, head, tail,
          _) = last  # fmt: skip
         if not self._reuse or spare is None or spare[2] != out_shape or spare[3] != stream:
             return None
         gx, gy, gz = grid
         _, _, _, _, _, k_at, v_at, k_free, v_free, refs, ko, vo, _ = spare
         new_align = align >> 8  # the new rows' part of the launch's alignment
-        gather, addresses, layer_aligned, length_type = self, self._addresses, self._aligned, length.__class__
+        gather, addresses = self, self._addresses_aligned[aligned]
         count, uses, hooked = sys.getrefcount, _STORAGE_USES, launch_hooks_installed
 
-        def repeat(layer: int, at_locs: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, at_length: int | None):
-            if (at_locs is not locs or at_length != length or at_length.__class__ is not length_type
-                    or gather._spare is not spare):  # fmt: skip
+        def repeat(layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+            at = addresses[layer]
+            if at is None or gather._spare is not spare:
                 return None
             k_out, v_out = spare[0], spare[1]  # (locals, as _outputs counts its references)
             if (count(k_out) != refs or count(v_out) != refs or uses(k_at) != k_free or uses(v_at) != v_free
-                    or not rows_ok(k_new, v_new) or layer_aligned[layer] != aligned or locs.data_ptr() != lp
-                    or hooked()):  # fmt: skip
+                    or not rows_ok(k_new, v_new) or locs.data_ptr() != lp or hooked()):  # fmt: skip
                 return None
             on = raw_stream(index)
             knp, vnp = k_new.data_ptr(), v_new.data_ptr()
             if on != stream or (knp & 15) | (vnp & 15) << 4 != new_align:
                 return None
-            kp, vp = addresses[layer]
-            run(gx, gy, gz, on, *head, kp, vp, ko, vo, lp, knp, vnp, *tail)
+            run(gx, gy, gz, on, *head, at[0], at[1], ko, vo, lp, knp, vnp, *tail)
             return k_out, v_out
 
+        return repeat
+
+    def repeat_for(self, locs: torch.Tensor, length: int | None):
+        """:attr:`repeat` when it repeats a launch of these locations (the same tensor) and length, else None: what a
+        caller binding it for a forward's later layers checks once."""
+        repeat, last = self.repeat, self._last_launch
+        if repeat is None or last[0] is not locs or last[1] != length or last[1].__class__ is not length.__class__:
+            return None
         return repeat
 
     def release(self) -> None:
