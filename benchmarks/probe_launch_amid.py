@@ -1,17 +1,16 @@
-"""What one cache update's launch costs the host after other work (issue 31): ``bench_hf_generate.py``'s host-time
-loop found a later layer's ``PagedKVCache.update`` about 10 µs back to back but about 40 after one of the model's MLPs
-had run, and its bound ``kvbare`` (no checks: one Triton launch) as much, while DynamicCache's two ``torch.cat`` cost
-26 either way.  This probe times, on the host (no sync inside a timed call), one call of each kind of work right after
-each kind of predecessor, to say which launch pays after which work.  ``layer`` (a whole decoder layer's forward, no
-cache: what runs between two updates in a real step) and ``evict`` (a sum over a million Python ints: the CPU's
-caches hold little else afterwards) tell whether a call costs more because what it touches is no longer cached.
+"""What one cache update costs the host right after other work (issue 31).  ``bench_hf_generate.py``'s host-time loop
+times each update after one of the model's MLPs with nothing waited for, so that the device's queue may fill; this
+probe waits for the device every 8 calls (outside the timing) and times, on the host, one call of each kind right
+after each kind of predecessor.  ``layer`` (a whole decoder layer's forward, no cache: what runs between two updates
+in a real step) and ``evict`` (a sum over a million Python ints: the CPU's caches hold little else afterwards) tell
+how much a call costs because what it touches is no longer in the CPU's caches.
 
 Predecessors: ``none``; ``mlp`` (the model's MLP: three cuBLAS GEMMs and two elementwise kernels); ``ew`` (three torch
 elementwise kernels); ``bmm`` (one batched matmul, what attention's scores are); ``layer``; ``evict``.  Each also with
-``+sync`` (the device waited for before the timed call: an idle GPU, nothing queued).  Calls: ``cat`` (DynamicCache's update: two
-``torch.cat``), ``copy`` (one torch copy kernel), ``kvcore`` (a later layer's ``PagedKVCache.update``), ``kvbare``
-(its bound: the store-and-gather launched with no check), ``one`` (the same launch on a grid of one program).
-Median µs of 300 calls, the device waited for every 8 (outside the timing) so that no queue builds up.
+``+sync`` (the device waited for before the timed call: an idle GPU, nothing queued).  Calls: ``cat``
+(DynamicCache's update: two ``torch.cat``), ``copy`` (one torch copy kernel), ``kvcore`` (a later layer's
+``PagedKVCache.update``), ``kvbare`` (its bound: the store-and-gather launched with no check), ``one`` (the same
+launch, called directly, on a grid of one program).  Median µs of 300 calls.
 
     python benchmarks/probe_launch_amid.py [--batch 1] [--prompt 100]
 """
