@@ -382,7 +382,9 @@ class HeadGather:
         strides, dtype, device and address alignment, the layer's addresses the same alignment, the locations the same
         address, and the spare pair is the one ``last`` wrote, on the same stream, held by nothing else
         (:meth:`_outputs`'s checks).  None (no repeat) when the outputs are not reused or ``last`` did not write the
-        spare pair.  Kept as :attr:`repeat` while ``last`` is the last launch.
+        spare pair.  Kept as :attr:`repeat` while ``last`` is the last launch, so a forward's first layer makes one
+        for the others: whether a profiler's launch hook is installed (launches then go through Triton's dispatcher,
+        which calls it) is asked by that launch, once a forward, not by every repeat.
 
         Everything the checks compare is bound once here, in a closure, and the new rows' layout is compared in one
         call (the launch's guard): a call touches little that a decode step's other work may have pushed out of the
@@ -396,7 +398,7 @@ class HeadGather:
         _, _, _, _, _, k_at, v_at, k_free, v_free, refs, ko, vo, _ = spare
         new_align = align >> 8  # the new rows' part of the launch's alignment
         gather, addresses = self, self._addresses_aligned[aligned]
-        count, uses, hooked = sys.getrefcount, _STORAGE_USES, launch_hooks_installed
+        count, uses = sys.getrefcount, _STORAGE_USES
 
         def repeat(layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
             at = addresses[layer]
@@ -404,7 +406,7 @@ class HeadGather:
                 return None
             k_out, v_out = spare[0], spare[1]  # (locals, as _outputs counts its references)
             if (count(k_out) != refs or count(v_out) != refs or uses(k_at) != k_free or uses(v_at) != v_free
-                    or not rows_ok(k_new, v_new) or locs.data_ptr() != lp or hooked()):  # fmt: skip
+                    or not rows_ok(k_new, v_new) or locs.data_ptr() != lp):  # fmt: skip
                 return None
             on = raw_stream(index)
             knp, vnp = k_new.data_ptr(), v_new.data_ptr()

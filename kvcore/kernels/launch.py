@@ -70,8 +70,9 @@ launcher's C entry point (its argument list read from that release's ``CudaLaunc
 launch goes through Triton's dispatcher, and kvcore says so once per process (a ``logging`` warning);
 ``KVCORE_DIRECT_LAUNCH=1`` launches directly there anyway, through ``CompiledKernel.run`` only (also said
 once).  ``pyproject.toml`` bounds Triton to the releases the kernels are tested on.  Under Triton's
-interpreter, and while a Triton launch hook is installed (profilers), every call goes through the dispatcher;
-``KVCORE_DIRECT_LAUNCH=0`` does the same everywhere.
+interpreter, and while a Triton launch hook is installed (profilers), every call goes through the dispatcher (a
+repeat of a forward's first launch, :attr:`kvcore.kernels.head_gather.HeadGather.repeat`, follows that launch:
+hooks are asked once a forward there); ``KVCORE_DIRECT_LAUNCH=0`` does the same everywhere.
 """
 
 from __future__ import annotations
