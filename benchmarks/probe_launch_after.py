@@ -174,7 +174,7 @@ def main() -> None:
             if name != "kvcore":
                 for plan in gather._store_plans.values():
                     plan.entry = (_no_op, plan.entry[1])
-                gather._last_launch = None
+                gather._last_launch = gather.repeat = None
             return update
         if name == "cat":
             caches = [[torch.randn(b, kvh, args.seq, d, device=dev, dtype=dt)] * 2 for _ in range(layers)]

@@ -421,7 +421,8 @@ class HeadGather:
         """:attr:`repeat` when it repeats a launch of these locations (the same tensor) and length, else None: what a
         caller binding it for a forward's later layers checks once."""
         repeat, last = self.repeat, self._last_launch
-        if repeat is None or last[0] is not locs or last[1] != length or last[1].__class__ is not length.__class__:
+        if (repeat is None or last is None or last[0] is not locs or last[1] != length
+                or last[1].__class__ is not length.__class__):  # fmt: skip
             return None
         return repeat
 
