@@ -45,7 +45,9 @@ work costs inside a real step; ``kvplain`` is kvcore's cache without the host sa
 pair per layer, every launch planned in full: :class:`PlainPagedKVCache`); ``contigcopy`` is ``contig`` whose decode
 steps store with ``copy_`` into the pool's views instead of the pool's store (no Triton launch in a decode step:
 :class:`ContigCopyPagedKVCache`, a trial); ``kvbare`` is kvcore's cache whose later layers of a forward launch with no
-per-layer check (a bound on what trimming the fast path's Python could save: :class:`BarePagedKVCache`).
+per-layer check (a bound on what trimming the fast path's Python could save: :class:`BarePagedKVCache`);
+``kvresident`` is kvcore's cache with ``resident_rows=True`` (every layer's gathered rows kept between steps, a step
+writing only its new tokens into them).
 
     python benchmarks/bench_hf_generate.py                    # on the GPU; results also in $OUT/hf_generate.json
     python benchmarks/bench_hf_generate.py --device cpu --small   # a quick smoke run on the CPU
@@ -352,7 +354,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
     parser.add_argument("--caches", default="dynamic,kvcore,contig", help="caches timed (dynamic always is): "
-                        "dynamic, dynamic_b, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy, kvbare")
+                        "dynamic, dynamic_b, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy, kvbare, kvresident")
     parser.add_argument("--lockstep", type=int, default=None, help="lockstep runs per case (2; --small: 1; 0: none)")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
     args = parser.parse_args()
@@ -422,9 +424,9 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
     layers = model.config.num_hidden_layers
     capacity = batch * (prompt + max(new, steps) + 64)
 
-    def paged(contiguous_rows: bool = False, cls=PagedKVCache):
+    def paged(contiguous_rows: bool = False, cls=PagedKVCache, resident_rows: bool = False):
         return cls.from_model(model, max_total_tokens=capacity, page_size=args.page_size, dtype=dtype,
-                              max_batch_size=batch, contiguous_rows=contiguous_rows)  # fmt: skip
+                              max_batch_size=batch, contiguous_rows=contiguous_rows, resident_rows=resident_rows)  # fmt: skip
 
     def dynamic():
         return DynamicCache(config=model.config)
@@ -438,7 +440,7 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
               "dynamic2": lambda: ShadowedDynamicCache(model.config), "kvcore2": shadowed_paged,
               "kvplain": lambda: paged(cls=PlainPagedKVCache),
               "contigcopy": lambda: paged(True, cls=ContigCopyPagedKVCache),
-              "kvbare": lambda: paged(cls=BarePagedKVCache)}  # fmt: skip
+              "kvbare": lambda: paged(cls=BarePagedKVCache), "kvresident": lambda: paged(resident_rows=True)}  # fmt: skip
     makers = {name: makers[name] for name in caches}
 
     # 1. logit identity: a prefill and two decode steps

@@ -18,7 +18,7 @@
 #   hisparse  python benchmarks/bench_hisparse_device.py (HiSparse's host <-> device gathers)  ($OUT/hisparse.txt)
 #   dsv4   the DeepSeek-V4 family's tests, compiled                                   ($OUT/dsv4.txt)
 #   sparse  kvcore bench of the DeepSeek-V4 and MiniMax sparse families, every size (32k tokens included)  ($OUT/sparse.txt)
-#   hfcore  the head gather's, the transformers cache's and the layout guard's tests, compiled          ($OUT/hfcore.txt)
+#   hfcore  the head gathers', the transformers cache's and the layout guard's tests, compiled         ($OUT/hfcore.txt)
 #   tune   python benchmarks/tune_row_stores.py (the 128-value quantizing stores)    ($OUT/tune.txt)
 #   hfprof  python benchmarks/profile_hf_generate.py (where a generation step goes)  ($OUT/hfprof.txt)
 #   fp8k   the fp8 encoders' tests and the stores' and gathers' that use them, compiled  ($OUT/fp8k.txt)
@@ -76,7 +76,8 @@ for phase in "$@"; do
         dsv4) run dsv4 env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -p no:cacheprovider plugins/dsv4 ;;
         sparse) run sparse env KVCORE_PLUGINS=mha,minimax_sparse,dsv4 python3 -m kvcore bench ;;
         hfcore) run hfcore env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_head_gather.py \
-            tests/test_transformers_cache.py tests/test_launch_contract.py tests/test_tensor_guard.py ;;
+            tests/test_transformers_cache.py tests/test_launch_contract.py tests/test_tensor_guard.py \
+            tests/test_resident_gather.py tests/test_transformers_resident_rows.py ;;
         tune) run tune python3 benchmarks/tune_row_stores.py ;;
         hfprof) run hfprof python3 benchmarks/profile_hf_generate.py ;;
         fp8k) run fp8k env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_fp8.py \

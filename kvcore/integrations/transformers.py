@@ -57,6 +57,7 @@ from kvcore.integrations.hf_model import (BACKEND, SUPPORTED_DTYPES, build_pools
 from kvcore.integrations.paged_layer import PagedKVLayer
 from kvcore.kernels.head_gather import HeadGather, take_rows
 from kvcore.kernels.kernel_mode import use_triton
+from kvcore.kernels.resident_gather import ResidentHeadGather
 
 __all__ = ["SUPPORTED_DTYPES", "KVCacheFullError", "PagedKVCache", "PagedKVLayer", "config_overrides", "model_dimensions"]
 
@@ -114,6 +115,13 @@ class PagedKVCache(Cache):
         token-major rows.  Needs the allocator to hand out one contiguous run (checked once per batch: a
         fragmented pool falls back to allocating as rows grow); ``available_tokens`` counts the reserved slots as
         taken.
+    :param resident_rows: keep every layer's gathered keys and values from step to step and write only each step's
+        new tokens into them (:class:`~kvcore.kernels.resident_gather.ResidentHeadGather`): a decode step's device
+        work no longer grows with the rows' length (the gather, like ``DynamicCache``'s ``torch.cat``, reads and
+        writes every token of every layer each step).  Costs what ``DynamicCache`` holds, every layer's rows in the
+        model's dtype, on top of the pool (an eighth more for growth, at least 64 tokens a row).  Applies where a
+        layer's store and read are one launch (a GPU, every row live); a forward that stores otherwise (rows
+        freed, a checked pool, the torch path) gathers as without it, and the rows are gathered again afterwards.
     """
 
     def __init__(
@@ -125,6 +133,7 @@ class PagedKVCache(Cache):
         k_scale: float | None = None,
         v_scale: float | None = None,
         contiguous_rows: bool = False,
+        resident_rows: bool = False,
     ):
         start = getattr(pool, "start_layer", 0) or 0
         if start != 0:
@@ -164,6 +173,7 @@ class PagedKVCache(Cache):
         self._layer_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # each layer's K and V rows
         self._gathers: dict[torch.dtype, HeadGather] = {}  # the read into attention's layout, by its dtype
         self.contiguous_rows = bool(contiguous_rows)
+        self.resident_rows = bool(resident_rows)
         self._row_base: int | None = None  # first slot of row 0 while the batch runs on reserved contiguous rows
         self._row_cap = 0  # tokens reserved per row then
         self._row_views: list[tuple] | None = None  # each layer's K and V strides and offsets over the reserved runs
@@ -188,6 +198,7 @@ class PagedKVCache(Cache):
         v_scale: float | None = None,
         registry: Any = None,
         contiguous_rows: bool = False,
+        resident_rows: bool = False,
     ) -> PagedKVCache:
         """A cache sized for ``model`` (a transformers ``PreTrainedModel``, or anything with ``.config``).
 
@@ -209,6 +220,7 @@ class PagedKVCache(Cache):
         :param registry: the plugins (default: the installed ones); one of them must register the ``mha`` backend.
         :param contiguous_rows: reserve each row one run of slots per batch and read strided views (see the
             class docstring).
+        :param resident_rows: keep every layer's gathered rows between steps (see the class docstring).
         """
         import kvcore
 
@@ -234,7 +246,8 @@ class PagedKVCache(Cache):
             request, size=size, requests=int(max_batch_size), max_context_len=int(max_context_len),
             need_sort=need_sort, registry=registry,
         )  # fmt: skip
-        return cls(pool, allocator, req_to_token_pool, k_scale=k_scale, v_scale=v_scale, contiguous_rows=contiguous_rows)
+        return cls(pool, allocator, req_to_token_pool, k_scale=k_scale, v_scale=v_scale, contiguous_rows=contiguous_rows,
+                   resident_rows=resident_rows)  # fmt: skip
 
     @classmethod
     def from_config(
@@ -246,6 +259,7 @@ class PagedKVCache(Cache):
         k_scale: float | None = None,
         v_scale: float | None = None,
         contiguous_rows: bool = False,
+        resident_rows: bool = False,
         **build_kwargs: Any,
     ) -> PagedKVCache:
         """A cache from a kvcore :class:`~kvcore.config.EngineConfig`: :func:`kvcore.build_pools` plans and
@@ -268,7 +282,7 @@ class PagedKVCache(Cache):
         pools = kvcore.build_pools(cfg, registry=registry, **build_kwargs)
         return cls(
             pools.token_to_kv_pool, pools.token_to_kv_pool_allocator, pools.req_to_token_pool,
-            k_scale=k_scale, v_scale=v_scale, contiguous_rows=contiguous_rows,
+            k_scale=k_scale, v_scale=v_scale, contiguous_rows=contiguous_rows, resident_rows=resident_rows,
         )
 
     # -- what callers look at -----------------------------------------------------------------------------
@@ -424,6 +438,7 @@ class PagedKVCache(Cache):
         consecutive = slots and len(live) == len(slots) and slots == list(range(first, first + len(slots)))
         self._rows = self.req_to_token_pool.req_to_token[first : first + len(slots)] if consecutive else None
         self._step = self._later = None
+        self._forget_resident_rows()
 
     def _grow(self, end: int) -> None:
         """Give every live row locations for positions ``self._allocated .. end - 1``: whole pages, taken in one
@@ -495,6 +510,8 @@ class PagedKVCache(Cache):
             # one launch stores and reads when the pool's store is a plain row write this cache may make itself
             step.fused = (self._fused_store and step.live is None and key_states.stride(-1) == 1
                           and value_states.stride(-1) == 1)  # fmt: skip
+            if not step.fused:  # the pool's rows stored otherwise: resident rows would miss them
+                self._forget_resident_rows()
             if rows is None:
                 step.read_locs = table[self._slot_t, :end]
             elif step.fused:  # the rows as they are, every step: no view a step, and the launch's last arguments
@@ -525,11 +542,21 @@ class PagedKVCache(Cache):
         gather = self._gathers.get(dtype)
         if gather is None:
             buffers = self._layer_buffers
-            gather = self._gathers[dtype] = HeadGather(
-                [b[0] for b in buffers], [b[1] for b in buffers], dtype, self.k_scale, self.v_scale,
-                use_triton=self._triton_gather, reuse_outputs=True,
-            )
+            k_layers, v_layers = [b[0] for b in buffers], [b[1] for b in buffers]
+            if self.resident_rows:
+                gather = ResidentHeadGather(k_layers, v_layers, dtype, self.k_scale, self.v_scale,
+                                            use_triton=self._triton_gather)  # fmt: skip
+            else:
+                gather = HeadGather(k_layers, v_layers, dtype, self.k_scale, self.v_scale,
+                                    use_triton=self._triton_gather, reuse_outputs=True)  # fmt: skip
+            self._gathers[dtype] = gather
         return gather
+
+    def _forget_resident_rows(self) -> None:
+        """Drop the layers' resident rows (``resident_rows``): the pool's rows changed other than through them."""
+        if self.resident_rows:
+            for gather in self._gathers.values():
+                gather.release()
 
     def _locations(self, length: int) -> torch.Tensor:
         """``[batch, length]`` int64 locations (freed rows read the padding row: slot 0)."""
@@ -625,6 +652,7 @@ class PagedKVCache(Cache):
         if len(self._live_t) != len(self._slots):
             src, dst = src[self._live_t], dst[self._live_t]
         src, dst = src.reshape(-1), dst.reshape(-1)
+        self._forget_resident_rows()
         for layer in self.layers:
             k = take_rows(self.pool.get_key_buffer(layer.layer_id), src)  # copies, so overlapping rows are safe
             v = take_rows(self.pool.get_value_buffer(layer.layer_id), src)

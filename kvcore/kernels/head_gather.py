@@ -102,11 +102,14 @@ def _first_tokens(locs: torch.Tensor, length: int) -> torch.Tensor:
     return locs[:, : _checked_length(length, locs.shape[1])]
 
 
-def _store_geometry(plan: Plan, batch: int, seq: int, q: int, row_stride: int) -> tuple[tuple, tuple]:
+def _store_geometry(plan: Plan, batch: int, seq: int, q: int, row_stride: int, out_len: int | None = None,
+                    first_block: int = 0) -> tuple[tuple, tuple]:  # fmt: skip
     """``(grid, tail)`` of a planned store-and-gather launch: its grid over ``batch`` rows of ``seq`` tokens, the
     newest ``q`` of them stored, and the arguments after its runtime addresses (``row_stride``: the locations'
-    stride between rows), the plan's fixed ones last."""
-    return (-(-seq // plan.block_n), batch, 2), (seq, seq - q, row_stride, *plan.suffix)
+    stride between rows), the plan's fixed ones last.  ``out_len``: tokens a row of the outputs holds (None:
+    ``seq``); ``first_block``: the first token block written (the blocks before it are not launched)."""
+    return ((-(-seq // plan.block_n) - first_block, batch, 2),
+            (seq, seq - q, row_stride, seq if out_len is None else out_len, first_block, *plan.suffix))  # fmt: skip
 
 
 def _room(seq: int) -> int:
@@ -346,7 +349,7 @@ class HeadGather:
             self.repeat = self._repeater(last, on)
         else:
             k, v = self._kernel_layers[layer]
-            plan(seq, (kp, vp, ko, vo, lp, knp, vnp, seq, seq - q, locs.stride(0)),
+            plan(seq, (kp, vp, ko, vo, lp, knp, vnp, seq, seq - q, locs.stride(0), seq, 0),
                  lambda: (k, v, k_out, v_out, locs, k_new, v_new))  # fmt: skip
         return k_out, v_out
 

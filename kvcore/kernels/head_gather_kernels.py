@@ -51,28 +51,31 @@ def _narrow(xf, OUT: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _gather_tile(src, out, loc, mask_t, b, t, seq, page_stride, row_stride, head_stride, scale,
+def _gather_tile(src, out, loc, mask_t, b, t, out_len, page_stride, row_stride, head_stride, scale,
                  HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                  IN: tl.constexpr, OUT: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
+    """Head after head, row ``b``'s tokens ``t`` (``mask_t``: those that exist) read from the cache at ``loc`` and
+    handed on to ``out`` (rows of ``out_len`` tokens, :func:`_hand_on`)."""
     d = tl.arange(0, BLOCK_D)
     mask = mask_t[:, None] & (d < D)[None, :]
     row = (loc // PAGE) * page_stride + (loc % PAGE) * row_stride
     for h in range(HEADS):
         x = tl.load(src + row[:, None] + h * head_stride + d[None, :], mask=mask, other=0)
-        _hand_on(x, out, b, h, t, d, seq, mask, scale, HEADS, D, IN, OUT, SCALED, HW_CVT)
+        _hand_on(x, out, b, h, t, d, out_len, mask, scale, HEADS, D, IN, OUT, SCALED, HW_CVT)
 
 
 @triton.jit
-def _hand_on(x, out, b, h, t, d, seq, mask, scale, HEADS: tl.constexpr, D: tl.constexpr, IN: tl.constexpr,
+def _hand_on(x, out, b, h, t, d, out_len, mask, scale, HEADS: tl.constexpr, D: tl.constexpr, IN: tl.constexpr,
              OUT: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
     """Head ``h``'s cache values ``x`` (code ``IN``) of row ``b``'s tokens ``t``, converted to the output dtype
-    (times ``scale`` when ``SCALED``) and written to ``out[b, h, t]``."""
+    (times ``scale`` when ``SCALED``) and written to ``out[b, h, t]`` (``out``: ``[batch, HEADS, out_len, D]``,
+    contiguous)."""
     if IN != OUT:
         xf = _widen(x, IN, HW_CVT)
         if SCALED:
             xf = xf * scale
         x = _narrow(xf, OUT, HW_CVT)
-    tl.store(out + ((b * HEADS + h) * seq + t)[:, None] * D + d[None, :], x, mask=mask)
+    tl.store(out + ((b * HEADS + h) * out_len + t)[:, None] * D + d[None, :], x, mask=mask)
 
 
 @triton.jit(do_not_specialize=["seq", "loc_stride", "k_scale", "v_scale"])
@@ -115,7 +118,7 @@ def _encode(xf, CODE: tl.constexpr, SATURATE: tl.constexpr, HW_CVT: tl.constexpr
 
 
 @triton.jit
-def _store_gather_tile(src, out, new, loc, mask_t, b, t, seq, prefix, page_stride, row_stride, head_stride, new_sb,
+def _store_gather_tile(src, out, new, loc, mask_t, b, t, out_len, prefix, page_stride, row_stride, head_stride, new_sb,
                        new_sh, new_sq, scale, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                        PAGE: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, STORE: tl.constexpr,
                        SATURATE: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
@@ -139,21 +142,23 @@ def _store_gather_tile(src, out, new, loc, mask_t, b, t, seq, prefix, page_strid
                 yf = tl.math.div_rn(yf, tl.zeros_like(yf) + scale)
             y = _encode(yf, STORE, SATURATE, HW_CVT)
         tl.store(at, y, mask=stored)
-        _hand_on(tl.where(fresh[:, None], y, x), out, b, h, t, d, seq, mask_t[:, None] & in_row, scale, HEADS, D, IN,
-                 OUT, SCALED, HW_CVT)  # fmt: skip
+        _hand_on(tl.where(fresh[:, None], y, x), out, b, h, t, d, out_len, mask_t[:, None] & in_row, scale, HEADS,
+                 D, IN, OUT, SCALED, HW_CVT)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["seq", "prefix", "loc_stride", "k_scale", "v_scale"])
+@triton.jit(do_not_specialize=["seq", "prefix", "loc_stride", "out_len", "first_block", "k_scale", "v_scale"])
 def _store_gather_heads_kernel(
-    k_ptr, v_ptr, k_out, v_out, loc_ptr, k_new, v_new, seq, prefix, loc_stride,
+    k_ptr, v_ptr, k_out, v_out, loc_ptr, k_new, v_new, seq, prefix, loc_stride, out_len, first_block,
     k_new_sb, k_new_sh, k_new_sq, v_new_sb, v_new_sh, v_new_sq,
     k_page_stride, k_row_stride, k_head_stride, v_page_stride, v_row_stride, v_head_stride, k_scale, v_scale,
     HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_T: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, STORE: tl.constexpr,
     SATURATE: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr,
 ):  # fmt: skip
-    # grid: (token blocks, batch rows, 2: keys then values); blocks wholly before ``prefix`` only gather
-    pid_t = tl.program_id(0)
+    # grid: (token blocks from ``first_block`` on, batch rows, 2: keys then values); blocks wholly before ``prefix``
+    # only gather.  The outputs are ``[batch, HEADS, out_len, D]``: ``out_len`` is ``seq``, or more for outputs kept
+    # from step to step, whose blocks before ``first_block`` hold their tokens already
+    pid_t = tl.program_id(0) + first_block
     b = tl.program_id(1).to(tl.int64)
     t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = t < seq
@@ -161,18 +166,18 @@ def _store_gather_heads_kernel(
     only_old = (pid_t + 1) * BLOCK_T <= prefix
     if tl.program_id(2) == 0:
         if only_old:
-            _gather_tile(k_ptr, k_out, loc, mask_t, b, t, seq, k_page_stride, k_row_stride, k_head_stride, k_scale,
+            _gather_tile(k_ptr, k_out, loc, mask_t, b, t, out_len, k_page_stride, k_row_stride, k_head_stride, k_scale,
                          HEADS, DK, BLOCK_DK, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
         else:
-            _store_gather_tile(k_ptr, k_out, k_new, loc, mask_t, b, t, seq, prefix, k_page_stride, k_row_stride,
+            _store_gather_tile(k_ptr, k_out, k_new, loc, mask_t, b, t, out_len, prefix, k_page_stride, k_row_stride,
                                k_head_stride, k_new_sb, k_new_sh, k_new_sq, k_scale, HEADS, DK, BLOCK_DK, PAGE, IN,
                                OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
     else:
         if only_old:
-            _gather_tile(v_ptr, v_out, loc, mask_t, b, t, seq, v_page_stride, v_row_stride, v_head_stride, v_scale,
+            _gather_tile(v_ptr, v_out, loc, mask_t, b, t, out_len, v_page_stride, v_row_stride, v_head_stride, v_scale,
                          HEADS, DV, BLOCK_DV, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
         else:
-            _store_gather_tile(v_ptr, v_out, v_new, loc, mask_t, b, t, seq, prefix, v_page_stride, v_row_stride,
+            _store_gather_tile(v_ptr, v_out, v_new, loc, mask_t, b, t, out_len, prefix, v_page_stride, v_row_stride,
                                v_head_stride, v_new_sb, v_new_sh, v_new_sq, v_scale, HEADS, DV, BLOCK_DV, PAGE, IN,
                                OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
 
@@ -193,7 +198,7 @@ GATHER_ARGS = KernelArgs(
 #: the scales)
 STORE_GATHER_ARGS = KernelArgs(
     _store_gather_heads_kernel,
-    ("k_ptr v_ptr k_out v_out loc_ptr k_new v_new seq prefix loc_stride",
+    ("k_ptr v_ptr k_out v_out loc_ptr k_new v_new seq prefix loc_stride out_len first_block",
      "k_new_sb k_new_sh k_new_sq v_new_sb v_new_sh v_new_sq k_page_stride k_row_stride k_head_stride v_page_stride "
      "v_row_stride v_head_stride k_scale v_scale"),
     "HEADS DK DV BLOCK_DK BLOCK_DV PAGE BLOCK_T IN OUT STORE SATURATE SCALED HW_CVT",

@@ -1,0 +1,209 @@
+"""A head gather whose outputs stay between calls: every layer keeps its gathered keys and values, and a step
+writes only its new tokens into them.
+
+:class:`~kvcore.kernels.head_gather.HeadGather` hands attention ``[batch, heads, seq, dim]`` keys and values
+gathered from the pool on every call: a decode step reads and writes every token of every layer again, as
+``DynamicCache``'s ``torch.cat`` does.  :class:`ResidentHeadGather` keeps each layer's gathered rows (its *resident
+rows*, ``[batch, heads, room, dim]`` with room for more tokens) and returns views of them; a
+:meth:`~ResidentHeadGather.store_and_gather` stores the new tokens in the pool and writes, in the same launch, only
+the tokens its rows lack (a decode step: one token a row) into them.  A step's device work no longer grows with the
+rows' length.  The price is memory: the rows of every layer, in the output dtype (what ``DynamicCache`` holds), on
+top of the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.kernels.head_gather import HeadGather, _checked_length, _store_geometry
+from kvcore.kernels.head_rows import store_and_gather_native
+from kvcore.kernels.launch import UNPLANNED, launch_hooks_installed, remember
+from kvcore.kernels.tensor_guard import layout_guard
+
+__all__ = ["ResidentHeadGather", "resident_room"]
+
+
+def resident_room(seq: int) -> int:
+    """Tokens a row of resident rows has room for when they are allocated for ``seq``: an eighth more, at least 64,
+    so that a decode grows them (and gathers every token again) once every ``seq / 8`` steps."""
+    return seq + max(64, seq // 8)
+
+
+class _Rows:
+    """Every layer's resident rows: ``k`` / ``v`` ``[layers, batch, heads, room, dim]`` of the output dtype,
+    ``valid[layer]`` the tokens of each row of ``layer`` that hold what the pool holds at the locations ``source``
+    (the locations' address, row stride and dtype) names, the strides and per-layer offsets of their views and
+    the per-layer addresses the kernel writes."""
+
+    __slots__ = ("k", "v", "batch", "room", "valid", "source", "k_stride", "v_stride", "k_offsets", "v_offsets",
+                 "addresses")  # fmt: skip
+
+    def __init__(self, template: torch.Tensor, layers: int, batch: int, heads: int, dk: int, dv: int, room: int,
+                 source: tuple):  # fmt: skip
+        self.k = template.new_empty((layers, batch, heads, room, dk))
+        self.v = template.new_empty((layers, batch, heads, room, dv))
+        self.batch, self.room, self.source = batch, room, source
+        self.valid = [0] * layers
+        self.k_stride, self.v_stride = self.k.stride()[1:], self.v.stride()[1:]
+        self.k_offsets = [layer * self.k.stride(0) for layer in range(layers)]
+        self.v_offsets = [layer * self.v.stride(0) for layer in range(layers)]
+        item = self.k.element_size()
+        k0, v0 = self.k.data_ptr(), self.v.data_ptr()
+        self.addresses = [(k0 + ko * item, v0 + vo * item) for ko, vo in zip(self.k_offsets, self.v_offsets)]
+
+    def views(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s first ``seq`` tokens a row: two ``[batch, heads, seq, dim]`` views."""
+        k, v, batch = self.k, self.v, self.batch
+        return (k.as_strided((batch, k.shape[2], seq, k.shape[4]), self.k_stride, self.k_offsets[layer]),
+                v.as_strided((batch, v.shape[2], seq, v.shape[4]), self.v_stride, self.v_offsets[layer]))  # fmt: skip
+
+
+class ResidentHeadGather(HeadGather):
+    """:class:`~kvcore.kernels.head_gather.HeadGather` whose :meth:`store_and_gather` returns views of the layer's
+    resident rows (see the module docstring) and writes into them only the tokens they lack.
+
+    A layer's rows hold, for the locations they were gathered from (the same address, row stride and dtype), what
+    the pool held at the last call of that layer: a call stores its ``q`` new tokens and writes tokens
+    ``min(held, length - q) .. length - 1`` (from the start of that token block) into the rows.  Locations at
+    another address, another batch, or rows longer than their room gather every token again (into new rows, room
+    for :func:`resident_room` tokens).  The views stay valid until the layer's next call writes its rows.
+
+    The caller keeps the rows true: after changing the pool's rows of the held tokens by any other means (a store of
+    its own, rows copied or moved, the request table's rows rewritten), it calls :meth:`release`.  Dropping tokens
+    from the end of a row (a crop) needs nothing: the next call writes from its new tokens on.
+
+    Takes :class:`~kvcore.kernels.head_gather.HeadGather`'s arguments, but ``reuse_outputs`` (the outputs are the
+    resident rows); :meth:`__call__` (a gather without a store) allocates its outputs.
+    """
+
+    def __init__(self, k_layers, v_layers, out_dtype: torch.dtype, k_scale: float | None = None,
+                 v_scale: float | None = None, *, use_triton: bool):  # fmt: skip
+        super().__init__(k_layers, v_layers, out_dtype, k_scale, v_scale, use_triton=use_triton)
+        self._rows: _Rows | None = None
+        #: ``(locs, length)`` of the last direct launch, which :attr:`repeat` repeats
+        self._repeats: tuple | None = None
+
+    def release(self) -> None:
+        """Drop the resident rows (their memory goes back to torch's allocator) and the repeat."""
+        super().release()
+        self._rows = self._repeats = None
+
+    def repeat_for(self, locs: torch.Tensor, length: int | None):
+        """:attr:`repeat` when it repeats a launch of these locations (the same tensor) and length, else None."""
+        repeat, last = self.repeat, self._repeats
+        if (repeat is None or last is None or last[0] is not locs or last[1] != length
+                or last[1].__class__ is not length.__class__):  # fmt: skip
+            return None
+        return repeat
+
+    def rows_held(self, layer: int) -> int:
+        """Tokens of each row layer ``layer``'s resident rows hold (0: none)."""
+        return 0 if self._rows is None else self._rows.valid[layer]
+
+    def store_and_gather(self, layer: int, locs: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                         length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """:meth:`HeadGather.store_and_gather <kvcore.kernels.head_gather.HeadGather.store_and_gather>`, bit for bit,
+        returning views of layer ``layer``'s resident rows (see the class)."""
+        repeat = self.repeat_for(locs, length)
+        if repeat is not None:  # a forward's later layer: the first's launch again, for this layer and these rows
+            out = repeat(layer, k_new, v_new)
+            if out is not None:
+                return out
+        if locs.dim() != 2:
+            raise ValueError(f"locs must be [batch, seq], got {tuple(locs.shape)}")
+        batch, width = locs.shape
+        seq = width if length is None else _checked_length(length, width)
+        ks = k_new.shape
+        q = ks[2] if len(ks) == 4 else -1
+        if not batch or not 0 < q <= seq:  # nothing to store, or refused: HeadGather's path answers or says why
+            self.repeat = None
+            return super().store_and_gather(layer, locs, k_new, v_new, length)
+        rows = self._rows_for(batch, seq, locs)
+        first = min(rows.valid[layer], seq - q)
+        if not self.use_triton:
+            got = store_and_gather_native(self.k_layers[layer], self.v_layers[layer], locs[:, first:seq], k_new, v_new,
+                                          self.out_dtype, self.k_scale, self.v_scale)  # fmt: skip
+            rows.k[layer, :, :, first:seq] = got[0]
+            rows.v[layer, :, :, first:seq] = got[1]
+            rows.valid[layer] = seq
+            return rows.views(layer, seq)
+        first_block = first // self._block_t
+        kp, vp = self._addresses[layer]
+        ko, vo = rows.addresses[layer]
+        lp, knp, vnp = locs.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
+        lst = locs.stride()
+        aligned = self._aligned[layer]
+        out_align = (ko & 15) | (vo & 15) << 4
+        signature = (locs.dtype, lst[1], locs.get_device(), batch, ks, k_new.stride(), k_new.dtype, k_new.get_device(),
+                     v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device(),
+                     (lp & 15) | out_align << 4 | (knp & 15) << 12 | (vnp & 15) << 16, aligned)  # fmt: skip
+        plan = self._store_plans.get(signature, UNPLANNED)
+        if plan is UNPLANNED:
+            plan = remember(self._store_plans, signature,
+                            self._store_plan(locs, batch, seq, k_new, v_new, rows.k[layer], rows.v[layer], aligned))
+        grid, tail = _store_geometry(plan, batch, seq, q, lst[0], rows.room, first_block)
+        entry = plan.entry
+        if entry is not None and not launch_hooks_installed():  # Plan.__call__'s direct launch, inlined
+            entry[0](*grid, plan.raw_stream(plan.device_index), *entry[1], kp, vp, ko, vo, lp, knp, vnp, *tail)
+            rows.valid[layer] = seq
+            self.repeat = self._resident_repeater(rows, entry, grid, tail, plan, locs, seq, first, k_new, v_new,
+                                                  aligned, out_align)  # fmt: skip
+            self._repeats = (locs, length)
+        else:
+            k, v = self._kernel_layers[layer]
+            k_out, v_out = rows.k[layer], rows.v[layer]
+            plan(seq - first_block * plan.block_n, (kp, vp, ko, vo, lp, knp, vnp, *tail[: 5]),
+                 lambda: (k, v, k_out, v_out, locs, k_new, v_new))  # fmt: skip
+            rows.valid[layer] = seq
+            self.repeat = None
+        return rows.views(layer, seq)
+
+    def _rows_for(self, batch: int, seq: int, locs: torch.Tensor) -> _Rows:
+        """The resident rows a call of ``batch`` rows of ``seq`` tokens at ``locs`` writes: the ones held, when they
+        have the batch and the room (none of their tokens counted held when the locations are others), else new
+        ones (the old ones dropped first)."""
+        rows = self._rows
+        source = (locs.data_ptr(), locs.stride(0), locs.dtype)
+        if rows is None or rows.batch != batch or rows.room < seq:
+            self._rows = self.repeat = self._repeats = rows = None
+            rows = self._rows = _Rows(self._template, len(self.k_layers), batch, self.heads, self.dk, self.dv,
+                                      resident_room(seq), source)  # fmt: skip
+        elif rows.source != source:
+            rows.valid[:] = [0] * len(rows.valid)  # (in place: a repeat bound to these rows sees it)
+            rows.source = source
+        return rows
+
+    def _resident_repeater(self, rows: _Rows, entry: tuple, grid: tuple, tail: tuple, plan, locs: torch.Tensor,
+                           seq: int, first: int, k_new: torch.Tensor, v_new: torch.Tensor, aligned: tuple,
+                           out_align: int):  # fmt: skip
+        """``repeat(layer, k_new, v_new)``: the direct launch just made (a forward's first layer) again for another
+        layer and its new rows, into that layer's resident rows, or None when it may not: the layer's rows hold
+        fewer than ``first`` tokens, or the new rows' layout or the addresses' alignment differ (see
+        :meth:`HeadGather._repeater <kvcore.kernels.head_gather.HeadGather._repeater>`).  Whether a launch hook is
+        installed is asked by the launch repeated, once a forward."""
+        run, head = entry
+        gx, gy, gz = grid
+        new_align = (k_new.data_ptr() & 15) | (v_new.data_ptr() & 15) << 4
+        rows_ok, lp = layout_guard(k_new, v_new), locs.data_ptr()
+        targets = [None if at is None or (ko & 15) | (vo & 15) << 4 != out_align else (*at, ko, vo)
+                   for at, (ko, vo) in zip(self._addresses_aligned[aligned], rows.addresses)]  # fmt: skip
+        valid, raw_stream, index, gather = rows.valid, plan.raw_stream, plan.device_index, self
+        k_all, v_all, k_stride, v_stride, k_offsets, v_offsets = (rows.k, rows.v, rows.k_stride, rows.v_stride,
+                                                                  rows.k_offsets, rows.v_offsets)  # fmt: skip
+        k_shape = (rows.batch, self.heads, seq, self.dk)
+        v_shape = (rows.batch, self.heads, seq, self.dv)
+
+        def repeat(layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+            at = targets[layer]
+            if (at is None or gather._rows is not rows or valid[layer] < first or not rows_ok(k_new, v_new)
+                    or locs.data_ptr() != lp):  # fmt: skip
+                return None
+            knp, vnp = k_new.data_ptr(), v_new.data_ptr()
+            if (knp & 15) | (vnp & 15) << 4 != new_align:
+                return None
+            run(gx, gy, gz, raw_stream(index), *head, *at, lp, knp, vnp, *tail)
+            valid[layer] = seq
+            return (k_all.as_strided(k_shape, k_stride, k_offsets[layer]),
+                    v_all.as_strided(v_shape, v_stride, v_offsets[layer]))  # fmt: skip
+
+        return repeat
