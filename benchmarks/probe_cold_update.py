@@ -3,7 +3,8 @@
 layer, which pushes what an update touches (its frames, the cache's and the head gather's objects, the C code it
 calls) out of the CPU's caches; a call that costs a few µs back to back then costs several times as much.
 
-kvcore's ``PagedKVCache`` (and ``kvbare``, its bound with no per-layer check) on the Triton path with every
+kvcore's ``PagedKVCache`` (``kvbare``: its bound with no per-layer check; ``kvresident``: with ``resident_rows``)
+on the Triton path with every
 store-and-gather launch replaced by a recorder once planned (so that it runs on the CPU: the launch's own host work
 is not in these numbers, its arguments are), and DynamicCache, for scale (its ``torch.cat`` copies a few KB here).
 A Llama of 8 layers, hidden 512, batch 1, prompt 100, bf16.  Median µs of ``--calls`` calls, best of 3 rounds, of
@@ -64,9 +65,9 @@ def main() -> None:
     kv = torch.randn(2, 1, HEADS, PROMPT + 1, DIM, generator=gen).to(torch.bfloat16)
     prompt_kv, step_kv = (kv[0, :, :, :PROMPT], kv[1, :, :, :PROMPT]), (kv[0, :, :, PROMPT:], kv[1, :, :, PROMPT:])
 
-    def paged(cls):
+    def paged(cls, resident_rows=False):
         cache = cls.from_model(model, max_total_tokens=1024, page_size=16, max_batch_size=1, kernels="triton",
-                               device="cpu")  # fmt: skip
+                               device="cpu", resident_rows=resident_rows)  # fmt: skip
         with torch.no_grad():
             for layer in range(LAYERS):
                 cache.update(*prompt_kv, layer)
@@ -79,7 +80,8 @@ def main() -> None:
             cache.update(*prompt_kv, layer)
         return cache
 
-    caches = {"kvcore": paged(PagedKVCache), "kvbare": paged(BarePagedKVCache), "dynamic": dynamic()}
+    caches = {"kvcore": paged(PagedKVCache), "kvbare": paged(BarePagedKVCache),
+              "kvresident": paged(PagedKVCache, resident_rows=True), "dynamic": dynamic()}  # fmt: skip
     decoder = model.model.layers[1]
     hidden = torch.randn(1, 1, config.hidden_size, generator=gen).to(torch.bfloat16)
     rotary = model.model.rotary_emb(hidden, torch.full((1, 1), PROMPT))

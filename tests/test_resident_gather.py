@@ -137,9 +137,10 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
     block = gather._block_t
 
     def launch(layer, new, length, full=False):
-        """The launch's arguments, whether it looked its plan up, the views returned."""
+        """The launch's arguments, whether it looked its plan up, the views returned (``full``: with no repeat and
+        no binding of the last launch, so the plan is looked up)."""
         if full:
-            gather.repeat = None
+            gather.repeat = gather._bound = None
         before = plans.lookups
         out = gather.store_and_gather(layer, table, *new, length)
         return list(launched.pop()), plans.lookups > before, out
@@ -148,8 +149,11 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
     for length in (302, 303):
         new = (rows_of(10 + length), rows_of(20 + length, transposed=True, dim=dv))
         args, took_full, _ = launch(0, new, length)
-        assert took_full and gather.repeat_for(table, length) is gather.repeat is not None
+        assert took_full == (length == 302), "a first layer like the last launch's binds no plan again"
+        assert gather.repeat_for(table, length) is gather.repeat is not None
         assert args[0] == -(-length // block) - (length - 1) // block == 1, "the blocks from the first the rows lack"
+        gather._rows.valid[0] = length - 1
+        assert launch(0, new, length, full=True)[0] == args, "the full path's arguments"
         for layer in (1, 2):
             new = (rows_of(30 + layer), rows_of(40 + layer, transposed=True, dim=dv))
             out = gather.repeat(layer, *new)

@@ -58,6 +58,62 @@ class _Rows:
                 v.as_strided((batch, v.shape[2], seq, v.shape[4]), self.v_stride, self.v_offsets[layer]))  # fmt: skip
 
 
+class _Bound:
+    """A direct launch of :class:`ResidentHeadGather`'s, bound once for the calls like it: the same locations object
+    (and address), the same resident rows, new rows of the same layout (one guard call) and address alignment, a
+    layer whose pool and rows have the alignment of the plan's (``targets[layer]``: its pool's and rows' addresses,
+    else None).  A forward's first layer launches through it and gets the repeat for the later ones."""
+
+    __slots__ = ("gather", "plan", "run", "head", "locs", "lp", "row_stride", "rows", "targets", "guard",
+                 "new_align")  # fmt: skip
+
+    def __init__(self, gather: ResidentHeadGather, plan, locs: torch.Tensor, rows: _Rows, targets: list,
+                 k_new: torch.Tensor, v_new: torch.Tensor):  # fmt: skip
+        self.gather, self.plan, (self.run, self.head) = gather, plan, plan.entry
+        self.locs, self.lp, self.row_stride = locs, locs.data_ptr(), locs.stride(0)
+        self.rows, self.targets = rows, targets
+        self.guard = layout_guard(k_new, v_new)
+        self.new_align = (k_new.data_ptr() & 15) | (v_new.data_ptr() & 15) << 4
+
+    def takes(self, layer: int, locs: torch.Tensor, rows: _Rows, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
+        """Whether a call of ``layer`` with these locations, rows and new rows launches as this binding's does."""
+        return (locs is self.locs and rows is self.rows and self.targets[layer] is not None
+                and locs.data_ptr() == self.lp and self.guard(k_new, v_new)
+                and (k_new.data_ptr() & 15) | (v_new.data_ptr() & 15) << 4 == self.new_align)  # fmt: skip
+
+    def launch(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, seq: int, q: int, first_block: int):
+        """Launch a call this binding takes (rows of ``seq`` tokens, the newest ``q`` stored, token blocks from
+        ``first_block`` on written); returns ``repeat(layer, k_new, v_new)``, the same launch for another layer and
+        its new rows, which declines (None) what the binding does not take or a layer whose rows lack a token
+        before the first block written; it returns the layer's views."""
+        plan, rows, run, head, targets, guard, locs, lp, new_align = (self.plan, self.rows, self.run, self.head,
+                                                                      self.targets, self.guard, self.locs, self.lp,
+                                                                      self.new_align)  # fmt: skip
+        (gx, gy, gz), tail = _store_geometry(plan, rows.batch, seq, q, self.row_stride, rows.room, first_block)
+        raw_stream, index = plan.raw_stream, plan.device_index
+        run(gx, gy, gz, raw_stream(index), *head, *targets[layer], lp, k_new.data_ptr(), v_new.data_ptr(), *tail)
+        valid, gather, first = rows.valid, self.gather, first_block * plan.block_n
+        valid[layer] = seq
+        k_all, v_all, k_stride, v_stride, k_offsets, v_offsets = (rows.k, rows.v, rows.k_stride, rows.v_stride,
+                                                                  rows.k_offsets, rows.v_offsets)  # fmt: skip
+        k_shape, v_shape = (rows.batch, gather.heads, seq, gather.dk), (rows.batch, gather.heads, seq, gather.dv)
+
+        def repeat(layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+            at = targets[layer]
+            if (at is None or gather._rows is not rows or valid[layer] < first or not guard(k_new, v_new)
+                    or locs.data_ptr() != lp):  # fmt: skip
+                return None
+            knp, vnp = k_new.data_ptr(), v_new.data_ptr()
+            if (knp & 15) | (vnp & 15) << 4 != new_align:
+                return None
+            run(gx, gy, gz, raw_stream(index), *head, *at, lp, knp, vnp, *tail)
+            valid[layer] = seq
+            return (k_all.as_strided(k_shape, k_stride, k_offsets[layer]),
+                    v_all.as_strided(v_shape, v_stride, v_offsets[layer]))  # fmt: skip
+
+        return repeat
+
+
 class ResidentHeadGather(HeadGather):
     """:class:`~kvcore.kernels.head_gather.HeadGather` whose :meth:`store_and_gather` returns views of the layer's
     resident rows (see the module docstring) and writes into them only the tokens they lack.
@@ -82,11 +138,12 @@ class ResidentHeadGather(HeadGather):
         self._rows: _Rows | None = None
         #: ``(locs, length)`` of the last direct launch, which :attr:`repeat` repeats
         self._repeats: tuple | None = None
+        self._bound: _Bound | None = None  # the last direct launch's plan, locations, rows and new rows' layout
 
     def release(self) -> None:
         """Drop the resident rows (their memory goes back to torch's allocator) and the repeat."""
         super().release()
-        self._rows = self._repeats = None
+        self._rows = self._repeats = self._bound = None
 
     def repeat_for(self, locs: torch.Tensor, length: int | None):
         """:attr:`repeat` when it repeats a launch of these locations (the same tensor) and length, else None."""
@@ -127,36 +184,55 @@ class ResidentHeadGather(HeadGather):
             rows.v[layer, :, :, first:seq] = got[1]
             rows.valid[layer] = seq
             return rows.views(layer, seq)
+        bound = self._bound
+        if bound is None or not bound.takes(layer, locs, rows, k_new, v_new):
+            bound = self._bind(layer, locs, rows, batch, seq, k_new, v_new)
         first_block = first // self._block_t
-        kp, vp = self._addresses[layer]
+        if bound is not None and not launch_hooks_installed():  # the plan's direct launch, inlined
+            self.repeat = bound.launch(layer, k_new, v_new, seq, q, first_block)
+            self._repeats = (locs, length)
+            return rows.views(layer, seq)
+        plan = self._plan_of(layer, locs, rows, batch, seq, k_new, v_new)
+        (kp, vp), (ko, vo) = self._addresses[layer], rows.addresses[layer]
+        k, v = self._kernel_layers[layer]
+        k_out, v_out = rows.k[layer], rows.v[layer]
+        tail = (seq, seq - q, locs.stride(0), rows.room, first_block)
+        plan(seq - first_block * plan.block_n, (kp, vp, ko, vo, locs.data_ptr(), k_new.data_ptr(), v_new.data_ptr(),
+                                                *tail), lambda: (k, v, k_out, v_out, locs, k_new, v_new))  # fmt: skip
+        rows.valid[layer] = seq
+        self.repeat = None
+        return rows.views(layer, seq)
+
+    def _plan_of(self, layer: int, locs: torch.Tensor, rows: _Rows, batch: int, seq: int, k_new: torch.Tensor,
+                 v_new: torch.Tensor):  # fmt: skip
+        """The store-and-gather plan of a call (the full checks on a signature's first call)."""
         ko, vo = rows.addresses[layer]
         lp, knp, vnp = locs.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
-        lst = locs.stride()
         aligned = self._aligned[layer]
-        out_align = (ko & 15) | (vo & 15) << 4
-        signature = (locs.dtype, lst[1], locs.get_device(), batch, ks, k_new.stride(), k_new.dtype, k_new.get_device(),
-                     v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device(),
-                     (lp & 15) | out_align << 4 | (knp & 15) << 12 | (vnp & 15) << 16, aligned)  # fmt: skip
+        signature = (locs.dtype, locs.stride(1), locs.get_device(), batch, k_new.shape, k_new.stride(), k_new.dtype,
+                     k_new.get_device(), v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device(),
+                     (lp & 15) | (ko & 15) << 4 | (vo & 15) << 8 | (knp & 15) << 12 | (vnp & 15) << 16,
+                     aligned)  # fmt: skip
         plan = self._store_plans.get(signature, UNPLANNED)
         if plan is UNPLANNED:
             plan = remember(self._store_plans, signature,
                             self._store_plan(locs, batch, seq, k_new, v_new, rows.k[layer], rows.v[layer], aligned))
-        grid, tail = _store_geometry(plan, batch, seq, q, lst[0], rows.room, first_block)
-        entry = plan.entry
-        if entry is not None and not launch_hooks_installed():  # Plan.__call__'s direct launch, inlined
-            entry[0](*grid, plan.raw_stream(plan.device_index), *entry[1], kp, vp, ko, vo, lp, knp, vnp, *tail)
-            rows.valid[layer] = seq
-            self.repeat = self._resident_repeater(rows, entry, grid, tail, plan, locs, seq, first, k_new, v_new,
-                                                  aligned, out_align)  # fmt: skip
-            self._repeats = (locs, length)
-        else:
-            k, v = self._kernel_layers[layer]
-            k_out, v_out = rows.k[layer], rows.v[layer]
-            plan(seq - first_block * plan.block_n, (kp, vp, ko, vo, lp, knp, vnp, *tail[: 5]),
-                 lambda: (k, v, k_out, v_out, locs, k_new, v_new))  # fmt: skip
-            rows.valid[layer] = seq
-            self.repeat = None
-        return rows.views(layer, seq)
+        return plan
+
+    def _bind(self, layer: int, locs: torch.Tensor, rows: _Rows, batch: int, seq: int, k_new: torch.Tensor,
+              v_new: torch.Tensor) -> _Bound | None:  # fmt: skip
+        """A :class:`_Bound` of a call's plan, kept as the binding of calls like it, or None until the plan launches
+        directly (its first launch goes through Triton's dispatcher)."""
+        plan = self._plan_of(layer, locs, rows, batch, seq, k_new, v_new)
+        self._bound = None
+        if plan.entry is None:
+            return None
+        ko, vo = rows.addresses[layer]
+        out_align = (ko & 15) | (vo & 15) << 4
+        targets = [None if at is None or (ko & 15) | (vo & 15) << 4 != out_align else (*at, ko, vo)
+                   for at, (ko, vo) in zip(self._addresses_aligned[self._aligned[layer]], rows.addresses)]  # fmt: skip
+        self._bound = bound = _Bound(self, plan, locs, rows, targets, k_new, v_new)
+        return bound
 
     def _rows_for(self, batch: int, seq: int, locs: torch.Tensor) -> _Rows:
         """The resident rows a call of ``batch`` rows of ``seq`` tokens at ``locs`` writes: the ones held, when they
@@ -165,45 +241,10 @@ class ResidentHeadGather(HeadGather):
         rows = self._rows
         source = (locs.data_ptr(), locs.stride(0), locs.dtype)
         if rows is None or rows.batch != batch or rows.room < seq:
-            self._rows = self.repeat = self._repeats = rows = None
+            self._rows = self.repeat = self._repeats = self._bound = rows = None
             rows = self._rows = _Rows(self._template, len(self.k_layers), batch, self.heads, self.dk, self.dv,
                                       resident_room(seq), source)  # fmt: skip
         elif rows.source != source:
             rows.valid[:] = [0] * len(rows.valid)  # (in place: a repeat bound to these rows sees it)
             rows.source = source
         return rows
-
-    def _resident_repeater(self, rows: _Rows, entry: tuple, grid: tuple, tail: tuple, plan, locs: torch.Tensor,
-                           seq: int, first: int, k_new: torch.Tensor, v_new: torch.Tensor, aligned: tuple,
-                           out_align: int):  # fmt: skip
-        """``repeat(layer, k_new, v_new)``: the direct launch just made (a forward's first layer) again for another
-        layer and its new rows, into that layer's resident rows, or None when it may not: the layer's rows hold
-        fewer than ``first`` tokens, or the new rows' layout or the addresses' alignment differ (see
-        :meth:`HeadGather._repeater <kvcore.kernels.head_gather.HeadGather._repeater>`).  Whether a launch hook is
-        installed is asked by the launch repeated, once a forward."""
-        run, head = entry
-        gx, gy, gz = grid
-        new_align = (k_new.data_ptr() & 15) | (v_new.data_ptr() & 15) << 4
-        rows_ok, lp = layout_guard(k_new, v_new), locs.data_ptr()
-        targets = [None if at is None or (ko & 15) | (vo & 15) << 4 != out_align else (*at, ko, vo)
-                   for at, (ko, vo) in zip(self._addresses_aligned[aligned], rows.addresses)]  # fmt: skip
-        valid, raw_stream, index, gather = rows.valid, plan.raw_stream, plan.device_index, self
-        k_all, v_all, k_stride, v_stride, k_offsets, v_offsets = (rows.k, rows.v, rows.k_stride, rows.v_stride,
-                                                                  rows.k_offsets, rows.v_offsets)  # fmt: skip
-        k_shape = (rows.batch, self.heads, seq, self.dk)
-        v_shape = (rows.batch, self.heads, seq, self.dv)
-
-        def repeat(layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
-            at = targets[layer]
-            if (at is None or gather._rows is not rows or valid[layer] < first or not rows_ok(k_new, v_new)
-                    or locs.data_ptr() != lp):  # fmt: skip
-                return None
-            knp, vnp = k_new.data_ptr(), v_new.data_ptr()
-            if (knp & 15) | (vnp & 15) << 4 != new_align:
-                return None
-            run(gx, gy, gz, raw_stream(index), *head, *at, lp, knp, vnp, *tail)
-            valid[layer] = seq
-            return (k_all.as_strided(k_shape, k_stride, k_offsets[layer]),
-                    v_all.as_strided(v_shape, v_stride, v_offsets[layer]))  # fmt: skip
-
-        return repeat
