@@ -23,6 +23,8 @@ with ``contiguous_rows``, strided views of the pool).  On a GPU over kvcore's ow
 ``set_kv_buffer_writes_rows`` says the store is a plain row write) the store and the gather are one launch
 (:meth:`~kvcore.kernels.head_gather.HeadGather.store_and_gather`): a layer's step is one launch, into the
 keys and values the layer before returned once nothing holds them (a decode step's first layer resizes them).
+With ``resident_rows`` every layer keeps its gathered keys and values instead and a step writes only its new
+tokens into them (attention reads views of them): the step's device work no longer grows with the rows' length.
 No forward waits for the device, but when the pool is nearly full (the allocator then counts its free pages
 exactly) and, with ``contiguous_rows``, once per batch.
 Left padding of prompts of different lengths is stored like any token; the attention mask hides it, exactly as

@@ -9,6 +9,8 @@
   lists and index arithmetic;
 - :mod:`kvcore.kernels.head_gather` (its kernels in :mod:`kvcore.kernels.head_gather_kernels`): a batch's keys and
   values gathered into ``[batch, heads, seq, dim]`` in one launch (what dense attention implementations read);
+  :mod:`kvcore.kernels.resident_gather`: the same with every layer's gathered rows kept between calls, a call
+  writing only the tokens they lack;
 - :mod:`kvcore.kernels.tensor_guard`: whether tensors are laid out as a planned launch's were, in one call.
 
 May import: :mod:`kvcore.errors` and :mod:`kvcore.token_rows` (the description of where a token's rows are),
