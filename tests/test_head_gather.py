@@ -153,6 +153,25 @@ def distinct_locations(batch, seq, rows, seed):
     return (torch.randperm(rows - 1, generator=g)[: batch * seq] + 1).view(batch, seq).to(DEVICE)
 
 
+def matches_a_store_then_a_gather(k, v, table, steps, model_dtype, scale, call):
+    """``call(step, layer, end, k_new, v_new)`` (it stores and gathers the new rows of every layer of each step of
+    ``steps``, ``(rows' length after it, new tokens)``) against the torch reference on copies of the layers ``k`` /
+    ``v``: the keys and values returned and the layers' rows equal the reference's, bit for bit."""
+    layers, _, heads, dk = k.shape
+    dv, batch = v.shape[-1], table.shape[0]
+    k_ref, v_ref = k.clone(), v.clone()
+    for step, (end, q) in enumerate(steps):
+        for layer in range(layers):
+            k_new = new_rows(batch, heads, q, dk, model_dtype, 100 * step + layer)
+            v_new = new_rows(batch, heads, q, dv, model_dtype, 100 * step + layer + 50, transposed=True)
+            got = call(step, layer, end, k_new, v_new)
+            want = store_and_gather_native(k_ref[layer], v_ref[layer], table[:, :end], k_new, v_new, model_dtype,
+                                           scale, scale)  # fmt: skip
+            assert got[0].shape == (batch, heads, end, dk) and got[1].shape == (batch, heads, end, dv)
+            assert same_bits(got[0].contiguous(), want[0]) and same_bits(got[1].contiguous(), want[1]), (step, layer)
+            assert same_bits(k, k_ref) and same_bits(v, v_ref), (step, layer)  # the same rows stored, no others
+
+
 @pytest.mark.parametrize("cache_dtype, model_dtype, scale", CASES)
 def test_store_and_gather_matches_a_store_then_a_gather(cache_dtype, model_dtype, scale):
     """Every conversion: the cache and the returned keys/values equal, bit for bit, the torch reference's; prefill
@@ -161,24 +180,17 @@ def test_store_and_gather_matches_a_store_then_a_gather(cache_dtype, model_dtype
     layers, rows, heads, dk, dv, batch = 2, 1000, 3, 24, 8, 3
     k = random_rows((layers, rows, heads, dk), cache_dtype, 20)
     v = random_rows((layers, rows, heads, dv), cache_dtype, 21)
-    k_ref, v_ref = k.clone(), v.clone()
     gather = HeadGather(k.unbind(0), v.unbind(0), model_dtype, scale, scale, use_triton=True)
     table = distinct_locations(batch, 310, rows, 22)
-    for step, (end, q) in enumerate(((37, 37), (38, 1), (170, 132), (300, 129), (301, 1))):
-        locs = table[:, :end]
-        if step == 4:
-            locs = locs.to(torch.int32).contiguous()
-        for layer in range(layers):
-            k_new = new_rows(batch, heads, q, dk, model_dtype, 100 * step + layer)
-            v_new = new_rows(batch, heads, q, dv, model_dtype, 100 * step + layer + 50, transposed=True)
-            if layer % 2 and step != 4:  # the table's rows and a length, as a decode passes them
-                got = gather.store_and_gather(layer, table, k_new, v_new, end)
-            else:
-                got = gather.store_and_gather(layer, locs, k_new, v_new)
-            want = store_and_gather_native(k_ref[layer], v_ref[layer], locs, k_new, v_new, model_dtype, scale, scale)
-            assert got[0].shape == (batch, heads, end, dk) and got[1].shape == (batch, heads, end, dv)
-            assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), (step, layer)
-            assert same_bits(k, k_ref) and same_bits(v, v_ref), (step, layer)  # the same rows stored, no others
+
+    def call(step, layer, end, k_new, v_new):
+        if layer % 2 and step != 4:  # the table's rows and a length, as a decode passes them
+            return gather.store_and_gather(layer, table, k_new, v_new, end)
+        locs = table[:, :end].to(torch.int32).contiguous() if step == 4 else table[:, :end]
+        return gather.store_and_gather(layer, locs, k_new, v_new)
+
+    matches_a_store_then_a_gather(k, v, table, ((37, 37), (38, 1), (170, 132), (300, 129), (301, 1)), model_dtype,
+                                  scale, call)  # fmt: skip
 
 
 @pytest.mark.parametrize("page", [4, 16])

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.kernels.head_gather import gather_heads_native, store_and_gather_native
+from kvcore.kernels.head_gather import gather_heads_native
 from kvcore.kernels.resident_gather import ResidentHeadGather, resident_room
 from kvcore.testing.tensors import test_device
-from test_head_gather import CASES, CountingPlans, distinct_locations, new_rows, random_rows, same_bits
+from test_head_gather import (CASES, CountingPlans, distinct_locations, matches_a_store_then_a_gather, new_rows,
+                              random_rows, same_bits)  # fmt: skip
 
 DEVICE = test_device()
 #: (rows' length after the call, new tokens): a prefill, decode steps, a chunk starting inside a token block, a
@@ -26,20 +27,15 @@ def test_every_call_returns_what_a_store_then_a_full_gather_returns(cache_dtype,
     layers, rows, heads, dk, dv, batch = 2, 1400, 3, 24, 8, 3
     k = random_rows((layers, rows, heads, dk), cache_dtype, 20)
     v = random_rows((layers, rows, heads, dv), cache_dtype, 21)
-    k_ref, v_ref = k.clone(), v.clone()
     gather = ResidentHeadGather(k.unbind(0), v.unbind(0), model_dtype, scale, scale, use_triton=use_triton)
     table = distinct_locations(batch, 450, rows, 22)
-    for step, (end, q) in enumerate(STEPS):
-        for layer in range(layers):
-            k_new = new_rows(batch, heads, q, dk, model_dtype, 100 * step + layer)
-            v_new = new_rows(batch, heads, q, dv, model_dtype, 100 * step + layer + 50, transposed=True)
-            got = gather.store_and_gather(layer, table, k_new, v_new, end)
-            want = store_and_gather_native(k_ref[layer], v_ref[layer], table[:, :end], k_new, v_new, model_dtype,
-                                           scale, scale)  # fmt: skip
-            assert got[0].shape == (batch, heads, end, dk) and got[1].shape == (batch, heads, end, dv)
-            assert same_bits(got[0].contiguous(), want[0]) and same_bits(got[1].contiguous(), want[1]), (step, layer)
-            assert same_bits(k, k_ref) and same_bits(v, v_ref), (step, layer)
-            assert gather.rows_held(layer) == end
+
+    def call(step, layer, end, k_new, v_new):
+        got = gather.store_and_gather(layer, table, k_new, v_new, end)
+        assert gather.rows_held(layer) == end
+        return got
+
+    matches_a_store_then_a_gather(k, v, table, STEPS, model_dtype, scale, call)
     assert gather._rows.room == resident_room(420), "rows past their room are gathered into new ones"
 
 

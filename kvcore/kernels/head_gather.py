@@ -112,6 +112,15 @@ def _store_geometry(plan: Plan, batch: int, seq: int, q: int, row_stride: int, o
             (seq, seq - q, row_stride, seq if out_len is None else out_len, first_block, *plan.suffix))  # fmt: skip
 
 
+def _repeat_if(repeat, last: tuple | None, locs: torch.Tensor, length: int | None):
+    """``repeat`` when the launch it repeats, ``last`` (its locations and length first), was of ``locs`` (the same
+    tensor) and ``length`` (the same value and type), else None."""
+    if (repeat is None or last is None or last[0] is not locs or last[1] != length
+            or last[1].__class__ is not length.__class__):  # fmt: skip
+        return None
+    return repeat
+
+
 def _room(seq: int) -> int:
     """Tokens a row of :class:`HeadGather`'s reused outputs has room for when they are allocated for ``seq``: a
     sixteenth more (at least 16 tokens), so that a decode's next steps, one token longer each, resize them in
@@ -423,11 +432,7 @@ class HeadGather:
     def repeat_for(self, locs: torch.Tensor, length: int | None):
         """:attr:`repeat` when it repeats a launch of these locations (the same tensor) and length, else None: what a
         caller binding it for a forward's later layers checks once."""
-        repeat, last = self.repeat, self._last_launch
-        if (repeat is None or last is None or last[0] is not locs or last[1] != length
-                or last[1].__class__ is not length.__class__):  # fmt: skip
-            return None
-        return repeat
+        return _repeat_if(self.repeat, self._last_launch, locs, length)
 
     def release(self) -> None:
         """Drop what calls keep for the next: the spare outputs (their memory goes back to torch's allocator), the

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.kernels.head_gather import HeadGather, _checked_length, _store_geometry
+from kvcore.kernels.head_gather import HeadGather, _checked_length, _repeat_if, _store_geometry
 from kvcore.kernels.head_rows import store_and_gather_native
 from kvcore.kernels.launch import UNPLANNED, launch_hooks_installed, remember
 from kvcore.kernels.tensor_guard import layout_guard
@@ -147,11 +147,7 @@ class ResidentHeadGather(HeadGather):
 
     def repeat_for(self, locs: torch.Tensor, length: int | None):
         """:attr:`repeat` when it repeats a launch of these locations (the same tensor) and length, else None."""
-        repeat, last = self.repeat, self._repeats
-        if (repeat is None or last is None or last[0] is not locs or last[1] != length
-                or last[1].__class__ is not length.__class__):  # fmt: skip
-            return None
-        return repeat
+        return _repeat_if(self.repeat, self._repeats, locs, length)
 
     def rows_held(self, layer: int) -> int:
         """Tokens of each row layer ``layer``'s resident rows hold (0: none)."""
@@ -229,8 +225,8 @@ class ResidentHeadGather(HeadGather):
             return None
         ko, vo = rows.addresses[layer]
         out_align = (ko & 15) | (vo & 15) << 4
-        targets = [None if at is None or (ko & 15) | (vo & 15) << 4 != out_align else (*at, ko, vo)
-                   for at, (ko, vo) in zip(self._addresses_aligned[self._aligned[layer]], rows.addresses)]  # fmt: skip
+        targets = [None if at is None or (rk & 15) | (rv & 15) << 4 != out_align else (*at, rk, rv)
+                   for at, (rk, rv) in zip(self._addresses_aligned[self._aligned[layer]], rows.addresses)]  # fmt: skip
         self._bound = bound = _Bound(self, plan, locs, rows, targets, k_new, v_new)
         return bound
 
