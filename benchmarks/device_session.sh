@@ -2,7 +2,7 @@
 # One call on a GPU machine that reaches no package registry: install kvcore there, then run the phases named,
 # in order, each with its output kept under $OUT (default /tmp/kvcore-out) and its last lines printed.
 #
-#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse] [hfcore] [tune] [hfprof] [fp8k] [split] [fp8probe] [hfstep] [split1] [hfparts] [launchafter] [amid]
+#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse] [hfcore] [tune] [hfprof] [fp8k] [split] [fp8probe] [hfstep] [split1] [hfparts] [launchafter] [amid] [sdpa]
 #
 #   tests  the compiled suite: KVCORE_TEST_COMPILED=1 python -m pytest -q -n 12   ($OUT/tests.txt)
 #   alloc  python benchmarks/bench_allocator.py                                     ($OUT/alloc.txt)
@@ -29,6 +29,7 @@
 #   hfparts  python benchmarks/probe_hf_parts.py $HFPARTS_ARGS (a lockstep decode step split into the cache's, attention's, the layers' and generate's parts)  ($OUT/hfparts.txt)
 #   launchafter  python benchmarks/probe_launch_after.py at 1 x 100 and 8 x 4000 tokens (the host work after a launch)  ($OUT/launchafter*.txt)
 #   amid   python benchmarks/probe_launch_amid.py at 1 x 100 and 8 x 4000 tokens (one update's host cost after a layer's work)  ($OUT/amid*.txt)
+#   sdpa   python benchmarks/probe_sdpa_inputs.py $SDPA_ARGS (the first SDPA call whose inputs or output differ between caches)  ($OUT/sdpa.txt)
 #
 # That machine lacks omegaconf: put its wheel under .whl first (ignored by git) and carry .whl with the call:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl omegaconf==2.4.0
@@ -91,7 +92,8 @@ for phase in "$@"; do
                      run launchafter8 python3 benchmarks/probe_launch_after.py --seq 4000 --batch 8 ;;
         amid) run amid1 python3 benchmarks/probe_launch_amid.py --batch 1 --prompt 100
               run amid8 python3 benchmarks/probe_launch_amid.py --batch 8 --prompt 4000 ;;
-        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse, hfcore, tune, hfprof, fp8k, split, fp8probe, hfstep, split1, hfparts, launchafter, amid)"; status=2 ;;
+        sdpa) run sdpa python3 benchmarks/probe_sdpa_inputs.py ${SDPA_ARGS:-float8_e4m3fn:8:8000} ;;
+        *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse, hfcore, tune, hfprof, fp8k, split, fp8probe, hfstep, split1, hfparts, launchafter, amid, sdpa)"; status=2 ;;
     esac
 done
 exit $status
