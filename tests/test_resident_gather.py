@@ -109,10 +109,10 @@ def test_refused_calls_say_why_and_a_call_without_new_tokens_gathers():
 def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
     """After a forward's first layer, ``repeat(layer, k_new, v_new)`` launches that call again for another layer
     with the arguments the full path passes (that layer's pool and resident rows, its new rows; no plan looked up)
-    and returns views of that layer's rows; it declines (None) when the layer's rows hold fewer tokens than the
-    launch leaves unwritten, the new rows differ in layout, or the rows were replaced.  ``repeat_for`` hands it
-    out for the locations object and length it repeats only.  The direct launch replaced by a recorder, so that
-    it runs on the CPU too (the kernel's own results are the test above's)."""
+    and returns views of that layer's rows (the first layer made every layer's); it declines (None) when the
+    layer's rows hold fewer tokens than the launch leaves unwritten, the new rows differ in layout, or the rows were
+    replaced.  ``repeat_for`` hands it out for the locations object and length it repeats only.  The direct launch
+    replaced by a recorder, so that it runs on the CPU too (the kernel's own results are the test above's)."""
     layers, rows, heads, dk, dv, batch = 3, 800, 2, 16, 8, 2
     k = random_rows((layers, rows, heads, dk), torch.bfloat16, 70)
     v = random_rows((layers, rows, heads, dv), torch.bfloat16, 71)
@@ -157,6 +157,8 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
             assert fast[at : at + 4] == [*gather._addresses[layer], *gather._rows.addresses[layer]]
             assert out[0].data_ptr() == gather._rows.addresses[layer][0] and out[0].shape == (batch, heads, length, dk)
             assert out[1].data_ptr() == gather._rows.addresses[layer][1] and out[1].shape == (batch, heads, length, dv)
+            views = gather._rows.all_views(length)
+            assert out[0] is views[0][layer] and out[1] is views[1][layer], "the views the first layer made for all"
             gather._rows.valid[layer] = length - 1  # (as the repeat found it)
             full, took_full, again = launch(layer, new, length, full=True)
             assert took_full and full == fast, "the full path's arguments"

@@ -32,11 +32,10 @@ def resident_room(seq: int) -> int:
 class _Rows:
     """Every layer's resident rows: ``k`` / ``v`` ``[layers, batch, heads, room, dim]`` of the output dtype,
     ``valid[layer]`` the tokens of each row of ``layer`` that hold what the pool holds at the locations ``source``
-    (the locations' address, row stride and dtype) names, the strides and per-layer offsets of their views and
-    the per-layer addresses the kernel writes."""
+    (the locations' address, row stride and dtype) names, the per-layer addresses the kernel writes; ``seen``: the
+    length of the views last made, and every layer's views of it (see :meth:`all_views`)."""
 
-    __slots__ = ("k", "v", "batch", "room", "valid", "source", "k_stride", "v_stride", "k_offsets", "v_offsets",
-                 "addresses")  # fmt: skip
+    __slots__ = ("k", "v", "batch", "room", "valid", "source", "addresses", "seen")
 
     def __init__(self, template: torch.Tensor, layers: int, batch: int, heads: int, dk: int, dv: int, room: int,
                  source: tuple):  # fmt: skip
@@ -44,18 +43,24 @@ class _Rows:
         self.v = template.new_empty((layers, batch, heads, room, dv))
         self.batch, self.room, self.source = batch, room, source
         self.valid = [0] * layers
-        self.k_stride, self.v_stride = self.k.stride()[1:], self.v.stride()[1:]
-        self.k_offsets = [layer * self.k.stride(0) for layer in range(layers)]
-        self.v_offsets = [layer * self.v.stride(0) for layer in range(layers)]
-        item = self.k.element_size()
+        k_step, v_step = self.k[0].nbytes, self.v[0].nbytes  # (a layer's rows, in bytes)
         k0, v0 = self.k.data_ptr(), self.v.data_ptr()
-        self.addresses = [(k0 + ko * item, v0 + vo * item) for ko, vo in zip(self.k_offsets, self.v_offsets)]
+        self.addresses = [(k0 + layer * k_step, v0 + layer * v_step) for layer in range(layers)]
+        self.seen: tuple | None = None
+
+    def all_views(self, seq: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Every layer's first ``seq`` tokens a row: the layers' keys and their values, ``[batch, heads, seq, dim]``
+        views, made in two calls for all the layers (a decode step's first layer makes them for its later ones) and
+        kept until another length is asked for."""
+        seen = self.seen
+        if seen is None or seen[0] != seq:
+            seen = self.seen = (seq, self.k.narrow(3, 0, seq).unbind(0), self.v.narrow(3, 0, seq).unbind(0))
+        return seen[1], seen[2]
 
     def views(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s first ``seq`` tokens a row: two ``[batch, heads, seq, dim]`` views."""
-        k, v, batch = self.k, self.v, self.batch
-        return (k.as_strided((batch, k.shape[2], seq, k.shape[4]), self.k_stride, self.k_offsets[layer]),
-                v.as_strided((batch, v.shape[2], seq, v.shape[4]), self.v_stride, self.v_offsets[layer]))  # fmt: skip
+        k, v = self.all_views(seq)
+        return k[layer], v[layer]
 
 
 class _Bound:
@@ -94,9 +99,7 @@ class _Bound:
         run(gx, gy, gz, raw_stream(index), *head, *targets[layer], lp, k_new.data_ptr(), v_new.data_ptr(), *tail)
         valid, gather, first = rows.valid, self.gather, first_block * plan.block_n
         valid[layer] = seq
-        k_all, v_all, k_stride, v_stride, k_offsets, v_offsets = (rows.k, rows.v, rows.k_stride, rows.v_stride,
-                                                                  rows.k_offsets, rows.v_offsets)  # fmt: skip
-        k_shape, v_shape = (rows.batch, gather.heads, seq, gather.dk), (rows.batch, gather.heads, seq, gather.dv)
+        k_views, v_views = rows.all_views(seq)
 
         def repeat(layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
             at = targets[layer]
@@ -108,8 +111,7 @@ class _Bound:
                 return None
             run(gx, gy, gz, raw_stream(index), *head, *at, lp, knp, vnp, *tail)
             valid[layer] = seq
-            return (k_all.as_strided(k_shape, k_stride, k_offsets[layer]),
-                    v_all.as_strided(v_shape, v_stride, v_offsets[layer]))  # fmt: skip
+            return k_views[layer], v_views[layer]
 
         return repeat
 
