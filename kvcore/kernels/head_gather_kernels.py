@@ -78,6 +78,19 @@ def _hand_on(x, out, b, h, t, d, out_len, mask, scale, HEADS: tl.constexpr, D: t
     tl.store(out + ((b * HEADS + h) * out_len + t)[:, None] * D + d[None, :], x, mask=mask)
 
 
+@triton.jit
+def _token_block(loc_ptr, loc_stride, seq, first_block, BLOCK_T: tl.constexpr):
+    """This program's token block (grid axis 0, counted from ``first_block``) of batch row ``b`` (axis 1):
+    ``(block index, b, positions t, which of them exist (< seq), their locations)``, the row's locations at
+    ``loc_ptr + b * loc_stride``."""
+    pid_t = tl.program_id(0) + first_block
+    b = tl.program_id(1).to(tl.int64)
+    t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = t < seq
+    loc = tl.load(loc_ptr + b * loc_stride + t, mask=mask_t, other=0).to(tl.int64)
+    return pid_t, b, t, mask_t, loc
+
+
 @triton.jit(do_not_specialize=["seq", "loc_stride", "k_scale", "v_scale"])
 def _gather_heads_kernel(
     k_ptr, v_ptr, k_out, v_out, loc_ptr, seq, loc_stride,
@@ -87,11 +100,7 @@ def _gather_heads_kernel(
     HW_CVT: tl.constexpr,
 ):  # fmt: skip
     # grid: (token blocks, batch rows, 2: keys then values)
-    pid_t = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = t < seq
-    loc = tl.load(loc_ptr + b * loc_stride + t, mask=mask_t, other=0).to(tl.int64)
+    _, b, t, mask_t, loc = _token_block(loc_ptr, loc_stride, seq, 0, BLOCK_T)
     if tl.program_id(2) == 0:
         _gather_tile(k_ptr, k_out, loc, mask_t, b, t, seq, k_page_stride, k_row_stride, k_head_stride, k_scale,
                      HEADS, DK, BLOCK_DK, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
@@ -146,6 +155,23 @@ def _store_gather_tile(src, out, new, loc, mask_t, b, t, out_len, prefix, page_s
                  D, IN, OUT, SCALED, HW_CVT)  # fmt: skip
 
 
+@triton.jit
+def _store_gather_half(src, out, new, loc, mask_t, b, t, out_len, prefix, only_old, page_stride, row_stride,
+                       head_stride, new_sb, new_sh, new_sq, scale, HEADS: tl.constexpr, D: tl.constexpr,
+                       BLOCK_D: tl.constexpr, PAGE: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr,
+                       STORE: tl.constexpr, SATURATE: tl.constexpr, SCALED: tl.constexpr,
+                       HW_CVT: tl.constexpr):  # fmt: skip
+    """One side (keys or values) of a store-and-gather tile: :func:`_gather_tile` when the block holds only older
+    tokens (``only_old``), else :func:`_store_gather_tile`."""
+    if only_old:
+        _gather_tile(src, out, loc, mask_t, b, t, out_len, page_stride, row_stride, head_stride, scale, HEADS, D,
+                     BLOCK_D, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
+    else:
+        _store_gather_tile(src, out, new, loc, mask_t, b, t, out_len, prefix, page_stride, row_stride, head_stride,
+                           new_sb, new_sh, new_sq, scale, HEADS, D, BLOCK_D, PAGE, IN, OUT, STORE, SATURATE, SCALED,
+                           HW_CVT)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["seq", "prefix", "loc_stride", "out_len", "first_block", "k_scale", "v_scale"])
 def _store_gather_heads_kernel(
     k_ptr, v_ptr, k_out, v_out, loc_ptr, k_new, v_new, seq, prefix, loc_stride, out_len, first_block,
@@ -158,28 +184,16 @@ def _store_gather_heads_kernel(
     # grid: (token blocks from ``first_block`` on, batch rows, 2: keys then values); blocks wholly before ``prefix``
     # only gather.  The outputs are ``[batch, HEADS, out_len, D]``: ``out_len`` is ``seq``, or more for outputs kept
     # from step to step, whose blocks before ``first_block`` hold their tokens already
-    pid_t = tl.program_id(0) + first_block
-    b = tl.program_id(1).to(tl.int64)
-    t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = t < seq
-    loc = tl.load(loc_ptr + b * loc_stride + t, mask=mask_t, other=0).to(tl.int64)
+    pid_t, b, t, mask_t, loc = _token_block(loc_ptr, loc_stride, seq, first_block, BLOCK_T)
     only_old = (pid_t + 1) * BLOCK_T <= prefix
     if tl.program_id(2) == 0:
-        if only_old:
-            _gather_tile(k_ptr, k_out, loc, mask_t, b, t, out_len, k_page_stride, k_row_stride, k_head_stride, k_scale,
-                         HEADS, DK, BLOCK_DK, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
-        else:
-            _store_gather_tile(k_ptr, k_out, k_new, loc, mask_t, b, t, out_len, prefix, k_page_stride, k_row_stride,
-                               k_head_stride, k_new_sb, k_new_sh, k_new_sq, k_scale, HEADS, DK, BLOCK_DK, PAGE, IN,
-                               OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
+        _store_gather_half(k_ptr, k_out, k_new, loc, mask_t, b, t, out_len, prefix, only_old, k_page_stride,
+                           k_row_stride, k_head_stride, k_new_sb, k_new_sh, k_new_sq, k_scale, HEADS, DK,
+                           BLOCK_DK, PAGE, IN, OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
     else:
-        if only_old:
-            _gather_tile(v_ptr, v_out, loc, mask_t, b, t, out_len, v_page_stride, v_row_stride, v_head_stride, v_scale,
-                         HEADS, DV, BLOCK_DV, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
-        else:
-            _store_gather_tile(v_ptr, v_out, v_new, loc, mask_t, b, t, out_len, prefix, v_page_stride, v_row_stride,
-                               v_head_stride, v_new_sb, v_new_sh, v_new_sq, v_scale, HEADS, DV, BLOCK_DV, PAGE, IN,
-                               OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
+        _store_gather_half(v_ptr, v_out, v_new, loc, mask_t, b, t, out_len, prefix, only_old, v_page_stride,
+                           v_row_stride, v_head_stride, v_new_sb, v_new_sh, v_new_sq, v_scale, HEADS, DV,
+                           BLOCK_DV, PAGE, IN, OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
 
 
 #: the gather kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`):
