@@ -415,12 +415,40 @@ def main() -> None:
     print(f"results in {out}")
 
 
-def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, vocab, caches, lockstep_runs) -> dict:
+def case_inputs(batch: int, prompt: int, vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    """A case's prompt ``(ids, mask, generator)``: random ids (seeded by the case), row 0 a third shorter (left
+    padding) when the batch has more than one row, as ``generate`` gets a padded batch; the generator goes on for
+    the case's other random inputs."""
     gen = torch.Generator().manual_seed(batch * 10007 + prompt)
     ids = torch.randint(1, vocab, (batch, prompt), generator=gen).to(device)
     mask = torch.ones_like(ids)
-    if batch > 1:  # a padded batch, as generate gets one: row 0's prompt is a third shorter
+    if batch > 1:
         mask[0, : prompt // 3] = 0
+    return ids, mask, gen
+
+
+def three_steps(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> list[torch.Tensor]:
+    """The logit check's logits through ``cache``: a prefill of ``ids``, then two greedy decode steps."""
+    with torch.no_grad():
+        logits = [model(input_ids=ids, attention_mask=mask, **{CACHE_KW: cache}).logits]
+        step_mask = mask
+        for _ in range(2):
+            nxt = logits[-1][:, -1:].argmax(-1)
+            step_mask = torch.cat([step_mask, torch.ones_like(nxt)], 1)
+            logits.append(model(input_ids=nxt, attention_mask=step_mask, **{CACHE_KW: cache}).logits)
+    return logits
+
+
+def reference_cache(model, dtype: str):
+    """What a cache of ``dtype`` must match bit for bit: DynamicCache, or for fp8 one whose every key and value is
+    rounded through fp8 once (what the fp8 cache stores)."""
+    if dtype in FP8:
+        return Cache(layers=[RoundedLayer(FP8[dtype]) for _ in range(model.config.num_hidden_layers)])
+    return DynamicCache(config=model.config)
+
+
+def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, vocab, caches, lockstep_runs) -> dict:
+    ids, mask, gen = case_inputs(batch, prompt, vocab, device)
     layers = model.config.num_hidden_layers
     capacity = batch * (prompt + max(new, steps) + 64)
 
@@ -444,24 +472,11 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
     makers = {name: makers[name] for name in caches}
 
     # 1. logit identity: a prefill and two decode steps
-    def three_steps(cache):
-        with torch.no_grad():
-            logits = [model(input_ids=ids, attention_mask=mask, **{CACHE_KW: cache}).logits]
-            step_mask = mask
-            for _ in range(2):
-                nxt = logits[-1][:, -1:].argmax(-1)
-                step_mask = torch.cat([step_mask, torch.ones_like(nxt)], 1)
-                logits.append(model(input_ids=nxt, attention_mask=step_mask, **{CACHE_KW: cache}).logits)
-        return logits
-
-    if dtype in FP8:  # what the fp8 cache stores: every key and value rounded through fp8 once
-        reference = lambda: Cache(layers=[RoundedLayer(FP8[dtype]) for _ in range(layers)])  # noqa: E731
-    else:
-        reference = dynamic
-    want = three_steps(reference())
-    repeatable = all(map(torch.equal, three_steps(reference()), want))
-    plain = three_steps(dynamic()) if dtype in FP8 else want  # what DynamicCache's kind (dynamic2) must give
-    identical = {name: all(map(torch.equal, three_steps(make()), plain if name.startswith("dynamic") else want))
+    want = three_steps(model, ids, mask, reference_cache(model, dtype))
+    repeatable = all(map(torch.equal, three_steps(model, ids, mask, reference_cache(model, dtype)), want))
+    plain = three_steps(model, ids, mask, dynamic()) if dtype in FP8 else want  # what DynamicCache's kind must give
+    identical = {name: all(map(torch.equal, three_steps(model, ids, mask, make()),
+                               plain if name.startswith("dynamic") else want))
                  for name, make in makers.items() if name != "dynamic"}  # fmt: skip
 
     # 2. host time per layer and decode step, cache.update alone

@@ -51,29 +51,14 @@ def same(a, b) -> bool:
 def probe(model, case: str, device: str, against_itself: bool = False) -> None:
     dtype, batch, prompt = case.split(":")
     batch, prompt = int(batch), int(prompt)
-    gen = torch.Generator().manual_seed(batch * 10007 + prompt)
-    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=gen).to(device)
-    mask = torch.ones_like(ids)
-    if batch > 1:
-        mask[0, : prompt // 3] = 0
+    ids, mask, _ = bench.case_inputs(batch, prompt, model.config.vocab_size, device)
     layers = model.config.num_hidden_layers
 
     def three_steps(cache):
-        with torch.no_grad():
-            logits = [model(input_ids=ids, attention_mask=mask, **{bench.CACHE_KW: cache}).logits]
-            step_mask = mask
-            for _ in range(2):
-                nxt = logits[-1][:, -1:].argmax(-1)
-                step_mask = torch.cat([step_mask, torch.ones_like(nxt)], 1)
-                logits.append(model(input_ids=nxt, attention_mask=step_mask, **{bench.CACHE_KW: cache}).logits)
-        return logits
+        return bench.three_steps(model, ids, mask, cache)
 
-    if dtype in bench.FP8:
-        def reference():
-            return bench.Cache(layers=[bench.RoundedLayer(bench.FP8[dtype]) for _ in range(layers)])
-    else:
-        def reference():
-            return bench.DynamicCache(config=model.config)
+    def reference():
+        return bench.reference_cache(model, dtype)
 
     def paged():
         return bench.PagedKVCache.from_model(model, max_total_tokens=batch * (prompt + 128), page_size=16, dtype=dtype,
