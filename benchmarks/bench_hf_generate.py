@@ -47,7 +47,13 @@ steps store with ``copy_`` into the pool's views instead of the pool's store (no
 :class:`ContigCopyPagedKVCache`, a trial); ``kvbare`` is kvcore's cache whose later layers of a forward launch with no
 per-layer check (a bound on what trimming the fast path's Python could save: :class:`BarePagedKVCache`);
 ``kvresident`` is kvcore's cache with ``resident_rows=True`` (every layer's gathered rows kept between steps, a step
-writing only its new tokens into them).
+writing only its new tokens into them).  ``null`` is not a cache but a bound (:class:`NullLayer`: an update stores
+nothing and returns two contiguous views of the shapes DynamicCache's would have, their values stale; its logits are
+not checked): the most any cache could gain over DynamicCache in a step by its update costing nothing.  Three more
+bounds split a cache's cost inside a step into its work and what it hands attention: ``nulldyn`` and ``nullkv`` hand
+attention ``null``'s outputs but do DynamicCache's or kvcore's whole update on a second cache first (its outputs
+dropped), and ``kvnolaunch`` is kvcore's cache whose store-and-gather launches are no-ops once planned
+(``probe_hf_parts.NoLaunchPagedKVCache``: its Python without its launches).
 
     python benchmarks/bench_hf_generate.py                    # on the GPU; results also in $OUT/hf_generate.json
     python benchmarks/bench_hf_generate.py --device cpu --small   # a quick smoke run on the CPU
@@ -75,6 +81,9 @@ from kvcore.integrations.transformers import PagedKVCache
 from kvcore.kernels.head_gather import HeadGather
 
 FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+#: caches that are bounds, not caches: their logits are not checked
+BOUNDS = ("null", "nulldyn", "nullkv", "kvnolaunch")
 
 #: the keyword a forward and generate take a cache by: ``cache`` since transformers renamed ``past_key_values``
 CACHE_KW = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
@@ -302,6 +311,49 @@ class _PlainHeadGather(HeadGather):
         pass
 
 
+class NullLayer(DynamicLayer):
+    """A layer of the ``null`` bound, not a cache: an update stores nothing and returns two contiguous tensors of the
+    shapes DynamicCache's would have (``[batch, heads, tokens so far, dim]``, views of one buffer each allocated at
+    the first update, their values stale): what a step gives when the cache's update costs nothing but two views and
+    hands attention what DynamicCache hands it (contiguous rows; strided views of a bigger buffer cost attention more,
+    the twenty-second session's ``contigcopy``)."""
+
+    def __init__(self, room: int):
+        super().__init__()
+        self.room, self.end = room, 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.shape = key_states.shape[:2]
+        self.dims = key_states.shape[-1], value_states.shape[-1]
+        self.keys = key_states.new_empty(self.shape.numel() * self.room * self.dims[0])
+        self.values = value_states.new_empty(self.shape.numel() * self.room * self.dims[1])
+        self.device, self.end, self.is_initialized = key_states.device, 0, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.end = self.end + key_states.shape[-2]
+        (batch, heads), (dk, dv) = self.shape, self.dims
+        return (self.keys.as_strided((batch, heads, end, dk), (heads * end * dk, end * dk, dk, 1)),
+                self.values.as_strided((batch, heads, end, dv), (heads * end * dv, end * dv, dv, 1)))
+
+    def get_seq_length(self) -> int:
+        return self.end if self.is_initialized else 0
+
+
+class ShadowedNullCache(Cache):
+    """The ``null`` bound doing another cache's whole update first (``nulldyn``, ``nullkv``): ``shadow`` gets every
+    update and its outputs are dropped; attention gets ``null``'s."""
+
+    def __init__(self, layers: list, shadow):
+        super().__init__(layers=layers)
+        self.shadow = shadow
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.shadow.update(key_states, value_states, layer_idx, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 class RoundedLayer(DynamicLayer):
     """A DynamicLayer holding its keys/values rounded through an fp8 dtype: what an fp8 PagedKVCache stores."""
 
@@ -354,7 +406,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
     parser.add_argument("--caches", default="dynamic,kvcore,contig", help="caches timed (dynamic always is): "
-                        "dynamic, dynamic_b, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy, kvbare, kvresident")
+                        "dynamic, dynamic_b, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy, kvbare, kvresident, null, "
+                        "nulldyn, nullkv, kvnolaunch")
     parser.add_argument("--lockstep", type=int, default=None, help="lockstep runs per case (2; --small: 1; 0: none)")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
     args = parser.parse_args()
@@ -459,6 +512,14 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
     def dynamic():
         return DynamicCache(config=model.config)
 
+    def null_layers():
+        return [NullLayer(prompt + max(new, steps) + 64) for _ in range(layers)]
+
+    def no_launch():
+        from probe_hf_parts import NoLaunchPagedKVCache  # (it imports this module)
+
+        return paged(cls=NoLaunchPagedKVCache)
+
     def shadowed_paged():
         cache = paged(cls=ShadowedPagedKVCache)
         cache.shadow = paged()
@@ -468,7 +529,10 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
               "dynamic2": lambda: ShadowedDynamicCache(model.config), "kvcore2": shadowed_paged,
               "kvplain": lambda: paged(cls=PlainPagedKVCache),
               "contigcopy": lambda: paged(True, cls=ContigCopyPagedKVCache),
-              "kvbare": lambda: paged(cls=BarePagedKVCache), "kvresident": lambda: paged(resident_rows=True)}  # fmt: skip
+              "kvbare": lambda: paged(cls=BarePagedKVCache), "kvresident": lambda: paged(resident_rows=True),
+              "null": lambda: Cache(layers=null_layers()), "kvnolaunch": no_launch,
+              "nulldyn": lambda: ShadowedNullCache(null_layers(), dynamic()),
+              "nullkv": lambda: ShadowedNullCache(null_layers(), paged())}  # fmt: skip
     makers = {name: makers[name] for name in caches}
 
     # 1. logit identity: a prefill and two decode steps
@@ -477,7 +541,7 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
     plain = three_steps(model, ids, mask, dynamic()) if dtype in FP8 else want  # what DynamicCache's kind must give
     identical = {name: all(map(torch.equal, three_steps(model, ids, mask, make()),
                                plain if name.startswith("dynamic") else want))
-                 for name, make in makers.items() if name != "dynamic"}  # fmt: skip
+                 for name, make in makers.items() if name != "dynamic" and name not in BOUNDS}  # fmt: skip
 
     # 2. host time per layer and decode step, cache.update alone
     heads, dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
