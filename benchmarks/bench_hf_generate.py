@@ -406,8 +406,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
     parser.add_argument("--caches", default="dynamic,kvcore,contig", help="caches timed (dynamic always is): "
-                        "dynamic, dynamic_b, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy, kvbare, kvresident, null, "
-                        "nulldyn, nullkv, kvnolaunch")
+                        "dynamic, dynamic_b, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy, kvbare, kvresident; "
+                        "bounds: null, nulldyn, nullkv, kvnolaunch")
     parser.add_argument("--lockstep", type=int, default=None, help="lockstep runs per case (2; --small: 1; 0: none)")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
     args = parser.parse_args()
