@@ -206,7 +206,18 @@ def block_ratios(base: list[float], other: list[float], block: int = 16) -> list
     return [sum(base[i : i + block]) / sum(other[i : i + block]) for i in range(0, len(base) - block + 1, block)]
 
 
-class ShadowedDynamicCache(DynamicCache):
+class _Shadowed:
+    """A cache mixin: every update goes to ``self.shadow`` (another cache; its outputs dropped) before the cache's
+    own, one call level deep."""
+
+    shadow: Cache
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.shadow.update(key_states, value_states, layer_idx, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class ShadowedDynamicCache(_Shadowed, DynamicCache):
     """DynamicCache doing its work twice: every update also goes to a second DynamicCache (``dynamic2``).  Its
     step time less DynamicCache's is what DynamicCache's own work costs inside a real step (host and device)."""
 
@@ -214,19 +225,11 @@ class ShadowedDynamicCache(DynamicCache):
         super().__init__(config=config)
         self.shadow = DynamicCache(config=config)
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.shadow.update(key_states, value_states, layer_idx, *args, **kwargs)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-
-class ShadowedPagedKVCache(PagedKVCache):
+class ShadowedPagedKVCache(_Shadowed, PagedKVCache):
     """:class:`ShadowedDynamicCache` for kvcore (``kvcore2``): every update also goes to a second PagedKVCache."""
 
     shadow: PagedKVCache
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.shadow.update(key_states, value_states, layer_idx, *args, **kwargs)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 class PlainPagedKVCache(PagedKVCache):
@@ -341,17 +344,13 @@ class NullLayer(DynamicLayer):
         return self.end if self.is_initialized else 0
 
 
-class ShadowedNullCache(Cache):
+class ShadowedNullCache(_Shadowed, Cache):
     """The ``null`` bound doing another cache's whole update first (``nulldyn``, ``nullkv``): ``shadow`` gets every
     update and its outputs are dropped; attention gets ``null``'s."""
 
     def __init__(self, layers: list, shadow):
         super().__init__(layers=layers)
         self.shadow = shadow
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.shadow.update(key_states, value_states, layer_idx, *args, **kwargs)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 class RoundedLayer(DynamicLayer):
@@ -503,7 +502,8 @@ def reference_cache(model, dtype: str):
 def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, vocab, caches, lockstep_runs) -> dict:
     ids, mask, gen = case_inputs(batch, prompt, vocab, device)
     layers = model.config.num_hidden_layers
-    capacity = batch * (prompt + max(new, steps) + 64)
+    room = prompt + max(new, steps) + 64  # tokens a row reaches, with a margin
+    capacity = batch * room
 
     def paged(contiguous_rows: bool = False, cls=PagedKVCache, resident_rows: bool = False):
         return cls.from_model(model, max_total_tokens=capacity, page_size=args.page_size, dtype=dtype,
@@ -513,7 +513,7 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
         return DynamicCache(config=model.config)
 
     def null_layers():
-        return [NullLayer(prompt + max(new, steps) + 64) for _ in range(layers)]
+        return [NullLayer(room) for _ in range(layers)]
 
     def no_launch():
         from probe_hf_parts import NoLaunchPagedKVCache  # (it imports this module)
