@@ -292,7 +292,7 @@ def test_a_call_like_the_last_launches_what_the_full_path_launches(reuse):
 
 
 def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
-    """After a forward's first layer (the same rows of locations at a new length), ``repeat(layer, k_new, v_new)``
+    """After a forward's first layer (the same rows of locations at a new length), ``repeat(k_new, v_new, layer)``
     launches that call again for another layer and its new rows, with the arguments the full path passes (no plan
     looked up), into the same spare outputs; it declines (None, and ``store_and_gather`` goes its own way) when the
     outputs are still held or the new rows differ in shape, strides or dtype.  ``repeat_for`` hands it out only for
@@ -334,7 +334,7 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
         for layer in (1, 2):
             new = (rows_of(30 + layer), rows_of(40 + layer, True, dv))
             assert gather.repeat_for(table, length) is gather.repeat
-            assert gather.repeat(layer, *new) is not None
+            assert gather.repeat(*new, layer) is not None
             args = list(launched.pop())
             args[at : at + 2] = ["k_out", "v_out"]
             assert args == launch(layer, new, length, full=True)[0], "the full path's arguments"
@@ -347,9 +347,9 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
             kept = id(out[0]), id(out[1])
             del out
         new = (rows_of(60), rows_of(61, True, dv))
-        held = gather.repeat(1, *new)
+        held = gather.repeat(*new, 1)
         launched.pop()
-        assert gather.repeat(2, *new) is None, "the outputs are held"
+        assert gather.repeat(*new, 2) is None, "the outputs are held"
         fast, took_full, out = launch(2, new, length)
         assert (id(out[0]), id(out[1])) != (id(held[0]), id(held[1])), "a held pair is not written again"
         del held, out
@@ -364,7 +364,7 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
             (new[0], new_rows(batch - 1, heads, 1, dv, torch.bfloat16, 69)),  # a row fewer
             (new[0], new[0]),  # one tensor for both (keys' width: not the values')
         ):
-            assert repeat(1, *declined) is None
+            assert repeat(*declined, 1) is None
         for other in ((table.clone(), length), (table, length + 1), (table, float(length)), (table, None)):
             assert gather.repeat_for(*other) is None, "another locations object or length"
         assert gather.repeat_for(table, length) is repeat
@@ -374,11 +374,56 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
     # repeat (for that length) replaces the last one
     launch(0, (rows_of(70, True), rows_of(71, True, dv)), 23)
     assert gather.repeat_for(table, 22) is None and gather.repeat_for(table, 23) is gather.repeat is not None
-    assert gather.repeat(1, rows_of(72, True), rows_of(73, True, dv)) is not None
+    assert gather.repeat(rows_of(72, True), rows_of(73, True, dv), 1) is not None
     launched.pop()
-    assert gather.repeat(1, rows_of(74), rows_of(75, True, dv)) is None, "the rows of the launch it repeats"
+    assert gather.repeat(rows_of(74), rows_of(75, True, dv), 1) is None, "the rows of the launch it repeats"
     gather.release()
     assert gather.repeat is None and gather.repeat_for(table, 23) is None
+
+
+@pytest.mark.parametrize("resident", [False, True], ids=["reused_outputs", "resident_rows"])
+def test_a_repeat_that_follows_the_layers_serves_as_a_cache_s_update(resident):
+    """After ``follow_layers(lengths, otherwise)`` a repeat is called as transformers calls ``Cache.update``
+    (``k_new, v_new, layer``, then arguments it ignores): it launches for a layer whose length is the launch's first
+    new token and sets it to the launch's length; a call it declines (the layer stored at this length already, new
+    rows laid out otherwise) goes to ``otherwise(k_new, v_new, layer)``, whose result it returns, the length left
+    as it was.  Both gathers (reused outputs, resident rows); the direct launch replaced by a recorder."""
+    from kvcore.kernels.resident_gather import ResidentHeadGather
+
+    layers, rows, heads, dk, dv, batch = 3, 400, 2, 16, 8, 2
+    k = random_rows((layers, rows, heads, dk), torch.bfloat16, 80)
+    v = random_rows((layers, rows, heads, dv), torch.bfloat16, 81)
+    if resident:
+        gather = ResidentHeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True)
+    else:
+        gather = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
+    lengths, declined = [0] * layers, []
+    gather.follow_layers(lengths, lambda k_new, v_new, layer: declined.append(layer) or "otherwise")
+    table = distinct_locations(batch, 40, rows, 82)
+
+    def rows_of(seed, q=1, transposed=False, dim=dk):
+        return new_rows(batch, heads, q, dim, torch.bfloat16, seed, transposed)
+
+    for layer in range(layers):  # a prompt and a decode step: their plans made
+        gather.store_and_gather(layer, table, rows_of(layer, 20), rows_of(layer + 9, 20, True, dv), 20)
+        gather.store_and_gather(layer, table, rows_of(layer + 18), rows_of(layer + 27, 1, True, dv), 21)
+    launched = []
+    for plan in gather._store_plans.values():  # (stream 0: what the outputs note of the CPU's)
+        plan.entry, plan.raw_stream = (lambda *a: launched.append(a), ("HEAD",)), lambda index: 0
+    new = (rows_of(30), rows_of(31, transposed=True, dim=dv))
+    gather.store_and_gather(0, table, *new, 22)  # a decode step's first layer
+    launched.clear()
+    repeat = gather.repeat_for(table, 22)
+    assert repeat is not None
+    lengths[:] = [22, 21, 21]
+    out = repeat(*new, 1, {"cache_kwargs": None})
+    assert out != "otherwise" and out[0].shape == (batch, heads, 22, dk) and len(launched) == 1
+    assert lengths == [22, 22, 21] and not declined
+    del out  # (reused outputs: held, the next repeat would decline)
+    assert repeat(*new, 1) == "otherwise", "layer 1 is stored at this length already"
+    assert repeat(rows_of(32, transposed=True), new[1], 2) == "otherwise", "keys laid out otherwise"
+    assert declined == [1, 2] and lengths == [22, 22, 21] and len(launched) == 1
+    assert repeat(*new, 2) != "otherwise" and lengths == [22, 22, 22] and len(launched) == 2
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

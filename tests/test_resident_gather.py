@@ -107,7 +107,7 @@ def test_refused_calls_say_why_and_a_call_without_new_tokens_gathers():
 
 
 def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
-    """After a forward's first layer, ``repeat(layer, k_new, v_new)`` launches that call again for another layer
+    """After a forward's first layer, ``repeat(k_new, v_new, layer)`` launches that call again for another layer
     with the arguments the full path passes (that layer's pool and resident rows, its new rows; no plan looked up)
     and returns views of that layer's rows (the first layer made every layer's); it declines (None) when the
     layer's rows hold fewer tokens than the launch leaves unwritten, the new rows differ in layout, or the rows were
@@ -152,7 +152,7 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
         assert launch(0, new, length, full=True)[0] == args, "the full path's arguments"
         for layer in (1, 2):
             new = (rows_of(30 + layer), rows_of(40 + layer, transposed=True, dim=dv))
-            out = gather.repeat(layer, *new)
+            out = gather.repeat(*new, layer)
             fast = list(launched.pop())
             assert fast[at : at + 4] == [*gather._addresses[layer], *gather._rows.addresses[layer]]
             assert out[0].data_ptr() == gather._rows.addresses[layer][0] and out[0].shape == (batch, heads, length, dk)
@@ -172,12 +172,12 @@ def test_a_forward_s_later_layers_repeat_its_first_layer_s_launch():
         (rows_of(63, q=2), rows_of(64, q=2, dim=dv)),  # two new tokens
         (new[0], new[0]),  # one tensor for both
     ):
-        assert repeat(1, *declined) is None
+        assert repeat(*declined, 1) is None
     gather._rows.valid[2] = 100  # rows of layer 2 that lack tokens the launch does not write
-    assert repeat(2, *new) is None
+    assert repeat(*new, 2) is None
     for other in ((table.clone(), 303), (table, 304), (table, None)):
         assert gather.repeat_for(*other) is None, "another locations object or length"
     assert not launched
     gather.release()
-    assert repeat(1, *new) is None, "the rows it writes are gone"
+    assert repeat(*new, 1) is None, "the rows it writes are gone"
     assert gather.repeat_for(table, 303) is None

@@ -770,16 +770,23 @@ def test_a_decode_steps_first_layer_only_resizes_the_outputs_within_held_pages(m
 
 def test_a_forwards_later_layers_go_straight_to_the_first_layers_repeat(monkeypatch):
     """The cache hands a forward's later layers to the head gather's repeat of its first layer's launch (a direct
-    launch on a GPU; here a store-and-gather reference stands in for it, on every device): a decode step's first layer
-    goes the cache's own way, every later one straight to the repeat, and the logits are DynamicCache's; a prompt's
-    forward repeats nothing (its layers initialize themselves), and a crop or free_all leaves nothing to repeat."""
+    launch on a GPU; here a store-and-gather reference stands in for it, on every device), which it sets as its own
+    ``update``: a decode step's first layer goes the cache's own way, every later one straight to the repeat, and the
+    logits are DynamicCache's; a prompt's forward repeats nothing (its layers initialize themselves), and a crop or
+    free_all leaves nothing to repeat.  The repeat follows the layers' lengths (``follow_layers``): a layer stored
+    already at this length goes the cache's own way."""
     from kvcore.kernels.head_gather import HeadGather, store_and_gather_native
 
     repeated = []
 
     def repeat_for(gather, locs, length):
-        def repeat(layer, k_new, v_new):
+        lengths, otherwise = gather._follow
+
+        def repeat(k_new, v_new, layer, *extra, **options):
+            if lengths[layer] != length - k_new.shape[2]:
+                return otherwise(k_new, v_new, layer)
             repeated.append((layer, length))
+            lengths[layer] = length
             return store_and_gather_native(gather.k_layers[layer], gather.v_layers[layer], locs[:, :length], k_new,
                                            v_new, gather.out_dtype, gather.k_scale, gather.v_scale)  # fmt: skip
 
@@ -795,16 +802,46 @@ def test_a_forwards_later_layers_go_straight_to_the_first_layers_repeat(monkeypa
     out = generate(model, cache, 10, ids, mask)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
     layers, width = model.config.num_hidden_layers, ids.shape[1]
-    # (store_and_gather takes a repeat for a call of its locations and length too: the stand-in gives it one for every
-    # call, the prompt's layers' and each step's first layer's among them)
-    steps = [(layer, end) for layer, end in repeated if layer and end > width]
-    assert steps == [(layer, end) for end in range(width + 1, width + 10) for layer in range(1, layers)]
+    assert repeated == [(layer, end) for end in range(width + 1, width + 10) for layer in range(1, layers)]
     assert own_way == [*range(layers), *[0] * 9], "the prompt's layers, then each decode step's first"
-    assert cache._later is not None
-    cache.crop(-1)
-    assert cache._later is None
+    assert cache._repeat is not None and cache.update is cache._repeat, "the later layers' update, set on the cache"
+    assert [layer.seq_len for layer in cache.layers] == [width + 9] * layers
+    # a layer called twice in a forward: the second call is not the repeat's (the layer is stored at this length)
+    k, v = (torch.zeros(ids.shape[0], cache.pool.head_num, 1, cache.pool.head_dim, dtype=torch.bfloat16, device=device)
+            for _ in range(2))  # fmt: skip
+    own_way.clear()
+    cache.update(k, v, layers - 1)
+    assert own_way == [layers - 1] and not [r for r in repeated if r[1] > width + 9]
+    cache.crop(-2)
+    assert cache._repeat is None and "update" not in vars(cache)
     cache.free_all()
-    assert cache._later is None
+    assert cache._repeat is None and "update" not in vars(cache)
+
+
+def test_a_copy_of_the_cache_stores_in_its_own_pool():
+    """``copy.deepcopy`` of a cache between forwards (the prompt-reuse idiom) gives a cache over a pool of its own:
+    the copy works out its launches again, so neither cache's later forwards write the other's rows (the two run in
+    turns on different tokens, and each one's logits are those of a copy of DynamicCache given the same)."""
+    import copy
+
+    model, ids, mask, device = on_test_device(torch.bfloat16)
+
+    @torch.no_grad()
+    def forward(cache, tokens, mask):
+        return model(tokens, attention_mask=mask, **{CACHE_KW: cache}).logits[:, -1]
+
+    paged_cache, dynamic = paged(model, page_size=16, kernels="triton", device=device), DynamicCache(config=model.config)
+    step = torch.full((ids.shape[0], 1), 7, device=device)
+    for tokens, width in ((ids, 0), (step, 1)):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :width])], dim=1)
+        assert torch.equal(forward(paged_cache, tokens, mask), forward(dynamic, tokens, mask))
+    pairs = {"original": (paged_cache, dynamic), "copy": (copy.deepcopy(paged_cache), copy.deepcopy(dynamic))}
+    masks = dict.fromkeys(pairs, mask)
+    for token in (11, 12):  # the original and the copy in turns, each on its own tokens
+        for offset, (name, (kv, ref)) in enumerate(pairs.items()):
+            tokens = torch.full_like(step, token + 100 * offset)
+            masks[name] = torch.cat([masks[name], torch.ones_like(step)], dim=1)
+            assert torch.equal(forward(kv, tokens, masks[name]), forward(ref, tokens, masks[name])), name
 
 
 def test_a_checked_pool_is_stored_through_set_kv_buffer(monkeypatch):

@@ -25,6 +25,16 @@ class PagedKVLayer(CacheLayerMixin):
         self.seq_len = 0
         super().__init__()
 
+    @property
+    def seq_len(self) -> int:
+        """Tokens this layer has stored (kept in the cache's list of every layer's, which a forward's later layers'
+        update reads and writes)."""
+        return self._cache._lengths[self.layer_id]
+
+    @seq_len.setter
+    def seq_len(self, value: int) -> None:
+        self._cache._lengths[self.layer_id] = value
+
     def __repr__(self) -> str:
         return f"PagedKVLayer(layer_id={self.layer_id}, seq_len={self.seq_len})"
 

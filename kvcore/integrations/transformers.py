@@ -169,9 +169,13 @@ class PagedKVCache(Cache):
         self._rows: torch.Tensor | None = None  # the batch's rows of the request table, a view (see _set_slots)
         self._allocated = 0  # positions of every live row that have a location: whole pages (or the reserved run)
         self._step: _Step | None = None  # what the current forward's layers share (see _begin_step)
-        #: a forward's later layers: (the head gather's repeat of its first layer's launch, the rows' length before the
-        #: forward and after it), or None (see update)
-        self._later: tuple | None = None
+        #: the tokens each layer has stored (``layers[i].seq_len``): one list, which a forward's later layers' update
+        #: (the head gather's repeat, see update) reads and writes
+        self._lengths = [0] * pool.layer_num
+        #: a forward's later layers' update, the head gather's repeat of its first layer's launch, or None (see update)
+        self._repeat = None
+        # the repeat is also this cache's `update` attribute while it is set, unless a subclass overrides update
+        self._update_is_repeat = type(self).update is PagedKVCache.update
         self._layer_buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # each layer's K and V rows
         self._gathers: dict[torch.dtype, HeadGather] = {}  # the read into attention's layout, by its dtype
         self.contiguous_rows = bool(contiguous_rows)
@@ -342,26 +346,49 @@ class PagedKVCache(Cache):
         every token so far, ``[batch, kv_heads, seq, head_dim]`` in the dtype of ``key_states`` (transformers'
         per-layer call; the pool stays where it is): a gathered copy (converted from the cache dtype), which a later
         layer's update writes over once nothing holds it, or, with ``contiguous_rows`` over reserved runs and the
-        cache in the model's dtype, a strided view of the pool (no copy).  Nothing in it waits for the device."""
-        later = self._later
-        if later is not None:  # a forward's later layer not stored yet: its first layer's launch again, if it may be
-            repeat, before, end = later
-            layer = self.layers[layer_idx]
-            if layer.seq_len == before:
-                out = repeat(layer.layer_id, key_states, value_states)
-                if out is not None:  # (it brought as many new tokens: the repeated launch's shapes)
-                    layer.seq_len = end
-                    return out
+        cache in the model's dtype, a strided view of the pool (no copy).  Nothing in it waits for the device.
+
+        A forward's first layer that stores and reads in one launch leaves the head gather's repeat of that launch
+        for the later layers, as this cache's ``update`` (an instance attribute over this method, unless a subclass
+        overrides it or an ``update`` was set on the cache, a wrapper, which then reaches it through this method):
+        one Python call a layer, which launches for a layer not stored yet at this length and hands anything else to
+        this method's work (:meth:`_update_layer`); the next first layer, and every edit of the rows, drop it."""
+        repeat = self._repeat
+        if repeat is not None:  # (this method still runs it when a subclass's update calls it)
+            return repeat(key_states, value_states, layer_idx)
         return self._update(self.layers[layer_idx], key_states, value_states)
+
+    def _update_layer(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """:meth:`update` without a repeat: what a repeat declines."""
+        return self._update(self.layers[layer_idx], key_states, value_states)
+
+    def _drop_repeat(self) -> None:
+        """Drop the later layers' update a forward's first layer left (see :meth:`update`); an ``update`` attribute
+        set on the cache by anything else (a wrapper) stays."""
+        repeat, self._repeat = self._repeat, None
+        if repeat is not None and self.__dict__.get("update") is repeat:
+            del self.__dict__["update"]
+
+    def __getstate__(self) -> dict:
+        """The state a copy (``copy.deepcopy``) or pickle takes: what this cache holds, without what it works out
+        from it to launch (the head gathers, with the pool's addresses, their outputs and repeats, the forward's
+        set-up, the later layers' update), which a copy works out again over its own pool."""
+        state = self.__dict__.copy()
+        if self._repeat is not None and state.get("update") is self._repeat:
+            del state["update"]
+        state.update(_repeat=None, _step=None, _gathers={}, _layer_buffers=None, _row_views=None)
+        return state
 
     def _update(self, layer: PagedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
         """:meth:`update`, for ``layer``, when it does not repeat the first layer's launch: a forward's first layer,
         and every layer of a forward that may not repeat."""
-        self._later = None
+        if self._repeat is not None:
+            self._drop_repeat()
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
-        end = layer.seq_len + q
+        layer_id, lengths = layer.layer_id, self._lengths  # (layer.seq_len, without its property's call)
+        end = lengths[layer_id] + q
         step = self._step
         if step is None or step.end != end or step.q != q:
             if (step is not None and step.length is not None and end <= self._allocated
@@ -374,12 +401,14 @@ class PagedKVCache(Cache):
             else:
                 step = self._begin_step(key_states, value_states, end)
         if step.fused:  # the pool's rows written and read in one launch
-            layer.seq_len = end
+            lengths[layer_id] = end
             gather, locs, length = step.gather, step.read_locs, step.length
-            out = gather.store_and_gather(layer.layer_id, locs, key_states, value_states, length)
+            out = gather.store_and_gather(layer_id, locs, key_states, value_states, length)
             repeat = gather.repeat_for(locs, length)
             if repeat is not None and end > q:  # (a first forward's layers initialize themselves in _update)
-                self._later = (repeat, end - q, end)
+                self._repeat = repeat  # the later layers' update (see update)
+                if self._update_is_repeat and "update" not in self.__dict__:  # (nothing else set one: a wrapper)
+                    self.update = repeat
             return out
         k, v = key_states, value_states
         if step.live is not None:  # some rows freed: only the others store
@@ -389,9 +418,8 @@ class PagedKVCache(Cache):
         else:  # [rows, heads, q, dim] -> [rows * q, heads, dim], row after row
             k = k.transpose(1, 2).reshape(-1, k.shape[1], k.shape[3])
             v = v.transpose(1, 2).reshape(-1, v.shape[1], v.shape[3])
-        layer_id = layer.layer_id
         self.pool.set_kv_buffer(layer_id, step.write_locs, k, v, self.k_scale, self.v_scale)
-        layer.seq_len = end
+        lengths[layer_id] = end
         if step.gather is not None:
             return step.gather(layer_id, step.read_locs)
         k_buf, k_dim, k_stride, k_offset, v_buf, v_dim, v_stride, v_offset = self._row_views[layer_id]
@@ -439,7 +467,8 @@ class PagedKVCache(Cache):
         first = slots[0] if slots else 0
         consecutive = slots and len(live) == len(slots) and slots == list(range(first, first + len(slots)))
         self._rows = self.req_to_token_pool.req_to_token[first : first + len(slots)] if consecutive else None
-        self._step = self._later = None
+        self._step = None
+        self._drop_repeat()
         self._forget_resident_rows()
 
     def _grow(self, end: int) -> None:
@@ -551,6 +580,7 @@ class PagedKVCache(Cache):
             else:
                 gather = HeadGather(k_layers, v_layers, dtype, self.k_scale, self.v_scale,
                                     use_triton=self._triton_gather, reuse_outputs=True)  # fmt: skip
+            gather.follow_layers(self._lengths, self._update_layer)  # its repeats serve as the later layers' update
             self._gathers[dtype] = gather
         return gather
 
@@ -640,7 +670,8 @@ class PagedKVCache(Cache):
                 dropped = self.req_to_token_pool.req_to_token[self._live_slots, keep : self._allocated]
                 self.allocator.free(dropped.reshape(-1).to(torch.int64))
             self._allocated = keep
-        self._step = self._later = None
+        self._step = None
+        self._drop_repeat()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` takes the tokens of row ``beam_idx[i]`` (copied into row ``i``'s own slots,

@@ -121,6 +121,11 @@ def _repeat_if(repeat, last: tuple | None, locs: torch.Tensor, length: int | Non
     return repeat
 
 
+def _declined(k_new: torch.Tensor, v_new: torch.Tensor, layer: int) -> None:
+    """What a repeat declines goes nowhere (:meth:`HeadGather.follow_layers` names another taker): None."""
+    return None
+
+
 def _room(seq: int) -> int:
     """Tokens a row of :class:`HeadGather`'s reused outputs has room for when they are allocated for ``seq``: a
     sixteenth more (at least 16 tokens), so that a decode's next steps, one token longer each, resize them in
@@ -213,9 +218,11 @@ class HeadGather:
         #: call compares shapes, strides, dtype and device), the layer's and the addresses' alignment, the launch's
         #: callable, grid, stream getter and device, head and tail, its plan)
         self._last_launch: tuple | None = None
-        #: None, or ``repeat(layer, k_new, v_new)``: the last direct launch again for another layer and its new rows
+        #: None, or ``repeat(k_new, v_new, layer)``: the last direct launch again for another layer and its new rows
         #: (the same locations and length), or None when it may not (see :meth:`_repeater`, :meth:`repeat_for`)
         self.repeat = None
+        #: what the repeats made from now on follow: ``(lengths, otherwise)`` (see :meth:`follow_layers`)
+        self._follow: tuple = (None, _declined)
         if not use_triton:
             return
         self._block_t, self._constexprs = _constexprs(k0, v0, page, out_dtype, k_scale, v_scale)
@@ -300,11 +307,6 @@ class HeadGather:
                 locs = _first_tokens(locs, length)
             return store_and_gather_native(self.k_layers[layer], self.v_layers[layer], locs, k_new, v_new,
                                            self.out_dtype, self.k_scale, self.v_scale)  # fmt: skip
-        repeat = self.repeat_for(locs, length)
-        if repeat is not None:  # a forward's later layer: the first's launch again, for this layer and these rows
-            out = repeat(layer, k_new, v_new)
-            if out is not None:
-                return out
         last = self._last_launch
         moved = last is not None and (last[0] is not locs or last[1] != length)  # the same rows at another length?
         if moved:
@@ -388,21 +390,21 @@ class HeadGather:
         return last
 
     def _repeater(self, last: tuple, stream: int):
-        """``repeat(layer, k_new, v_new)``: the direct launch ``last``, just made on raw stream ``stream``, again for
+        """``repeat(k_new, v_new, layer)``: the direct launch ``last``, just made on raw stream ``stream``, again for
         another layer and its new rows (:meth:`store_and_gather` of the same locations and length), into the same spare
-        outputs, or None when the call is not one it may repeat.  It may when the new rows have the same shapes,
-        strides, dtype, device and address alignment, the layer's addresses the same alignment, the locations the same
-        address, and the spare pair is the one ``last`` wrote, on the same stream, held by nothing else
-        (:meth:`_outputs`'s checks).  None (no repeat) when the outputs are not reused or ``last`` did not write the
-        spare pair.  Kept as :attr:`repeat` while ``last`` is the last launch, so a forward's first layer makes one
-        for the others: whether a profiler's launch hook is installed (launches then go through Triton's dispatcher,
-        which calls it) is asked by that launch, once a forward, not by every repeat.
+        outputs, or None when the call is not one it may repeat (or what :meth:`follow_layers` says).  It may when the
+        new rows have the same shapes, strides, dtype, device and address alignment, the layer's addresses the same
+        alignment, the locations the same address, and the spare pair is the one ``last`` wrote, on the same stream,
+        held by nothing else (:meth:`_outputs`'s checks).  None (no repeat) when the outputs are not reused or
+        ``last`` did not write the spare pair.  Kept as :attr:`repeat` while ``last`` is the last launch, so a
+        forward's first layer makes one for the others: whether a profiler's launch hook is installed (launches then
+        go through Triton's dispatcher, which calls it) is asked by that launch, once a forward, not by every repeat.
 
         Everything the checks compare is bound once here, in a closure, and the new rows' layout is compared in one
         call (the launch's guard): a call touches little that a decode step's other work may have pushed out of the
         CPU's caches (it is made for every layer but the first)."""
         spare = self._spare
-        (locs, _, lp, _, _, _, out_shape, _, rows_ok, aligned, align, run, grid, raw_stream, index, head, tail,
+        (locs, _, lp, _, _, _, out_shape, k_shape, rows_ok, aligned, align, run, grid, raw_stream, index, head, tail,
          _) = last  # fmt: skip
         if not self._reuse or spare is None or spare[2] != out_shape or spare[3] != stream:
             return None
@@ -411,23 +413,37 @@ class HeadGather:
         new_align = align >> 8  # the new rows' part of the launch's alignment
         gather, addresses = self, self._addresses_aligned[aligned]
         count, uses = sys.getrefcount, _STORAGE_USES
+        lengths, otherwise = self._follow
+        end = out_shape[1]
+        before = end - k_shape[2]
 
-        def repeat(layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
-            at = addresses[layer]
-            if at is None or gather._spare is not spare:
-                return None
-            k_out, v_out = spare[0], spare[1]  # (locals, as _outputs counts its references)
-            if (count(k_out) != refs or count(v_out) != refs or uses(k_at) != k_free or uses(v_at) != v_free
-                    or not rows_ok(k_new, v_new) or locs.data_ptr() != lp):  # fmt: skip
-                return None
-            on = raw_stream(index)
-            knp, vnp = k_new.data_ptr(), v_new.data_ptr()
-            if on != stream or (knp & 15) | (vnp & 15) << 4 != new_align:
-                return None
-            run(gx, gy, gz, on, *head, at[0], at[1], ko, vo, lp, knp, vnp, *tail)
-            return k_out, v_out
+        def repeat(k_new: torch.Tensor, v_new: torch.Tensor, layer: int, *extra, **options):
+            if lengths is None or lengths[layer] == before:
+                at = addresses[layer]
+                k_out, v_out = spare[0], spare[1]  # (locals, as _outputs counts its references)
+                if (at is not None and gather._spare is spare and count(k_out) == refs and count(v_out) == refs
+                        and uses(k_at) == k_free and uses(v_at) == v_free and rows_ok(k_new, v_new)
+                        and locs.data_ptr() == lp):  # fmt: skip
+                    on = raw_stream(index)
+                    knp, vnp = k_new.data_ptr(), v_new.data_ptr()
+                    if on == stream and (knp & 15) | (vnp & 15) << 4 == new_align:
+                        run(gx, gy, gz, on, *head, at[0], at[1], ko, vo, lp, knp, vnp, *tail)
+                        if lengths is not None:
+                            lengths[layer] = end
+                        return k_out, v_out
+            return otherwise(k_new, v_new, layer)
 
         return repeat
+
+    def follow_layers(self, lengths: list[int], otherwise) -> None:
+        """Make the repeats made from now on (:attr:`repeat`) a caller's per-layer update, called as transformers
+        calls ``Cache.update``: ``repeat(key_states, value_states, layer_idx, *extra)`` (``extra`` ignored).  A repeat
+        of a launch of rows of ``seq`` tokens, ``q`` of them new, then launches for layer ``layer`` only when
+        ``lengths[layer] == seq - q`` (the layer holds the tokens before the new ones, and not yet these) and sets it
+        to ``seq``; a call it declines it hands to ``otherwise(k_new, v_new, layer)`` and returns what that returns
+        (instead of None).  ``lengths`` is the caller's list, read and written in place.  A cache can then serve a
+        forward's later layers with the repeat itself, in one Python call a layer."""
+        self._follow = (lengths, otherwise)
 
     def repeat_for(self, locs: torch.Tensor, length: int | None):
         """:attr:`repeat` when it repeats a launch of these locations (the same tensor) and length, else None: what a

@@ -88,9 +88,10 @@ class _Bound:
 
     def launch(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, seq: int, q: int, first_block: int):
         """Launch a call this binding takes (rows of ``seq`` tokens, the newest ``q`` stored, token blocks from
-        ``first_block`` on written); returns ``repeat(layer, k_new, v_new)``, the same launch for another layer and
-        its new rows, which declines (None) what the binding does not take or a layer whose rows lack a token
-        before the first block written; it returns the layer's views."""
+        ``first_block`` on written); returns ``repeat(k_new, v_new, layer)``, the same launch for another layer and
+        its new rows, which declines what the binding does not take or a layer whose rows lack a token before the
+        first block written (None, or as :meth:`~kvcore.kernels.head_gather.HeadGather.follow_layers` says); it
+        returns the layer's views."""
         plan, rows, run, head, targets, guard, locs, lp, new_align = (self.plan, self.rows, self.run, self.head,
                                                                       self.targets, self.guard, self.locs, self.lp,
                                                                       self.new_align)  # fmt: skip
@@ -100,18 +101,22 @@ class _Bound:
         valid, gather, first = rows.valid, self.gather, first_block * plan.block_n
         valid[layer] = seq
         k_views, v_views = rows.all_views(seq)
+        lengths, otherwise = gather._follow
+        before = seq - q
 
-        def repeat(layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
-            at = targets[layer]
-            if (at is None or gather._rows is not rows or valid[layer] < first or not guard(k_new, v_new)
-                    or locs.data_ptr() != lp):  # fmt: skip
-                return None
-            knp, vnp = k_new.data_ptr(), v_new.data_ptr()
-            if (knp & 15) | (vnp & 15) << 4 != new_align:
-                return None
-            run(gx, gy, gz, raw_stream(index), *head, *at, lp, knp, vnp, *tail)
-            valid[layer] = seq
-            return k_views[layer], v_views[layer]
+        def repeat(k_new: torch.Tensor, v_new: torch.Tensor, layer: int, *extra, **options):
+            if lengths is None or lengths[layer] == before:
+                at = targets[layer]
+                if (at is not None and gather._rows is rows and valid[layer] >= first and guard(k_new, v_new)
+                        and locs.data_ptr() == lp):  # fmt: skip
+                    knp, vnp = k_new.data_ptr(), v_new.data_ptr()
+                    if (knp & 15) | (vnp & 15) << 4 == new_align:
+                        run(gx, gy, gz, raw_stream(index), *head, *at, lp, knp, vnp, *tail)
+                        valid[layer] = seq
+                        if lengths is not None:
+                            lengths[layer] = seq
+                        return k_views[layer], v_views[layer]
+            return otherwise(k_new, v_new, layer)
 
         return repeat
 
@@ -161,11 +166,6 @@ class ResidentHeadGather(HeadGather):
                          length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """:meth:`HeadGather.store_and_gather <kvcore.kernels.head_gather.HeadGather.store_and_gather>`, bit for bit,
         returning views of layer ``layer``'s resident rows (see the class)."""
-        repeat = self.repeat_for(locs, length)
-        if repeat is not None:  # a forward's later layer: the first's launch again, for this layer and these rows
-            out = repeat(layer, k_new, v_new)
-            if out is not None:
-                return out
         if locs.dim() != 2:
             raise ValueError(f"locs must be [batch, seq], got {tuple(locs.shape)}")
         batch, width = locs.shape
