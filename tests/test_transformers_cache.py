@@ -39,6 +39,7 @@ from transformers.models.llama.modeling_llama import LlamaModel
 import kvcore
 from kvcore.errors import ConfigError
 from kvcore.integrations.transformers import KVCacheFullError, PagedKVCache, config_overrides
+from kvcore.testing.tensors import addresses_kept
 
 #: generate's keyword for a cache object: ``cache`` since transformers renamed ``past_key_values``.
 CACHE_KW = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
@@ -818,10 +819,12 @@ def test_a_forwards_later_layers_go_straight_to_the_first_layers_repeat(monkeypa
     assert cache._repeat is None and "update" not in vars(cache)
 
 
-def test_a_copy_of_the_cache_stores_in_its_own_pool():
+@pytest.mark.parametrize("resident_rows", [False, True], ids=["gathered", "resident_rows"])
+def test_a_copy_of_the_cache_stores_in_its_own_pool(resident_rows):
     """``copy.deepcopy`` of a cache between forwards (the prompt-reuse idiom) gives a cache over a pool of its own:
-    the copy works out its launches again, so neither cache's later forwards write the other's rows (the two run in
-    turns on different tokens, and each one's logits are those of a copy of DynamicCache given the same)."""
+    the copy keeps no address of the original's memory, and neither cache's later forwards write the other's rows
+    (the two run in turns on different tokens, and each one's logits are those of a copy of DynamicCache given the
+    same)."""
     import copy
 
     model, ids, mask, device = on_test_device(torch.bfloat16)
@@ -830,12 +833,15 @@ def test_a_copy_of_the_cache_stores_in_its_own_pool():
     def forward(cache, tokens, mask):
         return model(tokens, attention_mask=mask, **{CACHE_KW: cache}).logits[:, -1]
 
-    paged_cache, dynamic = paged(model, page_size=16, kernels="triton", device=device), DynamicCache(config=model.config)
+    paged_cache = paged(model, page_size=16, kernels="triton", device=device, resident_rows=resident_rows)
+    dynamic = DynamicCache(config=model.config)
     step = torch.full((ids.shape[0], 1), 7, device=device)
     for tokens, width in ((ids, 0), (step, 1)):
         mask = torch.cat([mask, torch.ones_like(mask[:, :width])], dim=1)
         assert torch.equal(forward(paged_cache, tokens, mask), forward(dynamic, tokens, mask))
     pairs = {"original": (paged_cache, dynamic), "copy": (copy.deepcopy(paged_cache), copy.deepcopy(dynamic))}
+    kept = addresses_kept(pairs["copy"][0], paged_cache)
+    assert not kept, f"the copy keeps addresses of the original's memory, at {kept[:4]}"
     masks = dict.fromkeys(pairs, mask)
     for token in (11, 12):  # the original and the copy in turns, each on its own tokens
         for offset, (name, (kv, ref)) in enumerate(pairs.items()):

@@ -1,6 +1,7 @@
 """One decoder layer's view of a :class:`~kvcore.integrations.transformers.PagedKVCache`: the
 ``transformers.cache_utils.CacheLayerMixin`` each attention layer of a model talks to (its ``update``, lengths and
-edits go to the shared cache).  Needs ``transformers``, as that module does."""
+edits go to the shared cache), and what a forward's first layer works out for the others (:class:`ForwardStep`).
+Needs ``transformers``, as that module does."""
 
 from __future__ import annotations
 
@@ -104,3 +105,25 @@ class PagedKVLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._cache.batch_select_indices(indices)
+
+
+class ForwardStep:
+    """What the first layer of a forward works out for every layer of it
+    (:meth:`~kvcore.integrations.transformers.PagedKVCache._begin_step`).
+
+    ``end``, ``q``: the rows' length after the forward and its new tokens.  ``live``: the batch rows that store
+    (None: all of them).  ``write_locs``: the new tokens' locations, live row after live row (``[rows]`` or
+    ``[rows, q]``: entries of the request table, often a view of it; int64 copies on the torch path).  Attention
+    reads ``gather(layer, read_locs)`` (``read_locs``: ``[batch, end]`` locations, freed rows at the padding slot)
+    or, when ``gather`` is None, strided views of the reserved runs, ``[*view_shape, dim]``.  ``fused``: the layers
+    store and read in one launch, ``gather.store_and_gather(layer, read_locs, keys, values)`` (every row live, a
+    pool whose ``set_kv_buffer`` only writes its rows, the Triton path), which then reads ``read_locs[:, :length]``
+    (``length``: None, or ``end`` when ``read_locs`` are the batch's whole rows of the request table: the same tensor
+    every step)."""
+
+    __slots__ = ("end", "q", "live", "write_locs", "read_locs", "length", "gather", "view_shape", "fused")
+
+    def __init__(self, end: int, q: int):
+        self.end, self.q = end, q
+        self.live = self.write_locs = self.read_locs = self.length = self.gather = self.view_shape = None
+        self.fused = False

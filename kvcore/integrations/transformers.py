@@ -56,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from kvcore.errors import ConfigError, KVCoreError
 from kvcore.integrations.hf_model import (BACKEND, SUPPORTED_DTYPES, build_pools_at, config_overrides, model_dimensions,
                                           resolve_dtype)  # fmt: skip
-from kvcore.integrations.paged_layer import PagedKVLayer
+from kvcore.integrations.paged_layer import ForwardStep, PagedKVLayer
 from kvcore.kernels.head_gather import HeadGather, take_rows
 from kvcore.kernels.kernel_mode import use_triton
 from kvcore.kernels.resident_gather import ResidentHeadGather
@@ -71,27 +71,6 @@ class KVCacheFullError(KVCoreError, RuntimeError):
 def _unwrap(obj: Any) -> Any:
     """A pool behind kvcore's checked proxy (``hardware.checked``), or the object itself."""
     return getattr(obj, "unchecked", obj)
-
-
-class _Step:
-    """What the first layer of a forward works out for every layer of it (:meth:`PagedKVCache._begin_step`).
-
-    ``end``, ``q``: the rows' length after the forward and its new tokens.  ``live``: the batch rows that store
-    (None: all of them).  ``write_locs``: the new tokens' locations, live row after live row (``[rows]`` or
-    ``[rows, q]``: entries of the request table, often a view of it; int64 copies on the torch path).  Attention
-    reads ``gather(layer, read_locs)`` (``read_locs``: ``[batch, end]`` locations, freed rows at the padding slot)
-    or, when ``gather`` is None, strided views of the reserved runs, ``[*view_shape, dim]``.  ``fused``: the layers
-    store and read in one launch, ``gather.store_and_gather(layer, read_locs, keys, values)`` (every row live, a
-    pool whose ``set_kv_buffer`` only writes its rows, the Triton path), which then reads ``read_locs[:, :length]``
-    (``length``: None, or ``end`` when ``read_locs`` are the batch's whole rows of the request table: the same tensor
-    every step)."""
-
-    __slots__ = ("end", "q", "live", "write_locs", "read_locs", "length", "gather", "view_shape", "fused")
-
-    def __init__(self, end: int, q: int):
-        self.end, self.q = end, q
-        self.live = self.write_locs = self.read_locs = self.length = self.gather = self.view_shape = None
-        self.fused = False
 
 
 class PagedKVCache(Cache):
@@ -168,7 +147,7 @@ class PagedKVCache(Cache):
         self._live_slots = self._slot_t  # the live rows' request slots
         self._rows: torch.Tensor | None = None  # the batch's rows of the request table, a view (see _set_slots)
         self._allocated = 0  # positions of every live row that have a location: whole pages (or the reserved run)
-        self._step: _Step | None = None  # what the current forward's layers share (see _begin_step)
+        self._step: ForwardStep | None = None  # what the current forward's layers share (see _begin_step)
         #: the tokens each layer has stored (``layers[i].seq_len``): one list, which a forward's later layers' update
         #: (the head gather's repeat, see update) reads and writes
         self._lengths = [0] * pool.layer_num
@@ -370,13 +349,13 @@ class PagedKVCache(Cache):
             del self.__dict__["update"]
 
     def __getstate__(self) -> dict:
-        """The state a copy (``copy.deepcopy``) or pickle takes: what this cache holds, without what it works out
-        from it to launch (the head gathers, with the pool's addresses, their outputs and repeats, the forward's
-        set-up, the later layers' update), which a copy works out again over its own pool."""
+        """What a copy (``copy.deepcopy``: a prompt's cache reused) takes: all but the later layers' update, a closure
+        over this cache's launches; the copy's pool and gathers launch into its own buffers (see
+        :mod:`kvcore.kernels.addresses`)."""
         state = self.__dict__.copy()
         if self._repeat is not None and state.get("update") is self._repeat:
             del state["update"]
-        state.update(_repeat=None, _step=None, _gathers={}, _layer_buffers=None, _row_views=None)
+        state["_repeat"] = None
         return state
 
     def _update(self, layer: PagedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -506,7 +485,7 @@ class PagedKVCache(Cache):
             table[self._live_slots, start : start + cols] = new.to(table.dtype)
         self._allocated = stop
 
-    def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> _Step:
+    def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> ForwardStep:
         """The first layer of a forward bringing ``key_states`` / ``value_states`` (``[batch, heads, q, dim]``) for
         positions ``end - q .. end - 1``: the batch's slots (a new batch), the rows' locations, and what every
         layer's :meth:`_update` takes from them (kept in ``self._step``)."""
@@ -523,7 +502,7 @@ class PagedKVCache(Cache):
             )
         if end > self._allocated or end > self.req_to_token_pool.max_context_len:
             self._grow(end)  # (which refuses rows longer than the table's)
-        step = _Step(end, q)
+        step = ForwardStep(end, q)
         rows = self._rows
         table = self.req_to_token_pool.req_to_token
         if rows is None and len(self._live_slots) != batch:  # some rows freed: they store nothing, read the padding slot

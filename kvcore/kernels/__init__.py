@@ -1,6 +1,8 @@
 """Kernel infrastructure the core and every family share: nothing here knows a pool or a family.
 
 - :mod:`kvcore.kernels.launch`: launching compiled Triton kernels directly (launch keys, call plans);
+- :mod:`kvcore.kernels.addresses`: kernel holders that keep their tensors' addresses work them out again when
+  copied (``copy.deepcopy`` of a pool, an allocator, a gather);
 - :mod:`kvcore.kernels.kernel_mode`: ``auto`` / ``triton`` / ``native``, and the interpreter;
 - :mod:`kvcore.kernels.dtypes` and :mod:`kvcore.kernels.fp8`: cache dtypes (fp8 stored as bytes), conversion
   codes, bit-exact fp8 and bf16 encodings;

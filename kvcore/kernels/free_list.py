@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.kernels.addresses import KeepsAddresses, page_locked
 from kvcore.kernels.launch import KernelArgs, Launcher, Plan
 
 __all__ = ["ALLOCATED", "FREE", "TAKEN_BIAS", "FreePageList", "PageSource", "head_of", "word_bits"]
@@ -325,7 +326,7 @@ _RELEASE_ARGS = KernelArgs(
 )  # fmt: skip
 
 
-class FreePageList:
+class FreePageList(KeepsAddresses):
     """Pages ``1 .. capacity`` of one allocator: which are free, in which order; see the module docstring.
 
     :param capacity: the number of pages (ids ``1 .. capacity``; page 0 is padding and never handed out).
@@ -357,6 +358,14 @@ class FreePageList:
         self.clear()
 
     # -- state ----------------------------------------------------------------------------------------------
+
+    def _bind_addresses(self) -> None:
+        """A copy's published words: page-locked again, and a new epoch, which forgets the addresses kept (the words
+        the original's launches still publish are not the copy's; its counts stay lower bounds until its own
+        launches publish)."""
+        self._words_tensor = page_locked(self._words_tensor, self._on_gpu)
+        self._words = self._words_tensor.numpy()
+        self._new_epoch()
 
     def clear(self) -> None:
         """Every page free, in ascending order; nothing held or staged."""

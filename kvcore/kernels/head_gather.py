@@ -25,6 +25,7 @@ import sys
 import torch
 
 from kvcore.kernels import dtypes
+from kvcore.kernels.addresses import KeepsAddresses
 from kvcore.kernels.dtypes import is_fp8_dtype
 from kvcore.kernels.fp8 import torch_e4m3fn_saturates
 from kvcore.kernels.head_gather_kernels import GATHER_ARGS, STORE_GATHER_ARGS
@@ -160,7 +161,7 @@ def gather_heads_triton(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, ou
     return k_out, v_out
 
 
-class HeadGather:
+class HeadGather(KeepsAddresses):
     """:func:`gather_heads` for every layer of one pool, planned once: what the layers' K/V rows fix (their layout,
     dtype and addresses, the output dtype, the scales) is checked and worked out here, so a call allocates the two
     outputs, reads the locations' layout and launches once (a transformers cache gathers once per layer and step).
@@ -231,11 +232,7 @@ class HeadGather:
         as_bytes = is_fp8_dtype(k0.dtype)  # the dispatcher sees fp8 rows as their bytes, as the kernel reads them
         self._kernel_layers = [(k.view(torch.uint8), v.view(torch.uint8)) if as_bytes else (k, v)
                                for k, v in zip(k_layers, v_layers)]  # fmt: skip
-        self._addresses = [(k.data_ptr(), v.data_ptr()) for k, v in zip(k_layers, v_layers)]
-        self._aligned = [(k % 16 == 0, v % 16 == 0) for k, v in self._addresses]  # what Triton specializes on
-        #: per alignment of the layers' addresses: each layer's addresses, None where the layer's differs
-        self._addresses_aligned = {a: [at if al == a else None for at, al in zip(self._addresses, self._aligned)]
-                                   for a in set(self._aligned)}  # fmt: skip
+        self._bind_addresses()
         self._key = (k0.dtype, out_dtype, *k_strides, *v_strides)
         self._launch = launcher_for(GATHER_ARGS, k0.device)
         self._device_index = k0.get_device()
@@ -249,6 +246,19 @@ class HeadGather:
         )  # fmt: skip
         self._store_launch = launcher_for(STORE_GATHER_ARGS, k0.device)
         self._store_plans: dict[tuple, Plan] = {}
+
+    #: a copy (``copy.deepcopy``) starts without the spare outputs and the last launch (:meth:`release`)
+    not_copied = ("_spare", "_last_launch", "repeat")
+
+    def _bind_addresses(self) -> None:
+        """The layers' addresses the kernels take, and their alignment (the Triton path)."""
+        if not self.use_triton:
+            return
+        self._addresses = [(k.data_ptr(), v.data_ptr()) for k, v in zip(self.k_layers, self.v_layers)]
+        self._aligned = [(k % 16 == 0, v % 16 == 0) for k, v in self._addresses]  # what Triton specializes on
+        #: per alignment of the layers' addresses: each layer's addresses, None where the layer's differs
+        self._addresses_aligned = {a: [at if al == a else None for at, al in zip(self._addresses, self._aligned)]
+                                   for a in set(self._aligned)}  # fmt: skip
 
     def __call__(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens ``locs`` (``[batch, seq]`` int32/int64, on the pool's device, the token dim

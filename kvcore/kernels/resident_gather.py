@@ -149,6 +149,9 @@ class ResidentHeadGather(HeadGather):
         self._repeats: tuple | None = None
         self._bound: _Bound | None = None  # the last direct launch's plan, locations, rows and new rows' layout
 
+    #: a copy (``copy.deepcopy``) starts without resident rows, as after :meth:`release`
+    not_copied = (*HeadGather.not_copied, "_rows", "_repeats", "_bound")
+
     def release(self) -> None:
         """Drop the resident rows (their memory goes back to torch's allocator) and the repeat."""
         super().release()

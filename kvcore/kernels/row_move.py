@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.kernels.addresses import KeepsAddresses
 from kvcore.kernels.launch import KernelArgs, Launcher, cdiv, launcher_for
 from kvcore.token_rows import TokenRows
 
@@ -404,7 +405,7 @@ def _flag_overlaps(rows: int, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> t
     return flag
 
 
-class RowMover:
+class RowMover(KeepsAddresses):
     """:func:`move_token_rows_triton` bound to one or two buffers: everything fixed by the buffers (word
     views, row widths, paging constexprs, the launcher) is computed once, so a move of up to
     ``MOVE_MAX_TOKENS`` slots costs one check of its index tensors and one direct launch (:mod:`kvcore.kernels.launch`).
@@ -436,7 +437,12 @@ class RowMover:
         self._plans: dict[int, tuple] = {}
         self._words = tuple(_row_words(b.rows) for b in self.buffers)  # the large path's word views
         self.launch = Launcher(_MOVE_ARGS, k_cache.device)
-        self._cache_ptrs, self._device_index = (k_cache.data_ptr(), v_cache.data_ptr()), k_cache.get_device()
+        self._device_index = k_cache.get_device()
+        self._bind_addresses()
+
+    def _bind_addresses(self) -> None:
+        """The K and V buffers' addresses (the first buffer's twice when there is no second)."""
+        self._cache_ptrs = (self._caches[0].data_ptr(), self._caches[1].data_ptr())
 
     def _plan(self, n: int) -> tuple[int, int, tuple]:
         """(column programs, warps, the kernel's constexprs) of the single-launch path for ``n`` slots."""

@@ -138,6 +138,10 @@ def empty_of(empties: dict[torch.dtype, torch.Tensor], dtype: torch.dtype, devic
     return empty
 
 
+#: each CUDA device's side stream for the pools' host copies (see KVCache._transfer_stream)
+_TRANSFER_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised host tensor, page-locked (from torch's pinned caching allocator) when CUDA is present,
     so device copies into it run asynchronously at the full pinned rate."""
@@ -482,11 +486,14 @@ class KVCache(abc.ABC):
         return range(0, stacked.shape[0], step)
 
     def _transfer_stream(self):
-        if torch.device(self.device).type != "cuda":
+        """The side stream of the pool's device its host copies run on (one per device, shared by its pools and
+        their copies), or None off CUDA."""
+        device = torch.device(self.device)
+        if device.type != "cuda":
             return None
-        stream = getattr(self, "_offload_stream", None)
+        stream = _TRANSFER_STREAMS.get(device)
         if stream is None:
-            stream = self._offload_stream = torch.cuda.Stream(self.device)
+            stream = _TRANSFER_STREAMS[device] = torch.cuda.Stream(device)
         return stream
 
     def get_cpu_copy(self, indices: torch.Tensor, mamba_indices=None, req_pool_index=None) -> dict[str, list[torch.Tensor]]:

@@ -33,6 +33,7 @@ examples) runs a long one.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from kvcore.testing.tensors import addresses_kept
 
 __all__ = ["KIT_REQUESTS", "REQUEST_GROUPS", "AllocatorConformance", "AllocatorMachine", "BackendAllocatorConformance"]
 
@@ -419,6 +422,30 @@ class AllocatorConformance:
             max_examples=max(self.examples, asked), stateful_step_count=max(25, active.stateful_step_count),
             deadline=None, suppress_health_check=list(HealthCheck),
         ))  # fmt: skip
+
+
+    def test_a_deep_copy_allocates_apart(self, allocator_factory):
+        """``copy.deepcopy`` of an allocator (and its pool: a cache copied to reuse a prompt) keeps free lists of its
+        own: it hands out what the original hands out next, and what either takes or gives back the other does not
+        see."""
+        allocator = allocator_factory()
+        page = allocator.page_size
+        held = allocator.alloc(page)  # (its kernels have launched)
+        assert held is not None, "a fresh allocator refused one page"
+        twin = copy.deepcopy(allocator)
+        kept = addresses_kept(twin, allocator)
+        assert not kept, f"the copy keeps addresses of the original's memory, at {', '.join(kept[:4])}"
+        pool = allocator.get_kvcache()
+        assert pool is None or twin.get_kvcache() is not pool, "the copy hands out slots of the original's pool"
+        free = allocator.available_size()
+        assert twin.available_size() == free
+        taken = twin.alloc(page)
+        assert taken is not None and allocator.available_size() == free
+        mine = allocator.alloc(page)
+        assert torch.equal(mine.cpu(), taken.cpu()), "the copy and the original hand out other slots from one state"
+        twin.free(taken)
+        twin.free(held)
+        assert allocator.available_size() == free - page and twin.available_size() == free + page
 
 
 class BackendAllocatorConformance(AllocatorConformance):

@@ -25,6 +25,7 @@ move must leave every other byte of :meth:`KVCache.buffers` unchanged.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -32,6 +33,7 @@ import pytest
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.testing.tensors import addresses_kept
 
 #: capability names a pool may declare through the ``kv_capabilities`` fixture (the default declares these).
 CAPABILITIES = frozenset({"store", "move", "cpu_offload", "buffer_infos"})
@@ -180,6 +182,31 @@ class BaseStoreTests(_Base):
             kv_writer(kv_pool, layer, self.free_slots(kv_pool, 8, generator), generator)
         for name, rows in kv_pool.token_rows().items():
             assert_same_bytes(rows.take(padding_tokens), padding[name], f"padding page of buffer {name}")
+
+    def test_a_deep_copy_stores_in_its_own_buffers(self, kv_pool, kv_capabilities, kv_writer, generator):
+        """``copy.deepcopy`` of a pool (a cache copied to reuse a prompt) holds buffers of its own: the same bytes,
+        and a write to either lands in that one alone (kernels that keep their buffers' addresses work them out
+        again in the copy: :mod:`kvcore.kernels.addresses`)."""
+        self.need(kv_capabilities, "store")
+        randomize(kv_pool, generator)
+        layer = kv_pool.token_layers()[-1]
+        kv_writer(kv_pool, layer, self.free_slots(kv_pool, 3, generator), generator)  # its kernels have launched
+        twin = copy.deepcopy(kv_pool)
+        kept = addresses_kept(twin, kv_pool)
+        assert not kept, f"the copy keeps addresses of the original's memory, at {', '.join(kept[:4])}"
+        for name, buf in twin.buffers().items():
+            assert buf.data_ptr() != kv_pool.buffers()[name].data_ptr(), f"the copy shares buffer {name}"
+            assert_same_bytes(buf, kv_pool.buffers()[name], f"buffer {name} of the copy")
+        for target, other, what in ((twin, kv_pool, "the copy"), (kv_pool, twin, "the original")):
+            untouched = {name: buf.clone() for name, buf in other.buffers().items()}
+            loc = self.free_slots(target, 5, generator)
+            expected = kv_writer(target, layer, loc, generator)
+            token_rows = target.token_rows()
+            for name, rows in expected.items():
+                at = target.layer_in_buffer(name, layer)
+                assert_same_bytes(token_rows[name].take(loc, at), rows, f"{name} rows written to {what}")
+            for name, buf in other.buffers().items():
+                assert_same_bytes(buf, untouched[name], f"buffer {name} after a write to {what}")
 
     @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
     def test_layer_object_with_layer_id_and_offset_layers(self, kv_pool_factory, kv_pool_size, kv_page_size, kv_writer,

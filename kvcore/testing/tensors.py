@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import types
+from typing import Any
 
 import torch
 
@@ -55,3 +57,52 @@ def randn_nonzero(shape, dtype: torch.dtype, generator: torch.Generator, scale: 
                   device: str | None = None) -> torch.Tensor:
     """:func:`kvcore.pools.random_nonzero` on the test device by default."""
     return random_nonzero(shape, dtype, generator, scale, device or test_device())
+
+
+_LEAVES = (str, bytes, float, complex, bool, type(None), torch.dtype, torch.device, type, types.ModuleType,
+           types.BuiltinFunctionType)  # fmt: skip
+
+
+def _object_graph(root: Any):
+    """``(path, value)`` of every object reachable from ``root`` through attributes (``__dict__`` and slots), items of
+    dicts, lists, tuples and sets, and the cells of closures and bound methods, each object once; launchers are not
+    entered (they keep compiled kernels, which copies share)."""
+    from kvcore.kernels.launch import Launcher
+
+    seen: set[int] = set()
+    stack = [("copy", root)]
+    while stack:
+        path, x = stack.pop()
+        yield path, x
+        if isinstance(x, _LEAVES + (int, torch.Tensor, Launcher)) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, dict):
+            stack.extend((f"{path}[{k!r}]", v) for k, v in x.items())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(x))
+        elif isinstance(x, types.MethodType):
+            stack.append((f"{path}.__self__", x.__self__))
+        elif isinstance(x, types.FunctionType):
+            stack.extend((f"{path}<cell {i}>", c.cell_contents) for i, c in enumerate(x.__closure__ or ())
+                         if c.cell_contents is not c)  # fmt: skip
+        else:
+            names = list(getattr(x, "__dict__", {}))
+            for cls in type(x).__mro__:
+                slots = getattr(cls, "__slots__", ())
+                names += [n for n in ((slots,) if isinstance(slots, str) else slots) if hasattr(x, n)]
+            stack.extend((f"{path}.{n}", getattr(x, n)) for n in names if n not in ("__dict__", "__weakref__"))
+
+
+def addresses_kept(copy: Any, original: Any) -> list[str]:
+    """Where ``copy`` (a ``copy.deepcopy`` of ``original``) keeps an int that points into the memory of a tensor of
+    ``original`` (a raw address its kernels would launch with: they would write the original's buffers), as paths
+    (``copy._store._cache_ptrs[0]``).  Both objects are walked whole (see :func:`_object_graph`)."""
+    spans = set()
+    for _, x in _object_graph(original):
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            if storage.nbytes():
+                spans.add((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    return [path for path, x in _object_graph(copy)
+            if type(x) is int and any(start <= x < end for start, end in spans)]  # fmt: skip

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.kernels.addresses import KeepsAddresses
 from kvcore.kernels.launch import UNPLANNED, KernelArgs, Launcher, Plan, remember
 from kvcore.kernels.row_move import next_pow2
 from kvcore_dsa.checks import check_device, check_loc
@@ -147,7 +148,7 @@ def _scale_bytes(index_k_scale: torch.Tensor, n: int) -> torch.Tensor:
 _GENERAL = object()
 
 
-class IndexerPages:
+class IndexerPages(KeepsAddresses):
     """Writes and reads of one pool's indexer pages (see the module docstring): the Triton kernels
     (``use_triton``) or their torch references, sharing the checks; fixed geometry computed once.
 
@@ -167,14 +168,19 @@ class IndexerPages:
         self.layers, self.page_bytes = index_buf.shape[0], page_bytes
         self._set = Launcher(_SET_ARGS, index_buf.device)
         self._get = Launcher(_GET_ARGS, index_buf.device)
-        self._buf_ptr, self._layer_bytes = index_buf.data_ptr(), index_buf.stride(0)
+        self._layer_bytes = index_buf.stride(0)
         # the constexprs both kernels take: the pages' geometry
         self._geometry = dict(PAGE=INDEX_PAGE_SIZE, LAYER_BYTES=self._layer_bytes, PAGE_BYTES=page_bytes,
                               KEY_BYTES=key_bytes)  # fmt: skip
         self.device, self._device_index = index_buf.device, index_buf.get_device()
+        self._empty_bytes = torch.empty(0, dtype=torch.uint8, device=self.device)  # new outputs: see empty_of
+        self._bind_addresses()
+
+    def _bind_addresses(self) -> None:
+        """The pages' address; the plans start empty."""
+        self._buf_ptr = self.index_buf.data_ptr()
         self._set_plans: dict[tuple, Plan | None] = {}
         self._get_plans: dict[tuple, Plan | None] = {}
-        self._empty_bytes = torch.empty(0, dtype=torch.uint8, device=self.device)  # new outputs: see empty_of
 
     def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kvcore.kernels import dtypes
+from kvcore.kernels.addresses import KeepsAddresses
 from kvcore.kernels.dtypes import E4M3FN_MAX
 from kvcore.kernels.fp8 import (e4m3fn_bits_to_f32_hw, f32_to_bf16_bits, finite_f32_to_e4m3fn_bytes,
                                torch_e4m3fn_saturates)  # fmt: skip
@@ -272,7 +273,7 @@ def _geometry(x: torch.Tensor, width: int, n: int, what: str) -> tuple[int, int]
     raise ValueError(f"{what} must be [{n}, {width}] or [{n}, 1, {width}], got {tuple(shape)}")
 
 
-class ScaledRows:
+class ScaledRows(KeepsAddresses):
     """The quantize-store and dequantize-gather of one pool's scaled fp8 rows (see the module docstring):
     the Triton kernels (``use_triton``) or their torch references, sharing the checks; what is fixed at pool
     creation (views of the cache, constexprs, launchers) is computed once.
@@ -302,12 +303,16 @@ class ScaledRows:
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
         self._store = Launcher(_STORE_ARGS, kv_cache.device)
         self._gather = Launcher(_GATHER_ARGS, kv_cache.device)
-        self._view_ptrs = (kv_cache.data_ptr(),) * 3
         self.device, self._device_index = kv_cache.device, kv_cache.get_device()
+        self._bind_addresses()
+        self._empties: dict[torch.dtype, torch.Tensor] = {}
+
+    def _bind_addresses(self) -> None:
+        """The rows' address (the kernels take three views of it); the plans start empty."""
+        self._view_ptrs = (self.kv_cache.data_ptr(),) * 3
         self._store_plans: dict[tuple, Plan | None] = {}
         self._gather_plans: dict[tuple, Plan | None] = {}
         self._new_plans: dict[tuple, Plan | None] = {}
-        self._empties: dict[torch.dtype, torch.Tensor] = {}
 
     def _check_layer(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.layers:

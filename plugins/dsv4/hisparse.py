@@ -27,6 +27,7 @@ import torch
 from kvcore.allocators import (BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator, alloc_first_slots,
                                fill_to_pages, get_num_new_pages, take_mapped_slots)  # fmt: skip
 from kvcore.errors import ConfigError
+from kvcore.kernels.addresses import KeepsAddresses
 from kvcore.kernels.row_move import copy_rows
 from kvcore_dsv4.pool import DeepSeekV4SingleKVPool
 
@@ -36,7 +37,7 @@ __all__ = ["COMPRESS_RATIO", "DeepSeekV4HiSparseTokenToKVPoolAllocator", "HiSpar
 COMPRESS_RATIO = 4
 
 
-class HiSparseC4DevicePool(DeepSeekV4SingleKVPool):
+class HiSparseC4DevicePool(KeepsAddresses, DeepSeekV4SingleKVPool):
     """The ratio-4 latents' device pages (``size`` slots) for ``logical_size`` logical compressed slots, and their
     pinned host mirror (see the module docstring).  Until an allocator registers its map, logical slot ``s`` below
     the device's rows is device slot ``s`` and the rest are cold.
@@ -60,8 +61,7 @@ class HiSparseC4DevicePool(DeepSeekV4SingleKVPool):
         pinned = torch.cuda.is_available() and stacked.device.type == "cuda"
         self.host_kv_cache = torch.zeros((layers, host_pages, page_bytes), dtype=torch.uint8, pin_memory=pinned)
         self._host = DeepSeekV4SingleKVPool(self.host_kv_cache, page_size, use_triton=False)
-        #: each layer's device pages' address, as SGLang's transfer kernels take them
-        self.data_ptrs = torch.tensor([x.data_ptr() for x in self.kv_buffer], dtype=torch.uint64, device=self.device)
+        self._bind_addresses()
         device_slots = stacked.shape[1] * page_size
         logical_slots = logical_size + page_size  # the full locations' range, compressed (its reserved page too)
         identity = torch.arange(min(device_slots, logical_slots), device=self.device)
@@ -70,6 +70,11 @@ class HiSparseC4DevicePool(DeepSeekV4SingleKVPool):
         self.full_to_hisparse_device_index_mapping = torch.cat([
             identity, torch.zeros(rest, dtype=torch.int64, device=self.device),
             torch.full((1,), -1, dtype=torch.int64, device=self.device)])  # fmt: skip
+
+    def _bind_addresses(self) -> None:
+        """``data_ptrs``: each layer's device pages' address (uint64, on the device), as SGLang's transfer kernels
+        take them."""
+        self.data_ptrs = torch.tensor([x.data_ptr() for x in self.kv_buffer], dtype=torch.uint64, device=self.device)
 
     # -- the map ------------------------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.kernels.addresses import KeepsAddresses
 from kvcore.kernels.fp8 import (e4m3fn_bits_to_f32, e4m3fn_bits_to_f32_hw, f32_to_bf16_bits,
                                finite_f32_to_e4m3fn_bytes)  # fmt: skip
 from kvcore.kernels.kernel_mode import triton_interpreting
@@ -468,7 +469,7 @@ def _behind_rows(parts: Parts, buffers: tuple, loc: torch.Tensor, rows: torch.Te
     return (*buffers, loc, *_row_parts(parts, rows))
 
 
-class BlockRows:
+class BlockRows(KeepsAddresses):
     """The quantize-store and dequantize-gather of one pool's two parts, bound at pool creation.
 
     What the parts fix (widths, strides, constexprs, the buffers' addresses) is computed once; what a call's
@@ -494,7 +495,6 @@ class BlockRows:
         kd, ks, vd, vs = parts.k_data, parts.k_scale, parts.v_data, parts.v_scale
         g = parts.global_scale if parts.global_scale is not None else ks  # never read without a global scale
         self._buffers = (kd, ks, vd, vs, g)
-        self._addresses = tuple(t.data_ptr() for t in self._buffers)
         self.device, self._device_index, self._layers = kd.device, kd.get_device(), kd.shape[0]
         heads, kw, vw = parts.heads, parts.k_width, parts.v_width
         nbk, nbv = kw // r.block, vw // r.block
@@ -511,8 +511,13 @@ class BlockRows:
         self.launch = Launcher(_ROWS_ARGS, kd.device)
         self._large = {gather: LARGE_TILES[r.name, gather] for gather in (False, True)}
         self._new_strides = ((heads * kw, kw, 1), (heads * vw, vw, 1))  # of contiguous [N, heads, width] outputs
-        self._plans: dict[tuple, Plan | object | None] = {}
         self._empties: dict[torch.dtype, torch.Tensor] = {}  # kvcore.pools.empty_of
+        self._bind_addresses()
+
+    def _bind_addresses(self) -> None:
+        """The buffers' addresses; the plans, which keep them, start empty."""
+        self._addresses = tuple(t.data_ptr() for t in self._buffers)
+        self._plans: dict[tuple, Plan | object | None] = {}
 
     # -- plans and the one launch ----------------------------------------------------------------------------
 

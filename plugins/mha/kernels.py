@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kvcore.kernels import dtypes
+from kvcore.kernels.addresses import KeepsAddresses
 from kvcore.kernels.dtypes import is_fp8_dtype, storage_dtype
 from kvcore.kernels.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, torch_e4m3fn_saturates
 from kvcore.kernels.kernel_mode import triton_interpreting
@@ -266,7 +267,7 @@ def _scale_call(mode: int, scale, dummy_ptr: int) -> tuple[int, float]:
     return dummy_ptr, float(scale) if mode == _SCALE_VALUE else 1.0
 
 
-class KVStore:
+class KVStore(KeepsAddresses):
     """The K/V store bound to one pool's caches: the Triton kernel (``use_triton``) or its torch reference.
 
     What is fixed at pool creation (shapes, strides, constexprs, the launcher) is computed once; what is fixed by
@@ -305,19 +306,24 @@ class KVStore:
         self.k_shape, self.v_shape = (ks[2], ks[3]), (vs[2], vs[3])
         self.launch = Launcher(_STORE_ARGS, k_cache.device)
         self._device_index = k_cache.get_device()
-        self._cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr())
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
         self._codes: dict[torch.dtype, int] = {}
-        self._plans: dict[tuple, Plan | None] = {}
         self._check_index_map(index_map)
         if index_map is not None and index_map.get_device() != self._device_index:
             raise ValueError(f"index_map must be on {k_cache.device}, got {index_map.device}")
-        self._own_map, self._own_map_address = index_map, 0 if index_map is None else index_map.data_ptr()
+        self._own_map = index_map
+        self._bind_addresses()
         self._page_size, self._page_rows = (1, 0) if pages is None else pages
         if pages is not None and (self._page_size < 1 or self._page_size & (self._page_size - 1)
                                   or self._page_rows < self._page_size):  # fmt: skip
             raise ValueError(f"pages=(page_size, rows_per_page) needs a power-of-two page_size and rows_per_page >= "
                              f"page_size, got {pages}")  # fmt: skip
+
+    def _bind_addresses(self) -> None:
+        """The caches' and the own index map's addresses; the plans, which keep them, start empty."""
+        self._cache_ptrs = (self.k_cache.data_ptr(), self.v_cache.data_ptr())
+        self._own_map_address = 0 if self._own_map is None else self._own_map.data_ptr()
+        self._plans: dict[tuple, Plan | None] = {}
 
     # -- checks ---------------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvcore.kernels import dtypes
+from kvcore.kernels.addresses import KeepsAddresses
 from kvcore.kernels.dtypes import storage_dtype
 from kvcore.kernels.fp8 import torch_e4m3fn_saturates
 from kvcore.kernels.kernel_mode import triton_interpreting
@@ -78,7 +79,7 @@ _ROWS_ARGS = KernelArgs(
 )  # fmt: skip
 
 
-class RowStore:
+class RowStore(KeepsAddresses):
     """Stores the rows of the same ``loc`` into every one of ``caches`` (1 to 3 stacked ``[L, R, H, D]`` buffers
     with the same ``L`` and ``R``), one launch per call, or through the torch reference (``use_triton=False``).
 
@@ -112,6 +113,10 @@ class RowStore:
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
         self._pad = MAX_BUFFERS - len(caches)
         self._padded_caches = (*caches, *[caches[0]] * self._pad)
+        self._bind_addresses()
+
+    def _bind_addresses(self) -> None:
+        """The caches' addresses; the plans start empty."""
         self._cache_ptrs = tuple(c.data_ptr() for c in self._padded_caches)
         self._plans: dict[tuple, Plan | None] = {}
 

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from kvcore.kernels import dtypes
+from kvcore.kernels.addresses import KeepsAddresses
 from kvcore.kernels.dtypes import FP8_DTYPES, is_fp8_dtype, storage_dtype
 from kvcore.kernels.fp8 import f32_to_bf16_bits, f32_to_fp8_bits, f32_to_fp8_bits_hw, fp8_bits_to_f32, torch_e4m3fn_saturates
 from kvcore.kernels.kernel_mode import triton_interpreting
@@ -286,7 +287,7 @@ def _flat(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.reshape(x.shape[0], width)
 
 
-class LatentRows:
+class LatentRows(KeepsAddresses):
     """The store and gather of one pool's stacked latent rows: the Triton kernel (``use_triton``) or its torch
     reference, sharing the checks.
 
@@ -322,17 +323,21 @@ class LatentRows:
         self.device, self._device_index = kv_cache.device, kv_cache.get_device()  # -1 on the CPU
         self.launch = Launcher(_ROWS_ARGS, kv_cache.device)
         self.launch_row = Launcher(_ROW_ARGS, kv_cache.device)
-        self._cache_ptr = kv_cache.data_ptr()
         self._row_stride, self._layer_stride = kv_cache.stride(1), kv_cache.stride(0)
         self._saturate, self._hw_cvt = torch_e4m3fn_saturates(), not triton_interpreting()
         self._codes: dict[tuple, tuple[int, int]] = {}
-        self._plans: dict[tuple, Plan | None] = {}
         self._empties: dict[torch.dtype, torch.Tensor] = {}
         self._page_size, self._page_rows = (1, 0) if pages is None else pages
         if pages is not None and (self._page_size < 1 or self._page_size & (self._page_size - 1)
                                   or self._page_rows < self._page_size):  # fmt: skip
             raise ValueError(f"pages=(page_size, rows_per_page) needs a power-of-two page_size and rows_per_page >= "
                              f"page_size, got {pages}")  # fmt: skip
+        self._bind_addresses()
+
+    def _bind_addresses(self) -> None:
+        """The rows' address; the plans, which keep it, start empty."""
+        self._cache_ptr = self.kv_cache.data_ptr()
+        self._plans: dict[tuple, Plan | None] = {}
 
     # -- checks ---------------------------------------------------------------------------------------------
 
