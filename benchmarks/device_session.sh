@@ -2,7 +2,7 @@
 # One call on a GPU machine that reaches no package registry: install kvcore there, then run the phases named,
 # in order, each with its output kept under $OUT (default /tmp/kvcore-out) and its last lines printed.
 #
-#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse] [hfcore] [tune] [hfprof] [fp8k] [split] [fp8probe] [hfstep] [split1] [hfparts] [launchafter] [amid] [sdpa]
+#   bash benchmarks/device_session.sh [tests] [alloc] [probe] [bench] [quick] [fp4] [check] [transfer] [hfgen] [unified] [minimax] [hisparse] [dsv4] [sparse] [hfcore] [tune] [hfprof] [fp8k] [split] [fp8probe] [hfstep] [split1] [hfparts] [launchafter] [amid] [sdpa] [copies]
 #
 #   tests  the compiled suite: KVCORE_TEST_COMPILED=1 python -m pytest -q -n 12   ($OUT/tests.txt)
 #   alloc  python benchmarks/bench_allocator.py                                     ($OUT/alloc.txt)
@@ -19,6 +19,7 @@
 #   dsv4   the DeepSeek-V4 family's tests, compiled                                   ($OUT/dsv4.txt)
 #   sparse  kvcore bench of the DeepSeek-V4 and MiniMax sparse families, every size (32k tokens included)  ($OUT/sparse.txt)
 #   hfcore  the head gathers', the transformers cache's and the layout guard's tests, compiled         ($OUT/hfcore.txt)
+#   copies  every deep-copy test (pools, allocators, the transformers cache), compiled              ($OUT/copies.txt)
 #   tune   python benchmarks/tune_row_stores.py (the 128-value quantizing stores)    ($OUT/tune.txt)
 #   hfprof  python benchmarks/profile_hf_generate.py (where a generation step goes)  ($OUT/hfprof.txt)
 #   fp8k   the fp8 encoders' tests and the stores' and gathers' that use them, compiled  ($OUT/fp8k.txt)
@@ -79,6 +80,8 @@ for phase in "$@"; do
         hfcore) run hfcore env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_head_gather.py \
             tests/test_transformers_cache.py tests/test_launch_contract.py tests/test_tensor_guard.py \
             tests/test_resident_gather.py tests/test_transformers_resident_rows.py ;;
+        copies) run copies env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -p no:cacheprovider -n 8 \
+            -k "deep_copy or copy_of_the_cache" tests plugins examples/vendor-plugin examples/second-vendor-plugin ;;
         tune) run tune python3 benchmarks/tune_row_stores.py ;;
         hfprof) run hfprof python3 benchmarks/profile_hf_generate.py ;;
         fp8k) run fp8k env KVCORE_TEST_COMPILED=1 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_fp8.py \
