@@ -56,6 +56,17 @@ def _index(call: str, name: str, t: Any, device: torch.device) -> torch.Tensor:
     return t.reshape(-1)
 
 
+def _forwarded(proxy: Any, inner: str, name: str) -> Any:
+    """Attribute ``name`` of the object a proxy wraps (its ``inner`` attribute).  Special names (``__deepcopy__``,
+    ``__setstate__``, ...) are not forwarded, and nothing is while the proxy has no inner object yet (a copy being
+    built): ``copy.deepcopy`` and pickling then treat the proxy as an object of its own, which wraps a copy of the
+    inner one."""
+    wrapped = proxy.__dict__.get(inner)
+    if wrapped is None or (name.startswith("__") and name.endswith("__")):
+        raise AttributeError(f"{type(proxy).__name__!r} object has no attribute {name!r}")
+    return getattr(wrapped, name)
+
+
 class CheckedPool:
     """A token-to-KV pool whose calls are checked first (see the module docstring); every other attribute is
     the wrapped pool's.
@@ -73,7 +84,7 @@ class CheckedPool:
         self.__dict__["_device"] = device
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._pool, name)
+        return _forwarded(self, "_pool", name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._pool, name, value)
@@ -183,7 +194,7 @@ class CheckedAllocator:
         self.__dict__["_live"] = torch.zeros(allocator.size + 2 * allocator.page_size, dtype=torch.bool)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._alloc, name)
+        return _forwarded(self, "_alloc", name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._alloc, name, value)

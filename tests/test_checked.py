@@ -4,6 +4,8 @@ is wrapped."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -52,6 +54,25 @@ def test_correct_calls_go_through(mha):
     pool.move_kv_cache(loc.flip(0), loc)
     alloc.free(loc)
     assert alloc.available_size() == alloc.size
+
+
+def test_a_deep_copy_is_checked_and_apart(mha):
+    """``copy.deepcopy`` of a checked pool and its allocator (a transformers cache copied to reuse a prompt): the
+    copies are checked proxies of copies of the pool and allocator, each side's stores and frees its own."""
+    pool, alloc = mha.token_to_kv_pool, mha.token_to_kv_pool_allocator
+    loc = alloc.alloc(4)
+    k, v = kv(pool, 4)
+    pool.set_kv_buffer(0, loc, k, v)
+    twin_pool, twin_alloc = copy.deepcopy((pool, alloc))
+    assert isinstance(twin_pool, CheckedPool) and isinstance(twin_alloc, CheckedAllocator)
+    assert twin_pool.unchecked is not pool.unchecked and twin_alloc.get_kvcache() is twin_pool.unchecked
+    twin_pool.set_kv_buffer(0, loc, 2 * k, 2 * v)
+    assert torch.equal(pool.get_key_buffer(0)[loc], k) and torch.equal(twin_pool.get_key_buffer(0)[loc], 2 * k)
+    twin_alloc.free(loc)
+    with pytest.raises(CheckError, match="free"):  # the copy's own record: freed once already
+        twin_alloc.free(loc)
+    alloc.free(loc)  # the original's record is its own
+    assert alloc.available_size() == twin_alloc.available_size() == alloc.size
 
 
 @pytest.mark.parametrize("loc, says", [
