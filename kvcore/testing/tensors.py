@@ -84,8 +84,11 @@ def _object_graph(root: Any):
         elif isinstance(x, types.MethodType):
             stack.append((f"{path}.__self__", x.__self__))
         elif isinstance(x, types.FunctionType):
-            stack.extend((f"{path}<cell {i}>", c.cell_contents) for i, c in enumerate(x.__closure__ or ())
-                         if c.cell_contents is not c)  # fmt: skip
+            for i, cell in enumerate(x.__closure__ or ()):
+                try:
+                    stack.append((f"{path}<cell {i}>", cell.cell_contents))
+                except ValueError:  # an empty cell (a name the closure binds later)
+                    pass
         else:
             names = list(getattr(x, "__dict__", {}))
             for cls in type(x).__mro__:
