@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.layout import shared_by_copies
 
 ANY = "*"
 
@@ -92,6 +93,8 @@ class PoolRequest:
         resolution, exactly the backend's declared sections.
     :param mode: the engine's disaggregation and speculative-decoding settings (:class:`EngineMode`).
     """
+
+    __deepcopy__ = shared_by_copies
 
     attention: str
     kv_dtype: torch.dtype
@@ -176,6 +179,8 @@ class BackendSpec:
         takes none (then any option is an error).
     :param plugin: the registering plugin's name; filled in by the plugin manager.
     """
+
+    __deepcopy__ = shared_by_copies
 
     name: str = attrs.field(validator=attrs.validators.matches_re(r"^[A-Za-z0-9_.\-]+$"))
     attention: tuple[str, ...] = attrs.field(converter=_tuple_of_str)

@@ -33,6 +33,13 @@ import torch
 SIZE_GROUPS = ("tokens", "swa_tokens", "requests", "running_requests")
 
 
+def shared_by_copies(record: object, memo: dict) -> object:
+    """``copy.deepcopy`` of a frozen record (a layout, a pool request, a backend spec, a selection, a memory plan):
+    the record itself.  It never changes, and its read-only mappings could not be copied (so ``copy.deepcopy`` of
+    an engine's pools works)."""
+    return record
+
+
 def _as_shape(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
@@ -180,6 +187,8 @@ class PoolLayout:
     :param derived_sizes: sizes the family's pools derive from a size group, by SGLang's name, for reports:
         ``{"c4_max_total_num_tokens": ("tokens", 4)}`` is the ``tokens`` group's size divided by 4.
     """
+
+    __deepcopy__ = shared_by_copies
 
     backend: str
     buffers: tuple[BufferLayout, ...] = attrs.field(converter=tuple)

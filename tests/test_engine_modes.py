@@ -5,6 +5,7 @@ dimensions, independently of the planner."""
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import kvcore.plugins
 from kvcore.errors import ConfigError
 from kvcore.planning.planner import extra_context_len
 from kvcore.pools import DecodeReqToTokenPool, ReqToTokenPool
+from kvcore.testing.tensors import addresses_kept
 from kvcore.tools.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -173,6 +175,21 @@ def test_the_draft_shares_the_targets_table_and_slots(overrides, draft_class, dr
     for name, expected in written.items():
         assert torch.equal(rows[name].take(loc, pool.layer_in_buffer(name, pool.start_layer)).view(torch.uint8),
                            expected.contiguous().view(torch.uint8))  # fmt: skip
+
+
+def test_a_copy_of_an_engines_pools_keeps_what_the_draft_shares():
+    """``copy.deepcopy`` of ``build_pools``' result copies the pools, the allocator and the request table (the
+    draft's pool in the copy shares the copy's table and allocator, as the original's does) and shares the frozen
+    records (the plan and the selection, whose read-only mappings could not be copied)."""
+    pools = kvcore.build_pools(kvcore.load_config("memory.max_total_tokens=2048", *EAGLE3))
+    twin = copy.deepcopy(pools)
+    assert twin.plan is pools.plan and twin.selection is pools.selection
+    for name in ("req_to_token_pool", "token_to_kv_pool", "token_to_kv_pool_allocator"):
+        assert getattr(twin, name) is not getattr(pools, name), f"the copy shares the original's {name}"
+    assert twin.draft.req_to_token_pool is twin.req_to_token_pool
+    assert twin.draft.token_to_kv_pool_allocator is twin.token_to_kv_pool_allocator
+    assert twin.token_to_kv_pool_allocator.get_kvcache() is twin.token_to_kv_pool
+    assert not addresses_kept(twin, pools)
 
 
 def test_a_hybrid_target_keeps_states_per_draft_token():

@@ -37,7 +37,7 @@ import attrs
 
 from kvcore.config import EngineConfig
 from kvcore.errors import PlanningError
-from kvcore.layout import PoolLayout, RequestStateSizing
+from kvcore.layout import PoolLayout, RequestStateSizing, shared_by_copies
 from kvcore.planning.unified import UnifiedFigures, unified_figures
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class MemoryBudget:
 @attrs.frozen
 class MemoryPlan:
     """The sizes every pool will get, and how they were derived.  Nothing is allocated."""
+
+    __deepcopy__ = shared_by_copies
 
     backend: str
     layout: PoolLayout

@@ -16,6 +16,7 @@ import attrs
 
 from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.errors import PluginError, SelectionError
+from kvcore.layout import shared_by_copies
 from kvcore.plugins.manager import Registry
 
 
@@ -32,6 +33,8 @@ class Candidate:
 @attrs.frozen
 class Selection:
     """The chosen backend and, for every registered backend, why it was or was not chosen."""
+
+    __deepcopy__ = shared_by_copies
 
     backend: BackendSpec
     request: PoolRequest
