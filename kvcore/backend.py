@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.layout import shared_by_copies
+from kvcore.kernels.addresses import shared_by_copies
 
 ANY = "*"
 

@@ -30,14 +30,9 @@ from types import MappingProxyType
 import attrs
 import torch
 
+from kvcore.kernels.addresses import shared_by_copies
+
 SIZE_GROUPS = ("tokens", "swa_tokens", "requests", "running_requests")
-
-
-def shared_by_copies(record: object, memo: dict) -> object:
-    """``copy.deepcopy`` of a frozen record (a layout, a pool request, a backend spec, a selection, a memory plan):
-    the record itself.  It never changes, and its read-only mappings could not be copied (so ``copy.deepcopy`` of
-    an engine's pools works)."""
-    return record
 
 
 def _as_shape(value) -> tuple[int, ...]:

@@ -5,16 +5,16 @@ copy made attribute by attribute (``copy.deepcopy``, as a transformers cache's p
 pool) gets new tensors but would keep the old addresses: its launches would write the original's memory.  A
 :class:`KeepsAddresses` holder names what a copy starts without (:attr:`~KeepsAddresses.not_copied`: what calls keep
 for the next one, spare outputs, bound launches) and works its addresses out again from its own tensors once its
-state is in place (:meth:`~KeepsAddresses._bind_addresses`, which most holders' ``__init__`` call too).  A copy's tensors keep
-their views of one another (``copy.deepcopy`` copies each storage once), and page-locked host tensors are locked again
-(:func:`page_locked`).  Launchers and plans hold compiled kernels, no buffer: a copy shares them
-(:class:`~kvcore.kernels.launch.Launcher`)."""
+state is in place (:meth:`~KeepsAddresses._bind_addresses`, which most holders' ``__init__`` call too).  A copy's
+tensors keep their views of one another (``copy.deepcopy`` copies each storage once), and page-locked host tensors
+are locked again (:func:`page_locked`).  What holds no buffer (launchers, plans, the frozen planning records) a copy
+shares (:func:`shared_by_copies`)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["KeepsAddresses", "page_locked"]
+__all__ = ["KeepsAddresses", "page_locked", "shared_by_copies"]
 
 
 class KeepsAddresses:
@@ -46,3 +46,11 @@ def page_locked(tensor: torch.Tensor, locked: bool) -> torch.Tensor:
     """``tensor``, page-locked when ``locked`` (a copy of a page-locked host tensor is not, and device launches that
     write it asynchronously, or read it, need it to be)."""
     return tensor.pin_memory() if locked and not tensor.is_pinned() else tensor
+
+
+def shared_by_copies(obj: object, memo: dict) -> object:
+    """``copy.deepcopy`` of an object a copy shares, as its ``__deepcopy__``: the object itself.  For what holds no
+    buffer and is never changed by a copy's use: kernels' argument lists, launchers and plans (compiled kernels, call
+    signatures), and the frozen planning records (a layout, a pool request, a backend spec, a selection, a memory
+    plan, whose read-only mappings could not be copied anyway)."""
+    return obj

@@ -87,6 +87,7 @@ from typing import Any
 import torch
 import triton
 
+from kvcore.kernels.addresses import shared_by_copies
 from kvcore.kernels.kernel_mode import triton_interpreting
 
 __all__ = [
@@ -186,13 +187,6 @@ def bindings() -> tuple[KernelArgs, ...]:
     return tuple(_BINDINGS)
 
 
-def _shared_by_copies(obj: Any, memo: dict) -> Any:
-    """``copy.deepcopy`` of an argument list, a launcher or a plan: the object itself.  They keep kernels, compiled
-    specializations and call signatures, never a buffer, so a copy of a kernel holder shares them
-    (:mod:`kvcore.kernels.addresses`)."""
-    return obj
-
-
 class KernelArgs:
     """The argument list of one ``@triton.jit`` kernel as its call sites build it: declared once by name, beside
     the kernel, and checked against the kernel's signature when made (see the module docstring).
@@ -217,7 +211,7 @@ class KernelArgs:
     __slots__ = ("kernel", "name", "runtime", "constexpr_names", "pointers", "pointer_positions", "runtime_count",
                  "count", "constexprs", "runtime_args")  # fmt: skip
 
-    __deepcopy__ = _shared_by_copies
+    __deepcopy__ = shared_by_copies
 
     def __init__(self, kernel, runtime: str | Sequence[str], constexprs: str | Sequence[str] = (),
                  pointers: str | Sequence[str] | None = None, *, register: bool = True):  # fmt: skip
@@ -404,7 +398,7 @@ class Launcher:
     __slots__ = ("kernel", "args", "direct", "check", "_stream", "_device_index", "_compiled", "_pointer_pos",
                  "_runtime", "_count")  # fmt: skip
 
-    __deepcopy__ = _shared_by_copies
+    __deepcopy__ = shared_by_copies
 
     def __init__(self, kernel: KernelArgs | Any, device: torch.device | str, pointers: Sequence[str] = ()):
         if isinstance(kernel, KernelArgs):
@@ -519,7 +513,7 @@ class Plan:
     __slots__ = ("launcher", "key", "block_n", "grid_y", "grid_z", "warps", "fixed", "views", "constexprs", "entry",
                  "suffix", "raw_stream", "device_index", "_full_key")  # fmt: skip
 
-    __deepcopy__ = _shared_by_copies
+    __deepcopy__ = shared_by_copies
 
     def __init__(self, launcher: Launcher, key: Any, block_n: int, grid_yz: tuple[int, int], warps: int,
                  fixed: Any = None, views: Callable[..., Sequence[torch.Tensor]] | None = None,

@@ -37,7 +37,8 @@ import attrs
 
 from kvcore.config import EngineConfig
 from kvcore.errors import PlanningError
-from kvcore.layout import PoolLayout, RequestStateSizing, shared_by_copies
+from kvcore.kernels.addresses import shared_by_copies
+from kvcore.layout import PoolLayout, RequestStateSizing
 from kvcore.planning.unified import UnifiedFigures, unified_figures
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import attrs
 
 from kvcore.backend import BackendSpec, PoolRequest
 from kvcore.errors import PluginError, SelectionError
-from kvcore.layout import shared_by_copies
+from kvcore.kernels.addresses import shared_by_copies
 from kvcore.plugins.manager import Registry
 
 

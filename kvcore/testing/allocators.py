@@ -423,7 +423,6 @@ class AllocatorConformance:
             deadline=None, suppress_health_check=list(HealthCheck),
         ))  # fmt: skip
 
-
     def test_a_deep_copy_allocates_apart(self, allocator_factory):
         """``copy.deepcopy`` of an allocator (and its pool: a cache copied to reuse a prompt) keeps free lists of its
         own: it hands out what the original hands out next, and what either takes or gives back the other does not
