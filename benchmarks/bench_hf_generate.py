@@ -53,9 +53,7 @@ not checked): the most any cache could gain over DynamicCache in a step by its u
 bounds split a cache's cost inside a step into its work and what it hands attention: ``nulldyn`` and ``nullkv`` hand
 attention ``null``'s outputs but do DynamicCache's or kvcore's whole update on a second cache first (its outputs
 dropped), and ``kvnolaunch`` is kvcore's cache whose store-and-gather launches are no-ops once planned
-(``probe_hf_parts.NoLaunchPagedKVCache``: its Python without its launches).  Two trials split kvcore from ``null``
-further (``probe_fresh_views``): ``kvfresh`` hands attention two new views of its reused outputs in the later layers,
-``kvwarm`` makes the same views and drops them.
+(``probe_hf_parts.NoLaunchPagedKVCache``: its Python without its launches).
 
     python benchmarks/bench_hf_generate.py                    # on the GPU; results also in $OUT/hf_generate.json
     python benchmarks/bench_hf_generate.py --device cpu --small   # a quick smoke run on the CPU
@@ -408,7 +406,6 @@ def main() -> None:
     parser.add_argument("--prompts", default=None, help="prompt lengths (100,4000; --small: 20,200)")
     parser.add_argument("--caches", default="dynamic,kvcore,contig", help="caches timed (dynamic always is): "
                         "dynamic, dynamic_b, kvcore, contig, dynamic2, kvcore2, kvplain, contigcopy, kvbare, kvresident; "
-                        "trials: kvfresh, kvwarm; "
                         "bounds: null, nulldyn, nullkv, kvnolaunch")
     parser.add_argument("--lockstep", type=int, default=None, help="lockstep runs per case (2; --small: 1; 0: none)")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core (less host noise between rounds)")
@@ -523,11 +520,6 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
 
         return paged(cls=NoLaunchPagedKVCache)
 
-    def views(warm: bool):
-        from probe_fresh_views import FreshViewsPagedKVCache, WarmViewsPagedKVCache
-
-        return paged(cls=WarmViewsPagedKVCache if warm else FreshViewsPagedKVCache)
-
     def shadowed_paged():
         cache = paged(cls=ShadowedPagedKVCache)
         cache.shadow = paged()
@@ -540,8 +532,7 @@ def run_case(model, args, device, dtype, batch, prompt, new, rounds, steps, voca
               "kvbare": lambda: paged(cls=BarePagedKVCache), "kvresident": lambda: paged(resident_rows=True),
               "null": lambda: Cache(layers=null_layers()), "kvnolaunch": no_launch,
               "nulldyn": lambda: ShadowedNullCache(null_layers(), dynamic()),
-              "nullkv": lambda: ShadowedNullCache(null_layers(), paged()),
-              "kvfresh": lambda: views(False), "kvwarm": lambda: views(True)}  # fmt: skip
+              "nullkv": lambda: ShadowedNullCache(null_layers(), paged())}  # fmt: skip
     makers = {name: makers[name] for name in caches}
 
     # 1. logit identity: a prefill and two decode steps
