@@ -7,9 +7,10 @@ kvcore's ``PagedKVCache`` (``kvbare``: its bound with no per-layer check; ``kvre
 on the Triton path with every
 store-and-gather launch replaced by a recorder once planned (so that it runs on the CPU: the launch's own host work
 is not in these numbers, its arguments are), and DynamicCache, for scale (its ``torch.cat`` copies a few KB here).
-A Llama of 8 layers, hidden 512, batch 1, prompt 100, bf16.  Median µs of ``--calls`` calls, best of 3 rounds, of
-a later layer's update (layer 3) and of a decode step's first layer's, after: nothing (``none``), one decoder layer's
-forward (``layer``), a sum over 2^18 Python ints (``evict``).
+A Llama of 8 layers, hidden 512, batch 1, prompt 100, bf16.  Median µs over ``--calls`` whole decode steps (the rows
+a token longer each, pages of 16 taken as they fill), best of 3 rounds, of a later layer's update (layers 1-7) and of
+a decode step's first layer's, each after: nothing (``none``), one decoder layer's forward (``layer``), a sum over
+2^18 Python ints (``evict``).
 
     python benchmarks/probe_cold_update.py [--calls 400] [--before none,layer,evict]
 """
@@ -90,31 +91,27 @@ def main() -> None:
               "evict": lambda: sum(objects)}  # fmt: skip
     clock = time.perf_counter_ns
 
-    def timed(cache, layer_idx: int, pred) -> float:
-        if layer_idx and not isinstance(cache, DynamicCache):  # a step at PROMPT + 1 begun: its later layers to time
-            for layer in cache.layers:
-                layer.seq_len = PROMPT
-            cache.update(*step_kv, 0)
-        times = []
-        for i in range(args.calls):
-            if isinstance(cache, DynamicCache):  # (the layer's keys back to the prompt's: a cat of as many each call)
-                cache.layers[layer_idx].keys, cache.layers[layer_idx].values = prompt_kv
-            else:  # the layer(s) not stored yet at this length (a first layer: lengths alternate, one page held)
-                for layer in cache.layers if layer_idx == 0 else (cache.layers[layer_idx],):
-                    layer.seq_len = PROMPT + (i & 1 if layer_idx == 0 else 0)
-            pred()
-            start = clock()
-            cache.update(*step_kv, layer_idx)
-            times.append((clock() - start) / 1e3)
-        return statistics.median(times)
+    def timed(cache, pred) -> tuple[float, float]:
+        """Median µs of a later layer's update and of a first layer's, over ``--calls`` whole decode steps."""
+        extra = cache.get_seq_length() - PROMPT
+        if extra:  # (the rows back to the prompt: a kvcore cache then starts its next step the full way)
+            cache.crop(-extra)
+        later, first = [], []
+        for _ in range(args.calls):
+            for layer in range(LAYERS):
+                pred()
+                start = clock()
+                cache.update(*step_kv, layer)
+                (later if layer else first).append((clock() - start) / 1e3)
+        return statistics.median(later), statistics.median(first)
 
-    print(f"CPU host µs of one update right after its predecessor (median of {args.calls}, best of 3 rounds); "
-          f"Llama {LAYERS} x 512, batch 1, prompt {PROMPT}, launches recorded")  # fmt: skip
+    print(f"CPU host µs of one update right after its predecessor (median over {args.calls} decode steps, best of 3 "
+          f"rounds); Llama {LAYERS} x 512, batch 1, prompt {PROMPT}, launches recorded")  # fmt: skip
     print(f"{'before':<8}" + "".join(f"{name + ' ' + which:>18}" for name in caches for which in ("later", "first")))
     with torch.no_grad():
         for name in args.before.split(","):
-            row = [min(timed(cache, layer, before[name]) for _ in range(3)) for cache in caches.values()
-                   for layer in (3, 0)]  # fmt: skip
+            rounds = [[timed(cache, before[name]) for _ in range(3)] for cache in caches.values()]
+            row = [min(times[which] for times in cache_rounds) for cache_rounds in rounds for which in (0, 1)]
             print(f"{name:<8}" + "".join(f"{us:18.2f}" for us in row), flush=True)
 
 

@@ -426,6 +426,115 @@ def test_a_repeat_that_follows_the_layers_serves_as_a_cache_s_update(resident):
     assert repeat(*new, 2) != "otherwise" and lengths == [22, 22, 22] and len(launched) == 2
 
 
+@pytest.mark.parametrize("bound", ["reach", "width", "room"])
+def test_a_repeat_with_a_reach_takes_the_next_forwards_first_layer(bound):
+    """``follow_layers(lengths, otherwise, reach)``: a repeat of a launch read to a length also takes the next
+    forward's first layer (layer 0, once every layer holds the launch's length), with the arguments the full path
+    passes at one token more, into the same outputs resized, and from then on repeats the launch at that length; it
+    declines layer 0 while the last layer has not stored the length, while the outputs are held, and past the first
+    of ``reach()``, the locations' width and the outputs' room.  The direct launch replaced by a recorder; a gather
+    that follows nothing, over the same rows, gives the full path's arguments."""
+    layers, rows, heads, dk, dv, batch = 3, 400, 2, 16, 8, 2
+    k = random_rows((layers, rows, heads, dk), torch.bfloat16, 90)
+    v = random_rows((layers, rows, heads, dv), torch.bfloat16, 91)
+    # (the prompt's outputs, 20 tokens a row, are made with room for 36: a sixteenth more, at least 16)
+    width, reach, limit = {"reach": (60, 27, 27), "width": (30, 100, 30), "room": (60, 100, 36)}[bound]
+    table = distinct_locations(batch, width, rows, 92)
+    lengths, declined = [0] * layers, []
+    followed = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
+    followed.follow_layers(lengths, lambda k_new, v_new, layer: declined.append((layer, lengths[layer])), lambda: reach)
+    plain = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
+
+    def new_of(end, layer, q=1):
+        return (new_rows(batch, heads, q, dk, torch.bfloat16, 10 * end + layer),
+                new_rows(batch, heads, q, dv, torch.bfloat16, 10 * end + layer + 5, True))  # fmt: skip
+
+    for gather in (followed, plain):  # a prompt and a decode step: their plans made
+        for layer in range(layers):
+            gather.store_and_gather(layer, table, *new_of(20, layer, 20), 20)
+            gather.store_and_gather(layer, table, *new_of(21, layer), 21)
+    launched = []
+    for gather in (followed, plain):  # (stream 0: what the outputs note of the CPU's)
+        for plan in gather._store_plans.values():
+            plan.entry, plan.raw_stream = (lambda *a: launched.append(a), ("HEAD",)), lambda index: 0
+    at = 3 + 1 + 1 + 2  # the grid, the stream, the head, the layer's K and V addresses: then the outputs'
+
+    def args_of(out):
+        """The last launch's arguments, the outputs' addresses as names."""
+        args = list(launched.pop())
+        assert args[at : at + 2] == [out[0].data_ptr(), out[1].data_ptr()] and not launched
+        args[at : at + 2] = ["k_out", "v_out"]
+        return args
+
+    lengths[:] = [21] * layers
+    out = followed.store_and_gather(0, table, *new_of(22, 0), 22)  # a decode step's first layer, the full way
+    lengths[0] = 22
+    del out
+    launched.clear()
+    repeat = followed.repeat
+    assert repeat is not None
+    for end in range(22, limit + 1):
+        for layer in range(layers) if end > 22 else (1, 2):
+            new = new_of(end, layer)
+            out = repeat(*new, layer)
+            assert out is not None and not declined, (end, layer)
+            assert out[0].shape == (batch, heads, end, dk) and out[1].shape == (batch, heads, end, dv)
+            assert lengths[layer] == end
+            got = args_of(out)
+            if layer == 0:
+                assert repeat(*new_of(end + 1, 0), 0) is None and declined == [(0, end)], "the last layer is behind"
+                declined.clear()
+            del out
+            want = plain.store_and_gather(layer, table, *new, end)
+            assert got == args_of(want), f"the full path's launch at length {end}, layer {layer}"
+            del want
+        if end == 24:  # the last layer's keys kept: the next first layer is not launched into them
+            kept = followed._spare[0]
+            assert repeat(*new_of(end + 1, 0), 0) is None and declined == [(0, end)] and not launched
+            declined.clear()
+            del kept
+    assert repeat(*new_of(limit + 1, 0), 0) is None, f"past the {bound}"
+    assert declined == [(0, limit)] and lengths == [limit] * layers and not launched
+
+
+def test_decode_steps_through_the_repeat_match_a_store_then_a_gather():
+    """A cache's decode on one gather: every layer goes to the repeat when there is one (``gather.repeat``), else
+    the full way; the keys and values returned and the rows stored equal the torch reference's, bit for bit, step
+    after step.  Compiled, the repeat takes every later layer and every first layer but those past what a repeat may
+    take (the reach, the outputs' room: the first decode step, and then the full way's); interpreted, nothing is
+    launched directly, so nothing repeats."""
+    layers, rows, heads, dk, dv, batch, reach = 2, 500, 2, 16, 8, 2, 48
+    k = random_rows((layers, rows, heads, dk), torch.bfloat16, 93)
+    v = random_rows((layers, rows, heads, dv), torch.bfloat16, 94)
+    k_ref, v_ref = k.clone(), v.clone()
+    gather = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
+    table = distinct_locations(batch, 80, rows, 95)
+    lengths, own_way = [0] * layers, []
+
+    def otherwise(k_new, v_new, layer):
+        end = lengths[layer] = lengths[layer] + k_new.shape[2]
+        own_way.append((layer, end))
+        return gather.store_and_gather(layer, table, k_new, v_new, end)
+
+    gather.follow_layers(lengths, otherwise, lambda: reach)
+    ends = range(20, 60)
+    for end in ends:  # a prompt of 20 tokens, then a token a step
+        q = 20 if end == 20 else 1
+        for layer in range(layers):
+            k_new = new_rows(batch, heads, q, dk, torch.bfloat16, 7 * end + layer)
+            v_new = new_rows(batch, heads, q, dv, torch.bfloat16, 7 * end + layer + 3, transposed=True)
+            got = (gather.repeat or otherwise)(k_new, v_new, layer)
+            want = store_and_gather_native(k_ref[layer], v_ref[layer], table[:, :end], k_new, v_new, torch.bfloat16)
+            assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), (end, layer)
+            assert same_bits(k, k_ref) and same_bits(v, v_ref), (end, layer)
+            assert lengths[layer] == end
+            del got  # (what attention does before the next layer: the outputs may be written again)
+    if DEVICE == "cuda":  # the prompt's first layer, the first decode step's, the outputs outgrown, past the reach
+        assert own_way == [(0, end) for end in (20, 21, 37, *range(reach + 1, ends[-1] + 1))]
+    else:
+        assert own_way == [(layer, end) for end in ends for layer in range(layers)]
+
+
 @pytest.mark.parametrize("use_triton", [False, True])
 def test_store_and_gather_refuses_a_length_outside_the_locations(use_triton):
     """``length`` counts a row's first tokens: more than the locations hold, a negative count or a non-int is

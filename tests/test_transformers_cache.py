@@ -39,7 +39,7 @@ from transformers.models.llama.modeling_llama import LlamaModel
 import kvcore
 from kvcore.errors import ConfigError
 from kvcore.integrations.transformers import KVCacheFullError, PagedKVCache, config_overrides
-from kvcore.testing.tensors import addresses_kept
+from kvcore.testing.tensors import addresses_kept, compiled
 
 #: generate's keyword for a cache object: ``cache`` since transformers renamed ``past_key_values``.
 CACHE_KW = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
@@ -781,7 +781,7 @@ def test_a_forwards_later_layers_go_straight_to_the_first_layers_repeat(monkeypa
     repeated = []
 
     def repeat_for(gather, locs, length):
-        lengths, otherwise = gather._follow
+        lengths, otherwise, _ = gather._follow
 
         def repeat(k_new, v_new, layer, *extra, **options):
             if lengths[layer] != length - k_new.shape[2]:
@@ -817,6 +817,35 @@ def test_a_forwards_later_layers_go_straight_to_the_first_layers_repeat(monkeypa
     assert cache._repeat is None and "update" not in vars(cache)
     cache.free_all()
     assert cache._repeat is None and "update" not in vars(cache)
+
+
+@pytest.mark.skipif(not compiled(), reason="a repeat repeats a direct launch, made compiled only: the compiled suite "
+                    "runs it on the GPU")  # fmt: skip
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_steps_within_held_pages_go_to_the_repeat_from_their_first_layer(monkeypatch, page_size):
+    """Compiled, a decode step whose rows stay within the pages they hold and within the outputs kept for reuse goes
+    to the head gather's repeat from its first layer on.  The cache's own way takes the prompt's layers, the first
+    decode step's first layer, and the first layer of a step that takes a page (every step at ``page_size=1``) or
+    outgrows the outputs (made with room for a sixteenth more tokens a row, at least 16); the logits are
+    DynamicCache's."""
+    model, ids, mask, device = on_test_device(torch.bfloat16)
+    new = 60
+    ref = generate(model, DynamicCache(config=model.config), new, ids, mask)
+    cache = paged(model, page_size=page_size, kernels="triton", device=device)
+    own_way = []
+    update = cache._update
+    monkeypatch.setattr(cache, "_update", lambda layer, k, v: own_way.append(
+        (layer.layer_id, layer.seq_len + k.shape[-2])) or update(layer, k, v))  # fmt: skip
+    out = generate(model, cache, new, ids, mask)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    layers, width = model.config.num_hidden_layers, ids.shape[1]
+    expected, room = [], width + max(16, width // 16)
+    for end in range(width + 1, width + new):  # each decode step's length
+        if end == width + 1 or (end - 1) % page_size == 0 or end > room:
+            expected.append(end)
+            room = room if end <= room else end + max(16, end // 16)
+    assert own_way == [(layer, width) for layer in range(layers)] + [(0, end) for end in expected]
+    assert len(expected) < new - 1 if page_size > 1 else len(expected) == new - 1
 
 
 @pytest.mark.parametrize("resident_rows", [False, True], ids=["gathered", "resident_rows"])

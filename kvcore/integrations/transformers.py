@@ -559,9 +559,15 @@ class PagedKVCache(Cache):
             else:
                 gather = HeadGather(k_layers, v_layers, dtype, self.k_scale, self.v_scale,
                                     use_triton=self._triton_gather, reuse_outputs=True)  # fmt: skip
-            gather.follow_layers(self._lengths, self._update_layer)  # its repeats serve as the later layers' update
+            # its repeats serve as the later layers' update, and as the next decode steps' first within the rows' pages
+            gather.follow_layers(self._lengths, self._update_layer, self._reach)
             self._gathers[dtype] = gather
         return gather
+
+    def _reach(self) -> int:
+        """Tokens every row may hold with no allocation first: the positions its pages cover, at most the request
+        table's width (what a repeat reads when it is made; every change of these drops the repeat first)."""
+        return min(self._allocated, self.req_to_token_pool.max_context_len)
 
     def _forget_resident_rows(self) -> None:
         """Drop the layers' resident rows (``resident_rows``): the pool's rows changed other than through them."""

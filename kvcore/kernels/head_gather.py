@@ -222,8 +222,8 @@ class HeadGather(KeepsAddresses):
         #: None, or ``repeat(k_new, v_new, layer)``: the last direct launch again for another layer and its new rows
         #: (the same locations and length), or None when it may not (see :meth:`_repeater`, :meth:`repeat_for`)
         self.repeat = None
-        #: what the repeats made from now on follow: ``(lengths, otherwise)`` (see :meth:`follow_layers`)
-        self._follow: tuple = (None, _declined)
+        #: what the repeats made from now on follow: ``(lengths, otherwise, reach)`` (see :meth:`follow_layers`)
+        self._follow: tuple = (None, _declined, None)
         if not use_triton:
             return
         self._block_t, self._constexprs = _constexprs(k0, v0, page, out_dtype, k_scale, v_scale)
@@ -410,25 +410,37 @@ class HeadGather(KeepsAddresses):
         forward's first layer makes one for the others: whether a profiler's launch hook is installed (launches then
         go through Triton's dispatcher, which calls it) is asked by that launch, once a forward, not by every repeat.
 
+        Followed layers (:meth:`follow_layers`) with a ``reach``, and a launch of whole rows of locations read to a
+        length: the repeat also takes the next forward's first layer (layer 0, with every layer at the length
+        ``last`` stored and the same new rows' layout) while the rows stay within the reach read here, the launch's
+        locations and the spare pair's room.  It resizes the pair in place to the new length and from then on repeats
+        the launch at that length: a decode's steps within the rows' reach are one Python call a layer, the first
+        included (:meth:`store_and_gather` of that length gives the same launch).
+
         Everything the checks compare is bound once here, in a closure, and the new rows' layout is compared in one
         call (the launch's guard): a call touches little that a decode step's other work may have pushed out of the
-        CPU's caches (it is made for every layer but the first)."""
+        CPU's caches."""
         spare = self._spare
-        (locs, _, lp, _, _, _, out_shape, k_shape, rows_ok, aligned, align, run, grid, raw_stream, index, head, tail,
-         _) = last  # fmt: skip
+        (locs, length, lp, lshape, lstride, _, out_shape, k_shape, rows_ok, aligned, align, run, grid, raw_stream,
+         index, head, tail, plan) = last  # fmt: skip
         if not self._reuse or spare is None or spare[2] != out_shape or spare[3] != stream:
             return None
         gx, gy, gz = grid
-        _, _, _, _, _, k_at, v_at, k_free, v_free, refs, ko, vo, _ = spare
+        _, _, _, _, _, k_at, v_at, k_free, v_free, refs, ko, vo, room = spare
         new_align = align >> 8  # the new rows' part of the launch's alignment
         gather, addresses = self, self._addresses_aligned[aligned]
         count, uses = sys.getrefcount, _STORAGE_USES
-        lengths, otherwise = self._follow
-        end = out_shape[1]
-        before = end - k_shape[2]
+        lengths, otherwise, reach = self._follow
+        batch, end = out_shape
+        q = k_shape[2]
+        before = end - q
+        # how far a forward's first layer may take the rows (0: no further than this launch)
+        limit = min(reach(), lshape[1], room // batch) if reach is not None and length is not None else 0
+        last_layer = len(self._addresses) - 1
 
         def repeat(k_new: torch.Tensor, v_new: torch.Tensor, layer: int, *extra, **options):
-            if lengths is None or lengths[layer] == before:
+            nonlocal spare, end, before, gx, tail
+            if lengths is None or lengths[layer] == before:  # a later layer of this forward
                 at = addresses[layer]
                 k_out, v_out = spare[0], spare[1]  # (locals, as _outputs counts its references)
                 if (at is not None and gather._spare is spare and count(k_out) == refs and count(v_out) == refs
@@ -441,19 +453,43 @@ class HeadGather(KeepsAddresses):
                         if lengths is not None:
                             lengths[layer] = end
                         return k_out, v_out
+            elif not layer and end + q <= limit and lengths[0] == end and lengths[last_layer] == end:  # a next forward
+                at = addresses[0]
+                k_out, v_out = spare[0], spare[1]
+                if (at is not None and gather._spare is spare and count(k_out) == refs and count(v_out) == refs
+                        and uses(k_at) == k_free and uses(v_at) == v_free and rows_ok(k_new, v_new)
+                        and locs.data_ptr() == lp):  # fmt: skip
+                    on = raw_stream(index)
+                    knp, vnp = k_new.data_ptr(), v_new.data_ptr()
+                    if (on == stream and (knp & 15) | (vnp & 15) << 4 == new_align
+                            and gather._resized(k_out, v_out, batch, end + q)):  # fmt: skip
+                        before, end = end, end + q
+                        grid, tail = _store_geometry(plan, batch, end, q, lstride[0])
+                        gx = grid[0]
+                        spare = gather._spare = (k_out, v_out, (batch, end), *spare[3:])
+                        run(gx, gy, gz, on, *head, at[0], at[1], ko, vo, lp, knp, vnp, *tail)
+                        lengths[0] = end
+                        return k_out, v_out
             return otherwise(k_new, v_new, layer)
 
         return repeat
 
-    def follow_layers(self, lengths: list[int], otherwise) -> None:
+    def follow_layers(self, lengths: list[int], otherwise, reach=None) -> None:
         """Make the repeats made from now on (:attr:`repeat`) a caller's per-layer update, called as transformers
         calls ``Cache.update``: ``repeat(key_states, value_states, layer_idx, *extra)`` (``extra`` ignored).  A repeat
         of a launch of rows of ``seq`` tokens, ``q`` of them new, then launches for layer ``layer`` only when
         ``lengths[layer] == seq - q`` (the layer holds the tokens before the new ones, and not yet these) and sets it
         to ``seq``; a call it declines it hands to ``otherwise(k_new, v_new, layer)`` and returns what that returns
-        (instead of None).  ``lengths`` is the caller's list, read and written in place.  A cache can then serve a
-        forward's later layers with the repeat itself, in one Python call a layer."""
-        self._follow = (lengths, otherwise)
+        (instead of None).  ``lengths`` is the caller's list (one entry a layer), read and written in place.  A cache
+        can then serve a forward's later layers with the repeat itself, in one Python call a layer.
+
+        :param reach: None, or ``reach()``: how many tokens a row of the locations may hold with nothing for the caller
+            to do first (their locations written, the rows not edited), read once when a repeat is made.  A repeat of a
+            launch read to a length (``store_and_gather``'s ``length``) then also takes the next forward's first layer
+            (layer 0, ``q`` more new tokens, every layer holding ``seq``), as long as the rows stay within it (see
+            :meth:`_repeater`): the caller must drop the repeat before anything that moves the reach (a new batch,
+            a crop, rows taking more locations)."""
+        self._follow = (lengths, otherwise, reach)
 
     def repeat_for(self, locs: torch.Tensor, length: int | None):
         """:attr:`repeat` when it repeats a launch of these locations (the same tensor) and length, else None: what a

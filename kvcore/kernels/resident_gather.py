@@ -101,7 +101,7 @@ class _Bound:
         valid, gather, first = rows.valid, self.gather, first_block * plan.block_n
         valid[layer] = seq
         k_views, v_views = rows.all_views(seq)
-        lengths, otherwise = gather._follow
+        lengths, otherwise, _ = gather._follow
         before = seq - q
 
         def repeat(k_new: torch.Tensor, v_new: torch.Tensor, layer: int, *extra, **options):
