@@ -331,7 +331,9 @@ class PagedKVCache(Cache):
         for the later layers, as this cache's ``update`` (an instance attribute over this method, unless a subclass
         overrides it or an ``update`` was set on the cache, a wrapper, which then reaches it through this method):
         one Python call a layer, which launches for a layer not stored yet at this length and hands anything else to
-        this method's work (:meth:`_update_layer`); the next first layer, and every edit of the rows, drop it."""
+        this method's work (:meth:`_update_layer`).  It also takes the next decode steps' first layer while every
+        row's new tokens fall in pages it holds (:meth:`_reach`) and the kept outputs have room for them: such a step
+        is one call a layer, the first included.  A first layer it declines, and every edit of the rows, drop it."""
         repeat = self._repeat
         if repeat is not None:  # (this method still runs it when a subclass's update calls it)
             return repeat(key_states, value_states, layer_idx)

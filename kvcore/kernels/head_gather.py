@@ -441,35 +441,29 @@ class HeadGather(KeepsAddresses):
         def repeat(k_new: torch.Tensor, v_new: torch.Tensor, layer: int, *extra, **options):
             nonlocal spare, end, before, gx, tail
             if lengths is None or lengths[layer] == before:  # a later layer of this forward
-                at = addresses[layer]
-                k_out, v_out = spare[0], spare[1]  # (locals, as _outputs counts its references)
-                if (at is not None and gather._spare is spare and count(k_out) == refs and count(v_out) == refs
-                        and uses(k_at) == k_free and uses(v_at) == v_free and rows_ok(k_new, v_new)
-                        and locs.data_ptr() == lp):  # fmt: skip
-                    on = raw_stream(index)
-                    knp, vnp = k_new.data_ptr(), v_new.data_ptr()
-                    if on == stream and (knp & 15) | (vnp & 15) << 4 == new_align:
-                        run(gx, gy, gz, on, *head, at[0], at[1], ko, vo, lp, knp, vnp, *tail)
-                        if lengths is not None:
-                            lengths[layer] = end
-                        return k_out, v_out
-            elif not layer and end + q <= limit and lengths[0] == end and lengths[last_layer] == end:  # a next forward
-                at = addresses[0]
-                k_out, v_out = spare[0], spare[1]
-                if (at is not None and gather._spare is spare and count(k_out) == refs and count(v_out) == refs
-                        and uses(k_at) == k_free and uses(v_at) == v_free and rows_ok(k_new, v_new)
-                        and locs.data_ptr() == lp):  # fmt: skip
-                    on = raw_stream(index)
-                    knp, vnp = k_new.data_ptr(), v_new.data_ptr()
-                    if (on == stream and (knp & 15) | (vnp & 15) << 4 == new_align
-                            and gather._resized(k_out, v_out, batch, end + q)):  # fmt: skip
+                grows = False
+            elif not layer and end + q <= limit and lengths[0] == end and lengths[last_layer] == end:
+                grows = True  # the next forward's first layer
+            else:
+                return otherwise(k_new, v_new, layer)
+            at = addresses[layer]
+            k_out, v_out = spare[0], spare[1]  # (locals, as _outputs counts its references)
+            if (at is not None and gather._spare is spare and count(k_out) == refs and count(v_out) == refs
+                    and uses(k_at) == k_free and uses(v_at) == v_free and rows_ok(k_new, v_new)
+                    and locs.data_ptr() == lp):  # fmt: skip
+                on = raw_stream(index)
+                knp, vnp = k_new.data_ptr(), v_new.data_ptr()
+                if on == stream and (knp & 15) | (vnp & 15) << 4 == new_align:
+                    if grows:  # the outputs resized in place, the launch at the new length from now on
+                        if not gather._resized(k_out, v_out, batch, end + q):
+                            return otherwise(k_new, v_new, layer)
                         before, end = end, end + q
-                        grid, tail = _store_geometry(plan, batch, end, q, lstride[0])
-                        gx = grid[0]
+                        (gx, _, _), tail = _store_geometry(plan, batch, end, q, lstride[0])
                         spare = gather._spare = (k_out, v_out, (batch, end), *spare[3:])
-                        run(gx, gy, gz, on, *head, at[0], at[1], ko, vo, lp, knp, vnp, *tail)
-                        lengths[0] = end
-                        return k_out, v_out
+                    run(gx, gy, gz, on, *head, at[0], at[1], ko, vo, lp, knp, vnp, *tail)
+                    if lengths is not None:
+                        lengths[layer] = end
+                    return k_out, v_out
             return otherwise(k_new, v_new, layer)
 
         return repeat
