@@ -457,6 +457,7 @@ def test_a_repeat_with_a_reach_takes_the_next_forwards_first_layer(bound):
     for gather in (followed, plain):  # (stream 0: what the outputs note of the CPU's)
         for plan in gather._store_plans.values():
             plan.entry, plan.raw_stream = (lambda *a: launched.append(a), ("HEAD",)), lambda index: 0
+        gather._last_launch = gather.repeat = None  # (compiled, the plans' direct launches: the next from the plan)
     at = 3 + 1 + 1 + 2  # the grid, the stream, the head, the layer's K and V addresses: then the outputs'
 
     def args_of(out):
