@@ -3,6 +3,8 @@ on random rows of token-major buffers and page-major views, odd sizes, every con
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -151,6 +153,48 @@ def distinct_locations(batch, seq, rows, seed):
     """``[batch, seq]`` distinct locations in ``1 .. rows - 1`` (slot 0 is padding)."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randperm(rows - 1, generator=g)[: batch * seq] + 1).view(batch, seq).to(DEVICE)
+
+
+def tensor_at(address: int, dtype: torch.dtype, shape: tuple, strides: tuple) -> torch.Tensor:
+    """The CPU tensor of ``shape`` / ``strides`` (in elements) whose first element is at ``address`` (no copy)."""
+    import ctypes
+
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+    memory = (ctypes.c_byte * (extent * dtype.itemsize)).from_address(address)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (frombuffer's note that the buffer is not read-only)
+        return torch.frombuffer(memory, dtype=dtype).as_strided(shape, strides)
+
+
+def simulate_direct_store_launches(monkeypatch, gather_of, locs_dtype: torch.dtype) -> None:
+    """On the CPU, make the store-and-gather launches of the gather ``gather_of()`` returns direct, as compiled ones
+    are, so that its repeats are made and run: every store plan's direct launch is this function's stand-in, which
+    finds the tensors behind the launch's addresses (the layer's rows, the locations of ``locs_dtype``, the new rows,
+    the outputs) and does what the kernel does with them, through the torch reference (``store_and_gather_native``)."""
+
+    def launch(gx, gy, gz, stream, head, kp, vp, ko, vo, lp, knp, vnp, seq, old, row_stride, out_len, first_block,
+               *suffix):  # fmt: skip
+        gather = gather_of()
+        layer = [k.data_ptr() for k in gather.k_layers].index(kp)
+        assert gather.v_layers[layer].data_ptr() == vp and first_block == 0 and out_len == seq
+        k_out, v_out = gather._spare[:2]
+        assert (k_out.data_ptr(), v_out.data_ptr()) == (ko, vo) and k_out.shape == (gy, gather.heads, seq, gather.dk)
+        locs = tensor_at(lp, locs_dtype, (gy, seq), (row_stride, 1))
+        k_new = tensor_at(knp, gather.out_dtype, (gy, gather.heads, seq - old, gather.dk), (*suffix[0:3], 1))
+        v_new = tensor_at(vnp, gather.out_dtype, (gy, gather.heads, seq - old, gather.dv), (*suffix[3:6], 1))
+        keys, values = store_and_gather_native(gather.k_layers[layer], gather.v_layers[layer], locs, k_new, v_new,
+                                               gather.out_dtype, gather.k_scale, gather.v_scale)  # fmt: skip
+        k_out.copy_(keys)
+        v_out.copy_(values)
+
+    store_plan = HeadGather._store_plan
+
+    def direct_store_plan(self, *args):
+        plan = store_plan(self, *args)
+        plan.entry, plan.raw_stream = (launch, ("HEAD",)), lambda index: 0
+        return plan
+
+    monkeypatch.setattr(HeadGather, "_store_plan", direct_store_plan)
 
 
 def matches_a_store_then_a_gather(k, v, table, steps, model_dtype, scale, call):
@@ -498,12 +542,12 @@ def test_a_repeat_with_a_reach_takes_the_next_forwards_first_layer(bound):
     assert declined == [(0, limit)] and lengths == [limit] * layers and not launched
 
 
-def test_decode_steps_through_the_repeat_match_a_store_then_a_gather():
+def test_decode_steps_through_the_repeat_match_a_store_then_a_gather(monkeypatch):
     """A cache's decode on one gather: every layer goes to the repeat when there is one (``gather.repeat``), else
     the full way; the keys and values returned and the rows stored equal the torch reference's, bit for bit, step
-    after step.  Compiled, the repeat takes every later layer and every first layer but those past what a repeat may
-    take (the reach, the outputs' room: the first decode step, and then the full way's); interpreted, nothing is
-    launched directly, so nothing repeats."""
+    after step.  The repeat takes every later layer and every first layer but those past what a repeat may take (the
+    reach, the outputs' room: the first decode step, and then the full way's).  Compiled for real; on the CPU with
+    the launches made direct (:func:`simulate_direct_store_launches`)."""
     layers, rows, heads, dk, dv, batch, reach = 2, 500, 2, 16, 8, 2, 48
     k = random_rows((layers, rows, heads, dk), torch.bfloat16, 93)
     v = random_rows((layers, rows, heads, dv), torch.bfloat16, 94)
@@ -518,6 +562,8 @@ def test_decode_steps_through_the_repeat_match_a_store_then_a_gather():
         return gather.store_and_gather(layer, table, k_new, v_new, end)
 
     gather.follow_layers(lengths, otherwise, lambda: reach)
+    if DEVICE != "cuda":
+        simulate_direct_store_launches(monkeypatch, lambda: gather, table.dtype)
     ends = range(20, 60)
     for end in ends:  # a prompt of 20 tokens, then a token a step
         q = 20 if end == 20 else 1
@@ -530,10 +576,8 @@ def test_decode_steps_through_the_repeat_match_a_store_then_a_gather():
             assert same_bits(k, k_ref) and same_bits(v, v_ref), (end, layer)
             assert lengths[layer] == end
             del got  # (what attention does before the next layer: the outputs may be written again)
-    if DEVICE == "cuda":  # the prompt's first layer, the first decode step's, the outputs outgrown, past the reach
-        assert own_way == [(0, end) for end in (20, 21, 37, *range(reach + 1, ends[-1] + 1))]
-    else:
-        assert own_way == [(layer, end) for end in ends for layer in range(layers)]
+    # the prompt's first layer, the first decode step's, the outputs outgrown, past the reach
+    assert own_way == [(0, end) for end in (20, 21, 37, *range(reach + 1, ends[-1] + 1))]
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

@@ -41,6 +41,8 @@ from kvcore.errors import ConfigError
 from kvcore.integrations.transformers import KVCacheFullError, PagedKVCache, config_overrides
 from kvcore.testing.tensors import addresses_kept, compiled
 
+from test_head_gather import simulate_direct_store_launches
+
 #: generate's keyword for a cache object: ``cache`` since transformers renamed ``past_key_values``.
 CACHE_KW = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
@@ -819,50 +821,6 @@ def test_a_forwards_later_layers_go_straight_to_the_first_layers_repeat(monkeypa
     assert cache._repeat is None and "update" not in vars(cache)
 
 
-def _tensor_at(address: int, dtype: torch.dtype, shape: tuple, strides: tuple) -> torch.Tensor:
-    """The CPU tensor of ``shape`` / ``strides`` (in elements) whose first element is at ``address`` (no copy)."""
-    import ctypes
-
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
-    memory = (ctypes.c_byte * (extent * dtype.itemsize)).from_address(address)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # (frombuffer's note that the buffer is not read-only)
-        return torch.frombuffer(memory, dtype=dtype).as_strided(shape, strides)
-
-
-def simulate_direct_store_launches(monkeypatch, cache: PagedKVCache) -> None:
-    """On the CPU, make the cache's store-and-gather launches direct, as compiled ones are, so that its repeats are
-    made and run: every store plan's direct launch is this function's stand-in, which finds the tensors behind the
-    launch's addresses (the layer's rows, the request table's rows, the new rows, the outputs) and does what the
-    kernel does with them, through the torch reference (``store_and_gather_native``)."""
-    from kvcore.kernels.head_gather import HeadGather, store_and_gather_native
-
-    def launch(gx, gy, gz, stream, head, kp, vp, ko, vo, lp, knp, vnp, seq, old, row_stride, out_len, first_block,
-               *suffix):  # fmt: skip
-        (gather,) = cache._gathers.values()
-        layer = [k.data_ptr() for k in gather.k_layers].index(kp)
-        assert gather.v_layers[layer].data_ptr() == vp and first_block == 0 and out_len == seq
-        k_out, v_out = gather._spare[:2]
-        assert (k_out.data_ptr(), v_out.data_ptr()) == (ko, vo) and k_out.shape == (gy, gather.heads, seq, gather.dk)
-        table = cache.req_to_token_pool.req_to_token
-        locs = _tensor_at(lp, table.dtype, (gy, seq), (row_stride, 1))
-        k_new = _tensor_at(knp, gather.out_dtype, (gy, gather.heads, seq - old, gather.dk), (*suffix[0:3], 1))
-        v_new = _tensor_at(vnp, gather.out_dtype, (gy, gather.heads, seq - old, gather.dv), (*suffix[3:6], 1))
-        keys, values = store_and_gather_native(gather.k_layers[layer], gather.v_layers[layer], locs, k_new, v_new,
-                                               gather.out_dtype, gather.k_scale, gather.v_scale)  # fmt: skip
-        k_out.copy_(keys)
-        v_out.copy_(values)
-
-    store_plan = HeadGather._store_plan
-
-    def direct_store_plan(self, *args):
-        plan = store_plan(self, *args)
-        plan.entry, plan.raw_stream = (launch, ("HEAD",)), lambda index: 0
-        return plan
-
-    monkeypatch.setattr(HeadGather, "_store_plan", direct_store_plan)
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_steps_within_held_pages_go_to_the_repeat_from_their_first_layer(monkeypatch, page_size):
     """A decode step whose rows stay within the pages they hold and within the outputs kept for reuse goes to the head
@@ -875,7 +833,8 @@ def test_decode_steps_within_held_pages_go_to_the_repeat_from_their_first_layer(
     ref = generate(model, DynamicCache(config=model.config), new, ids, mask)
     cache = paged(model, page_size=page_size, kernels="triton", device=device)
     if not compiled():
-        simulate_direct_store_launches(monkeypatch, cache)
+        simulate_direct_store_launches(monkeypatch, lambda: cache._gathers[torch.bfloat16],
+                                       cache.req_to_token_pool.req_to_token.dtype)  # fmt: skip
     own_way = []
     update = cache._update
     monkeypatch.setattr(cache, "_update", lambda layer, k, v: own_way.append(
@@ -902,7 +861,8 @@ def test_the_repeat_under_beam_search_and_after_a_crop(monkeypatch):
     ref = generate(model, DynamicCache(config=model.config), 40, ids, mask, **beams)
     cache = paged(model, page_size=16, kernels="triton", device=device, max_batch_size=9)
     if not compiled():
-        simulate_direct_store_launches(monkeypatch, cache)
+        simulate_direct_store_launches(monkeypatch, lambda: cache._gathers[torch.bfloat16],
+                                       cache.req_to_token_pool.req_to_token.dtype)  # fmt: skip
     out = generate(model, cache, 40, ids, mask, **beams)
     assert torch.equal(out.sequences, ref.sequences)
     assert cache._repeat is not None, "the steps went to the repeat"
