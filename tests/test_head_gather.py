@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from kvcore.kernels import launch
 from kvcore.kernels.head_gather import HeadGather, gather_heads_native, gather_heads_triton, store_and_gather_native
 from kvcore.testing.tensors import test_device
 
@@ -166,20 +167,27 @@ def tensor_at(address: int, dtype: torch.dtype, shape: tuple, strides: tuple) ->
         return torch.frombuffer(memory, dtype=dtype).as_strided(shape, strides)
 
 
-def simulate_direct_store_launches(monkeypatch, gather_of, locs_dtype: torch.dtype) -> None:
-    """On the CPU, make the store-and-gather launches of the gather ``gather_of()`` returns direct, as compiled ones
-    are, so that its repeats are made and run: every store plan's direct launch is this function's stand-in, which
-    finds the tensors behind the launch's addresses (the layer's rows, the locations of ``locs_dtype``, the new rows,
-    the outputs) and does what the kernel does with them, through the torch reference (``store_and_gather_native``)."""
+def direct_store_launches(monkeypatch, gather_of, locs_dtype_of) -> None:
+    """Make the store-and-gather launches of the gather ``gather_of()`` returns (made after this call) direct, as an
+    engine's are, so that its repeats are made and run.  Compiled: launch checks off (the compiled suite's
+    ``KVCORE_LAUNCH_CHECK=1`` sends every launch through Triton's dispatcher, which leaves nothing to repeat), for
+    the launchers made from now on; the kernels run for real.  On the CPU: every store plan's direct launch is this
+    function's stand-in, which finds the tensors behind the launch's addresses (the layer's rows, the locations, of
+    dtype ``locs_dtype_of()``, the new rows, the outputs) and does what the kernel does with them, through the torch
+    reference (``store_and_gather_native``)."""
+    if DEVICE == "cuda":
+        monkeypatch.delenv("KVCORE_LAUNCH_CHECK", raising=False)
+        monkeypatch.setattr(launch, "_LAUNCHERS", {})
+        return
 
-    def launch(gx, gy, gz, stream, head, kp, vp, ko, vo, lp, knp, vnp, seq, old, row_stride, out_len, first_block,
-               *suffix):  # fmt: skip
+    def stand_in(gx, gy, gz, stream, head, kp, vp, ko, vo, lp, knp, vnp, seq, old, row_stride, out_len, first_block,
+                 *suffix):  # fmt: skip
         gather = gather_of()
         layer = [k.data_ptr() for k in gather.k_layers].index(kp)
         assert gather.v_layers[layer].data_ptr() == vp and first_block == 0 and out_len == seq
         k_out, v_out = gather._spare[:2]
         assert (k_out.data_ptr(), v_out.data_ptr()) == (ko, vo) and k_out.shape == (gy, gather.heads, seq, gather.dk)
-        locs = tensor_at(lp, locs_dtype, (gy, seq), (row_stride, 1))
+        locs = tensor_at(lp, locs_dtype_of(), (gy, seq), (row_stride, 1))
         k_new = tensor_at(knp, gather.out_dtype, (gy, gather.heads, seq - old, gather.dk), (*suffix[0:3], 1))
         v_new = tensor_at(vnp, gather.out_dtype, (gy, gather.heads, seq - old, gather.dv), (*suffix[3:6], 1))
         keys, values = store_and_gather_native(gather.k_layers[layer], gather.v_layers[layer], locs, k_new, v_new,
@@ -191,7 +199,7 @@ def simulate_direct_store_launches(monkeypatch, gather_of, locs_dtype: torch.dty
 
     def direct_store_plan(self, *args):
         plan = store_plan(self, *args)
-        plan.entry, plan.raw_stream = (launch, ("HEAD",)), lambda index: 0
+        plan.entry, plan.raw_stream = (stand_in, ("HEAD",)), lambda index: 0
         return plan
 
     monkeypatch.setattr(HeadGather, "_store_plan", direct_store_plan)
@@ -546,12 +554,14 @@ def test_decode_steps_through_the_repeat_match_a_store_then_a_gather(monkeypatch
     """A cache's decode on one gather: every layer goes to the repeat when there is one (``gather.repeat``), else
     the full way; the keys and values returned and the rows stored equal the torch reference's, bit for bit, step
     after step.  The repeat takes every later layer and every first layer but those past what a repeat may take (the
-    reach, the outputs' room: the first decode step, and then the full way's).  Compiled for real; on the CPU with
-    the launches made direct (:func:`simulate_direct_store_launches`)."""
+    reach, the outputs' room: the first decode step, and then the full way's), once every launch signature has been
+    launched (an engine past its first steps).  Compiled for real; on the CPU with the launches made direct
+    (:func:`direct_store_launches`)."""
     layers, rows, heads, dk, dv, batch, reach = 2, 500, 2, 16, 8, 2, 48
     k = random_rows((layers, rows, heads, dk), torch.bfloat16, 93)
     v = random_rows((layers, rows, heads, dv), torch.bfloat16, 94)
     k_ref, v_ref = k.clone(), v.clone()
+    direct_store_launches(monkeypatch, lambda: gather, lambda: table.dtype)
     gather = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
     table = distinct_locations(batch, 80, rows, 95)
     lengths, own_way = [0] * layers, []
@@ -562,20 +572,22 @@ def test_decode_steps_through_the_repeat_match_a_store_then_a_gather(monkeypatch
         return gather.store_and_gather(layer, table, k_new, v_new, end)
 
     gather.follow_layers(lengths, otherwise, lambda: reach)
-    if DEVICE != "cuda":
-        simulate_direct_store_launches(monkeypatch, lambda: gather, table.dtype)
     ends = range(20, 60)
-    for end in ends:  # a prompt of 20 tokens, then a token a step
-        q = 20 if end == 20 else 1
-        for layer in range(layers):
-            k_new = new_rows(batch, heads, q, dk, torch.bfloat16, 7 * end + layer)
-            v_new = new_rows(batch, heads, q, dv, torch.bfloat16, 7 * end + layer + 3, transposed=True)
-            got = (gather.repeat or otherwise)(k_new, v_new, layer)
-            want = store_and_gather_native(k_ref[layer], v_ref[layer], table[:, :end], k_new, v_new, torch.bfloat16)
-            assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), (end, layer)
-            assert same_bits(k, k_ref) and same_bits(v, v_ref), (end, layer)
-            assert lengths[layer] == end
-            del got  # (what attention does before the next layer: the outputs may be written again)
+    for _ in range(2):  # (the first time, each launch signature's first launch goes through Triton's dispatcher)
+        gather.release()
+        lengths[:], own_way[:] = [0] * layers, []
+        for end in ends:  # a prompt of 20 tokens, then a token a step
+            q = 20 if end == 20 else 1
+            for layer in range(layers):
+                k_new = new_rows(batch, heads, q, dk, torch.bfloat16, 7 * end + layer)
+                v_new = new_rows(batch, heads, q, dv, torch.bfloat16, 7 * end + layer + 3, transposed=True)
+                got = (gather.repeat or otherwise)(k_new, v_new, layer)
+                want = store_and_gather_native(k_ref[layer], v_ref[layer], table[:, :end], k_new, v_new,
+                                               torch.bfloat16)  # fmt: skip
+                assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), (end, layer)
+                assert same_bits(k, k_ref) and same_bits(v, v_ref), (end, layer)
+                assert lengths[layer] == end
+                del got  # (what attention does before the next layer: the outputs may be written again)
     # the prompt's first layer, the first decode step's, the outputs outgrown, past the reach
     assert own_way == [(0, end) for end in (20, 21, 37, *range(reach + 1, ends[-1] + 1))]
 

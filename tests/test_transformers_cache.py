@@ -39,9 +39,9 @@ from transformers.models.llama.modeling_llama import LlamaModel
 import kvcore
 from kvcore.errors import ConfigError
 from kvcore.integrations.transformers import KVCacheFullError, PagedKVCache, config_overrides
-from kvcore.testing.tensors import addresses_kept, compiled
+from kvcore.testing.tensors import addresses_kept
 
-from test_head_gather import simulate_direct_store_launches
+from test_head_gather import direct_store_launches
 
 #: generate's keyword for a cache object: ``cache`` since transformers renamed ``past_key_values``.
 CACHE_KW = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
@@ -826,15 +826,17 @@ def test_decode_steps_within_held_pages_go_to_the_repeat_from_their_first_layer(
     """A decode step whose rows stay within the pages they hold and within the outputs kept for reuse goes to the head
     gather's repeat from its first layer on.  The cache's own way takes the prompt's layers, the first decode step's
     first layer, and the first layer of a step that takes a page (every step at ``page_size=1``) or outgrows the
-    outputs (made with room for a sixteenth more tokens a row, at least 16); the logits are DynamicCache's.  Compiled
-    for real; on the CPU with the launches made direct (:func:`simulate_direct_store_launches`)."""
+    outputs (made with room for a sixteenth more tokens a row, at least 16); the logits are DynamicCache's.  Measured
+    on a cache's second generation, once every launch signature has been launched (an engine past its first steps).
+    Compiled for real; on the CPU with the launches made direct (:func:`direct_store_launches`)."""
     model, ids, mask, device = on_test_device(torch.bfloat16)
     new = 60
     ref = generate(model, DynamicCache(config=model.config), new, ids, mask)
+    direct_store_launches(monkeypatch, lambda: cache._gathers[torch.bfloat16],
+                          lambda: cache.req_to_token_pool.req_to_token.dtype)
     cache = paged(model, page_size=page_size, kernels="triton", device=device)
-    if not compiled():
-        simulate_direct_store_launches(monkeypatch, lambda: cache._gathers[torch.bfloat16],
-                                       cache.req_to_token_pool.req_to_token.dtype)  # fmt: skip
+    generate(model, cache, new, ids, mask)  # (each launch signature's first launch goes through Triton's dispatcher)
+    cache.free_all()
     own_way = []
     update = cache._update
     monkeypatch.setattr(cache, "_update", lambda layer, k, v: own_way.append(
@@ -859,10 +861,9 @@ def test_the_repeat_under_beam_search_and_after_a_crop(monkeypatch):
     model, ids, mask, device = on_test_device(torch.bfloat16)
     beams = {"num_beams": 3, "num_return_sequences": 3}
     ref = generate(model, DynamicCache(config=model.config), 40, ids, mask, **beams)
+    direct_store_launches(monkeypatch, lambda: cache._gathers[torch.bfloat16],
+                          lambda: cache.req_to_token_pool.req_to_token.dtype)
     cache = paged(model, page_size=16, kernels="triton", device=device, max_batch_size=9)
-    if not compiled():
-        simulate_direct_store_launches(monkeypatch, lambda: cache._gathers[torch.bfloat16],
-                                       cache.req_to_token_pool.req_to_token.dtype)  # fmt: skip
     out = generate(model, cache, 40, ids, mask, **beams)
     assert torch.equal(out.sequences, ref.sequences)
     assert cache._repeat is not None, "the steps went to the repeat"
