@@ -455,11 +455,11 @@ class HeadGather(KeepsAddresses):
                 knp, vnp = k_new.data_ptr(), v_new.data_ptr()
                 if on == stream and (knp & 15) | (vnp & 15) << 4 == new_align:
                     if grows:  # the outputs resized in place, the launch at the new length from now on
-                        if not gather._resized(k_out, v_out, batch, end + q):
+                        resized = gather._resize_spare(batch, end + q)
+                        if resized is None:
                             return otherwise(k_new, v_new, layer)
-                        before, end = end, end + q
+                        spare, before, end = resized, end, end + q
                         (gx, _, _), tail = _store_geometry(plan, batch, end, q, lstride[0])
-                        spare = gather._spare = (k_out, v_out, (batch, end), *spare[3:])
                     run(gx, gy, gz, on, *head, at[0], at[1], ko, vo, lp, knp, vnp, *tail)
                     if lengths is not None:
                         lengths[layer] = end
@@ -515,9 +515,8 @@ class HeadGather(KeepsAddresses):
                     and _STORAGE_USES(k_at) == k_free and _STORAGE_USES(v_at) == v_free):  # fmt: skip
                 if shape == (batch, seq):
                     return k_out, v_out, ko, vo
-                if batch * seq <= room and self._resized(k_out, v_out, batch, seq):  # a decode's next step
-                    self.repeat = None  # (it holds the spare tuple: the outputs' references would count one more)
-                    self._spare = (k_out, v_out, (batch, seq), *self._spare[3:])
+                if batch * seq <= room and self._resize_spare(batch, seq) is not None:  # a decode's next step
+                    self.repeat = None  # (it holds the old spare tuple: the outputs' references would count one more)
                     return k_out, v_out, ko, vo
             del k_out, v_out
         new = self._template.new_empty
@@ -538,6 +537,16 @@ class HeadGather(KeepsAddresses):
         self.repeat = None
         self._spare = (k_out, v_out, (batch, seq), stream, (k_mem, v_mem), k_at, v_at, *free, refs, ko, vo, room)
         return k_out, v_out, ko, vo
+
+    def _resize_spare(self, batch: int, seq: int) -> tuple | None:
+        """The spare pair resized in place to a call of ``batch`` rows of ``seq`` tokens (the caller checked that
+        nothing else holds it and that its memory holds them), kept as the spare with its new shape and returned;
+        None when torch refuses (see :meth:`_resized`), the spare as it was."""
+        spare = self._spare
+        if not self._resized(spare[0], spare[1], batch, seq):
+            return None
+        spare = self._spare = (spare[0], spare[1], (batch, seq), *spare[3:])
+        return spare
 
     def _resized(self, k_out: torch.Tensor, v_out: torch.Tensor, batch: int, seq: int) -> bool:
         """Whether ``k_out`` / ``v_out`` now have the shapes of a call of ``batch`` rows of ``seq`` tokens (contiguous,
