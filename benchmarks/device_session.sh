@@ -31,7 +31,7 @@
 #   launchafter  python benchmarks/probe_launch_after.py at 1 x 100 and 8 x 4000 tokens (the host work after a launch)  ($OUT/launchafter*.txt)
 #   amid   python benchmarks/probe_launch_amid.py at 1 x 100 and 8 x 4000 tokens (one update's host cost after a layer's work)  ($OUT/amid*.txt)
 #   sdpa   python benchmarks/probe_sdpa_inputs.py $SDPA_ARGS (the first SDPA call whose inputs or output differ between caches)  ($OUT/sdpa.txt)
-#   sgdev  python benchmarks/probe_store_gather_device.py (a decode step's store-and-gather against its torch path, torch.cat and the copy ceiling)  ($OUT/sgdev.txt)
+#   sgdev  python benchmarks/probe_store_gather_device.py $SGDEV_ARGS (a decode step's store-and-gather against its torch path, torch.cat and the copy ceiling)  ($OUT/sgdev.txt)
 #
 # That machine lacks omegaconf: put its wheel under .whl first (ignored by git) and carry .whl with the call:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl omegaconf==2.4.0
@@ -97,7 +97,7 @@ for phase in "$@"; do
         amid) run amid1 python3 benchmarks/probe_launch_amid.py --batch 1 --prompt 100
               run amid8 python3 benchmarks/probe_launch_amid.py --batch 8 --prompt 4000 ;;
         sdpa) run sdpa python3 benchmarks/probe_sdpa_inputs.py ${SDPA_ARGS:-float8_e4m3fn:8:8000} ;;
-        sgdev) run sgdev python3 benchmarks/probe_store_gather_device.py --json "$OUT/sgdev.json" ;;
+        sgdev) run sgdev python3 benchmarks/probe_store_gather_device.py --json "$OUT/sgdev.json" ${SGDEV_ARGS:-} ;;
         *) echo "device_session: unknown phase $phase (tests, alloc, probe, bench, quick, fp4, check, transfer, hfgen, unified, minimax, hisparse, dsv4, sparse, hfcore, tune, hfprof, fp8k, split, fp8probe, hfstep, split1, hfparts, launchafter, amid, sdpa, copies, sgdev)"; status=2 ;;
     esac
 done

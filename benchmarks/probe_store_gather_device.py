@@ -14,19 +14,23 @@ tokens), the device time of one call in CUDA-graph replay (median):
   the locations read) at the measured device-copy rate.
 
 kvcore's outputs are checked bit for bit against the reference's first.  Prints one table; ``--json`` writes the
-rows.
+rows.  ``--tiles`` / ``--warps`` time the kernel at other tile sizes (elements a program moves per head) and warp
+counts than the library's (:data:`~kvcore.kernels.head_gather._TILE_ELEMS`, ``_NUM_WARPS``), each checked too.
 
     python benchmarks/probe_store_gather_device.py [--tokens 100,4000,16000] [--batches 1,8] [--json PATH]
+        [--tiles 2048,4096,8192] [--warps 4,8]
     TRITON_INTERPRET=1 python benchmarks/probe_store_gather_device.py --check-only --tokens 5,37 --batches 1,3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
 
+from kvcore.kernels import head_gather
 from kvcore.kernels.head_gather import HeadGather, store_and_gather_native
 from kvcore.tools.timing import copy_ceiling_gbps, graph_us
 
@@ -43,8 +47,21 @@ def paged_locations(batch: int, width: int, gen: torch.Generator) -> torch.Tenso
     return slots[:, :width].to(torch.int32)
 
 
-def checked(cache_dtype: torch.dtype, batch: int, tokens: int, device: str, gen: torch.Generator) -> dict:
-    """A case's inputs, and kvcore's call checked bit for bit against the reference (outputs and rows stored)."""
+@contextlib.contextmanager
+def kernel_shape(tile: int | None, warps: int | None):
+    """Gathers built (and first called) inside use this tile size and warp count (None: the library's)."""
+    saved = head_gather._TILE_ELEMS, head_gather._NUM_WARPS
+    head_gather._TILE_ELEMS, head_gather._NUM_WARPS = tile or saved[0], warps or saved[1]
+    try:
+        yield
+    finally:
+        head_gather._TILE_ELEMS, head_gather._NUM_WARPS = saved
+
+
+def checked(cache_dtype: torch.dtype, batch: int, tokens: int, device: str, gen: torch.Generator,
+            shapes=((None, None),)) -> dict:  # fmt: skip
+    """A case's inputs, and kvcore's call at each kernel shape ``(tile, warps)`` checked bit for bit against the
+    reference (outputs and rows stored; storing the same rows again changes nothing)."""
     width = tokens + 256  # the request table's rows are wider than what is read
     rows = (batch * -(-width // PAGE) + 1) * PAGE
     k = (torch.randn(rows, HEADS, DIM, generator=gen) * 2).to(cache_dtype).to(device)
@@ -53,23 +70,32 @@ def checked(cache_dtype: torch.dtype, batch: int, tokens: int, device: str, gen:
     k_new = torch.randn(batch, HEADS, 1, DIM, generator=gen).to(MODEL_DTYPE).to(device)
     v_new = torch.randn(batch, HEADS, 1, DIM, generator=gen).to(MODEL_DTYPE).to(device)
     k_ref, v_ref = k.clone(), v.clone()
-    gather = HeadGather([k], [v], MODEL_DTYPE, use_triton=True)
-    got = gather.store_and_gather(0, table, k_new, v_new, tokens)
     want = store_and_gather_native(k_ref, v_ref, table[:, :tokens], k_new, v_new, MODEL_DTYPE)
-    exact = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                for a, b in zip((*got, k, v), (*want, k_ref, v_ref)))  # fmt: skip
-    return {"gather": gather, "k": k, "v": v, "table": table, "k_new": k_new, "v_new": v_new, "exact": exact}
+    gathers, exact = {}, {}
+    for shape in shapes:
+        with kernel_shape(*shape):
+            gathers[shape] = HeadGather([k], [v], MODEL_DTYPE, use_triton=True)
+            got = gathers[shape].store_and_gather(0, table, k_new, v_new, tokens)
+        exact[shape] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                           for a, b in zip((*got, k, v), (*want, k_ref, v_ref)))  # fmt: skip
+    return {"gathers": gathers, "k": k, "v": v, "table": table, "k_new": k_new, "v_new": v_new, "exact": exact}
 
 
-def case(cache_dtype: torch.dtype, batch: int, tokens: int, ceiling_gbps: float, gen: torch.Generator) -> dict:
-    """One case's check and times (see the module docstring)."""
-    c = checked(cache_dtype, batch, tokens, "cuda", gen)
-    gather, k, v, table, k_new, v_new = c["gather"], c["k"], c["v"], c["table"], c["k_new"], c["v_new"]
+def case(cache_dtype: torch.dtype, batch: int, tokens: int, ceiling_gbps: float, gen: torch.Generator,
+         shapes=((None, None),)) -> dict:  # fmt: skip
+    """One case's check and times (see the module docstring); ``kvcore`` at the first kernel shape, each other's
+    time under ``kvcore_us_at``."""
+    c = checked(cache_dtype, batch, tokens, "cuda", gen, shapes)
+    k, v, table, k_new, v_new = c["k"], c["v"], c["table"], c["k_new"], c["v_new"]
     k_old = torch.randn(batch, HEADS, tokens - 1, DIM, generator=gen).to(MODEL_DTYPE).cuda()
     v_old = torch.randn(batch, HEADS, tokens - 1, DIM, generator=gen).to(MODEL_DTYPE).cuda()
     locs = table[:, :tokens]
+    at = {}
+    for shape, gather in c["gathers"].items():
+        with kernel_shape(*shape):
+            at[shape] = graph_us(lambda g=gather: g.store_and_gather(0, table, k_new, v_new, tokens))
     times = {
-        "kvcore": graph_us(lambda: gather.store_and_gather(0, table, k_new, v_new, tokens)),
+        "kvcore": at[shapes[0]],
         "torch": graph_us(lambda: store_and_gather_native(k, v, locs, k_new, v_new, MODEL_DTYPE)),
         "cat": graph_us(lambda: (torch.cat([k_old, k_new], -2), torch.cat([v_old, v_new], -2))),
     }
@@ -77,8 +103,10 @@ def case(cache_dtype: torch.dtype, batch: int, tokens: int, ceiling_gbps: float,
     moved = batch * HEADS * 2 * DIM * (tokens * cached + model + cached + tokens * model) + batch * tokens * 4
     times["ceiling"] = moved / (ceiling_gbps * 1e3)
     return {"cache_dtype": str(cache_dtype).removeprefix("torch."), "batch": batch, "tokens": tokens,
-            "exact": c["exact"], "mb_moved": moved / 1e6,
-            **{f"{name}_us": us for name, us in times.items()}}  # fmt: skip
+            "exact": all(c["exact"].values()), "mb_moved": moved / 1e6,
+            **{f"{name}_us": us for name, us in times.items()},
+            "kvcore_us_at": [{"tile": t, "warps": w, "us": us, "exact": c["exact"][t, w]}
+                             for (t, w), us in at.items()]}  # fmt: skip
 
 
 def main() -> None:
@@ -86,15 +114,20 @@ def main() -> None:
     parser.add_argument("--tokens", default="100,4000,16000", help="comma-separated lengths read (default %(default)s)")
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default %(default)s)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--tiles", default="", help="comma-separated tile sizes to time besides the library's")
+    parser.add_argument("--warps", default="", help="comma-separated warp counts to time besides the library's")
     parser.add_argument("--check-only", action="store_true",
                         help="only check kvcore's calls against the reference, on the CPU too (TRITON_INTERPRET=1)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     batches, lengths = [int(b) for b in args.batches.split(",")], [int(t) for t in args.tokens.split(",")]
     cases = [(d, b, t) for d in (torch.bfloat16, torch.float8_e4m3fn) for b in batches for t in lengths]
+    tiles = [None] + [int(x) for x in args.tiles.split(",") if x]
+    warps = [None] + [int(x) for x in args.warps.split(",") if x]
+    shapes = [(t, w) for t in tiles for w in warps]  # the library's first
     if args.check_only:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        bad = [c for c in cases if not checked(*c, device, gen)["exact"]]
+        bad = [c for c in cases if not all(checked(*c, device, gen, shapes)["exact"].values())]
         print(f"{len(cases) - len(bad)} of {len(cases)} cases exact on {device}" + (f"; differ: {bad}" if bad else ""))
         raise SystemExit(1 if bad else 0)
     if not torch.cuda.is_available():
@@ -107,12 +140,17 @@ def main() -> None:
     print(head)
     rows = []
     for cache_dtype, batch, tokens in cases:
-        r = case(cache_dtype, batch, tokens, ceiling, gen)
+        r = case(cache_dtype, batch, tokens, ceiling, gen, shapes)
         rows.append(r)
         kv = r["kvcore_us"]
         print(f"{r['cache_dtype']:<14} {batch:>5} {tokens:>6} {str(r['exact']):>5} {r['mb_moved']:>7.2f} {kv:>8.2f} "
               f"{r['torch_us']:>8.2f} {r['cat_us']:>8.2f} {r['ceiling_us']:>8.2f} {r['torch_us'] / kv:>7.2f}x "
               f"{r['cat_us'] / kv:>6.2f}x {r['ceiling_us'] / kv:>7.2f}")  # fmt: skip
+        for other in r["kvcore_us_at"][1:]:
+            us = other["us"]
+            print(f"{'  tile':<6} {other['tile'] or 'lib':>5} warps {other['warps'] or 'lib':>3} {str(other['exact']):>5} "
+                  f"{'':>7} {us:>8.2f} {'':>8} {'':>8} {'':>8} {kv / us:>7.2f}x {r['cat_us'] / us:>6.2f}x "
+                  f"{r['ceiling_us'] / us:>7.2f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
