@@ -14,11 +14,12 @@ tokens), the device time of one call in CUDA-graph replay (median):
   the locations read) at the measured device-copy rate.
 
 kvcore's outputs are checked bit for bit against the reference's first.  Prints one table; ``--json`` writes the
-rows.  ``--tiles`` / ``--warps`` time the kernel at other tile sizes (elements a program moves per head) and warp
-counts than the library's (:data:`~kvcore.kernels.head_gather._TILE_ELEMS`, ``_NUM_WARPS``), each checked too.
+rows.  ``--tiles`` / ``--warps`` / ``--heads`` time the kernel at other tile sizes (elements a program moves per step
+of its head loop), warp counts and heads a step than the library's (:data:`~kvcore.kernels.head_gather._TILE_ELEMS`,
+``_NUM_WARPS``, ``_HEADS_PER_TILE``), each checked too.
 
     python benchmarks/probe_store_gather_device.py [--tokens 100,4000,16000] [--batches 1,8] [--json PATH]
-        [--tiles 2048,4096,8192] [--warps 4,8]
+        [--tiles 2048,4096,8192] [--warps 4,8] [--heads 2,8]
     TRITON_INTERPRET=1 python benchmarks/probe_store_gather_device.py --check-only --tokens 5,37 --batches 1,3
 """
 
@@ -48,19 +49,21 @@ def paged_locations(batch: int, width: int, gen: torch.Generator) -> torch.Tenso
 
 
 @contextlib.contextmanager
-def kernel_shape(tile: int | None, warps: int | None):
-    """Gathers built (and first called) inside use this tile size and warp count (None: the library's)."""
-    saved = head_gather._TILE_ELEMS, head_gather._NUM_WARPS
-    head_gather._TILE_ELEMS, head_gather._NUM_WARPS = tile or saved[0], warps or saved[1]
+def kernel_shape(tile: int | None, warps: int | None, heads: int | None):
+    """Gathers built (and first called) inside use this tile size, warp count and heads a step (None: the
+    library's)."""
+    saved = head_gather._TILE_ELEMS, head_gather._NUM_WARPS, head_gather._HEADS_PER_TILE
+    head_gather._TILE_ELEMS, head_gather._NUM_WARPS, head_gather._HEADS_PER_TILE = (
+        tile or saved[0], warps or saved[1], heads or saved[2])
     try:
         yield
     finally:
-        head_gather._TILE_ELEMS, head_gather._NUM_WARPS = saved
+        head_gather._TILE_ELEMS, head_gather._NUM_WARPS, head_gather._HEADS_PER_TILE = saved
 
 
 def checked(cache_dtype: torch.dtype, batch: int, tokens: int, device: str, gen: torch.Generator,
-            shapes=((None, None),)) -> dict:  # fmt: skip
-    """A case's inputs, and kvcore's call at each kernel shape ``(tile, warps)`` checked bit for bit against the
+            shapes=((None, None, None),)) -> dict:  # fmt: skip
+    """A case's inputs, and kvcore's call at each kernel shape ``(tile, warps, heads)`` checked bit for bit against the
     reference (outputs and rows stored; storing the same rows again changes nothing)."""
     width = tokens + 256  # the request table's rows are wider than what is read
     rows = (batch * -(-width // PAGE) + 1) * PAGE
@@ -82,7 +85,7 @@ def checked(cache_dtype: torch.dtype, batch: int, tokens: int, device: str, gen:
 
 
 def case(cache_dtype: torch.dtype, batch: int, tokens: int, ceiling_gbps: float, gen: torch.Generator,
-         shapes=((None, None),)) -> dict:  # fmt: skip
+         shapes=((None, None, None),)) -> dict:  # fmt: skip
     """One case's check and times (see the module docstring); ``kvcore`` at the first kernel shape, each other's
     time under ``kvcore_us_at``."""
     c = checked(cache_dtype, batch, tokens, "cuda", gen, shapes)
@@ -105,8 +108,8 @@ def case(cache_dtype: torch.dtype, batch: int, tokens: int, ceiling_gbps: float,
     return {"cache_dtype": str(cache_dtype).removeprefix("torch."), "batch": batch, "tokens": tokens,
             "exact": all(c["exact"].values()), "mb_moved": moved / 1e6,
             **{f"{name}_us": us for name, us in times.items()},
-            "kvcore_us_at": [{"tile": t, "warps": w, "us": us, "exact": c["exact"][t, w]}
-                             for (t, w), us in at.items()]}  # fmt: skip
+            "kvcore_us_at": [{"tile": t, "warps": w, "heads": h, "us": us, "exact": c["exact"][t, w, h]}
+                             for (t, w, h), us in at.items()]}  # fmt: skip
 
 
 def main() -> None:
@@ -116,6 +119,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--tiles", default="", help="comma-separated tile sizes to time besides the library's")
     parser.add_argument("--warps", default="", help="comma-separated warp counts to time besides the library's")
+    parser.add_argument("--heads", default="", help="comma-separated heads a step to time besides the library's")
     parser.add_argument("--check-only", action="store_true",
                         help="only check kvcore's calls against the reference, on the CPU too (TRITON_INTERPRET=1)")
     args = parser.parse_args()
@@ -124,7 +128,8 @@ def main() -> None:
     cases = [(d, b, t) for d in (torch.bfloat16, torch.float8_e4m3fn) for b in batches for t in lengths]
     tiles = [None] + [int(x) for x in args.tiles.split(",") if x]
     warps = [None] + [int(x) for x in args.warps.split(",") if x]
-    shapes = [(t, w) for t in tiles for w in warps]  # the library's first
+    heads = [None] + [int(x) for x in args.heads.split(",") if x]
+    shapes = [(t, w, h) for t in tiles for w in warps for h in heads]  # the library's first
     if args.check_only:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         bad = [c for c in cases if not all(checked(*c, device, gen, shapes)["exact"].values())]
@@ -148,9 +153,9 @@ def main() -> None:
               f"{r['cat_us'] / kv:>6.2f}x {r['ceiling_us'] / kv:>7.2f}")  # fmt: skip
         for other in r["kvcore_us_at"][1:]:
             us = other["us"]
-            print(f"{'  tile':<6} {other['tile'] or 'lib':>5} warps {other['warps'] or 'lib':>3} {str(other['exact']):>5} "
-                  f"{'':>7} {us:>8.2f} {'':>8} {'':>8} {'':>8} {kv / us:>7.2f}x {r['cat_us'] / us:>6.2f}x "
-                  f"{r['ceiling_us'] / us:>7.2f}")  # fmt: skip
+            shape = f"  tile {other['tile'] or 'lib'} w {other['warps'] or 'lib'} h {other['heads'] or 'lib'}"
+            print(f"{shape:<27} {str(other['exact']):>5} {'':>7} {us:>8.2f} {'':>8} {'':>8} {'':>8} {kv / us:>7.2f}x "
+                  f"{r['cat_us'] / us:>6.2f}x {r['ceiling_us'] / us:>7.2f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from kvcore.kernels import launch
+from kvcore.kernels import head_gather, launch
 from kvcore.kernels.head_gather import HeadGather, gather_heads_native, gather_heads_triton, store_and_gather_native
 from kvcore.testing.tensors import test_device
 
@@ -243,6 +243,29 @@ def test_store_and_gather_matches_a_store_then_a_gather(cache_dtype, model_dtype
 
     matches_a_store_then_a_gather(k, v, table, ((37, 37), (38, 1), (170, 132), (300, 129), (301, 1)), model_dtype,
                                   scale, call)  # fmt: skip
+
+
+@pytest.mark.parametrize("heads_a_step", [2, 4])
+@pytest.mark.parametrize("heads", [3, 4])
+@pytest.mark.parametrize("cache_dtype, model_dtype, scale", [CASES[0], CASES[6]])
+def test_kernels_moving_several_heads_a_step(monkeypatch, heads_a_step, heads, cache_dtype, model_dtype, scale):
+    """Programs that move several heads per step of their head loop (``_HEADS_PER_TILE``), a count that divides the
+    layers' heads or not (the last step's missing heads masked): the gather and the store-and-gather still match the
+    torch reference bit for bit, prefill, decode and a chunk."""
+    monkeypatch.setattr(head_gather, "_HEADS_PER_TILE", heads_a_step)
+    monkeypatch.setattr(head_gather, "_TILE_ELEMS", 256)  # token blocks of 8 or 4 tokens: several a row
+    layers, rows, dk, dv, batch = 2, 200, 24, 8, 2
+    k = random_rows((layers, rows, heads, dk), cache_dtype, 30)
+    v = random_rows((layers, rows, heads, dv), cache_dtype, 31)
+    table = distinct_locations(batch, 40, rows, 32)
+    got = gather_heads_triton(k[1], v[1], table[:, :29], model_dtype, scale, scale)
+    want = gather_heads_native(k[1], v[1], table[:, :29], model_dtype, scale, scale)
+    assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+    gather = HeadGather(k.unbind(0), v.unbind(0), model_dtype, scale, scale, use_triton=True)
+    assert gather._constexprs[5] == heads_a_step and gather._block_t == 256 // (32 * heads_a_step)
+    matches_a_store_then_a_gather(k, v, table, ((13, 13), (14, 1), (33, 19)), model_dtype, scale,
+                                  lambda step, layer, end, k_new, v_new: gather.store_and_gather(layer, table, k_new,
+                                                                                                 v_new, end))  # fmt: skip
 
 
 @pytest.mark.parametrize("page", [4, 16])

@@ -38,9 +38,12 @@ from kvcore.kernels.tensor_guard import layout_guard
 __all__ = ["HeadGather", "gather_heads", "gather_heads_native", "gather_heads_triton", "put_rows", "store_and_gather_native",
            "take_rows"]
 
-#: elements a program moves per head (tokens x dim); the token block is this over the padded head width
+#: elements a program moves per step of its head loop (tokens x heads x dim); the token block is this over the padded
+#: head width times the heads a step moves
 _TILE_ELEMS = 4096
 _NUM_WARPS = 4
+#: heads a program moves per step of its head loop (a power of two; fewer when the layers have fewer)
+_HEADS_PER_TILE = 1
 
 #: how many holders (tensors, views included, and storage objects) a storage has, given its address:
 #: ``torch._C._storage_Use_Count`` (None: outputs are never reused)
@@ -76,12 +79,13 @@ def _constexprs(k: torch.Tensor, v: torch.Tensor, page: int, out_dtype: torch.dt
     scaled = k.dtype != out_dtype and (k_scale is not None or v_scale is not None)
     heads, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
     block_dk, block_dv = next_pow2(dk), next_pow2(dv)
-    block_t = max(1, _TILE_ELEMS // max(block_dk, block_dv))
+    block_h = min(_HEADS_PER_TILE, next_pow2(heads))
+    block_t = max(1, _TILE_ELEMS // (max(block_dk, block_dv) * block_h))
     code_in = dtypes.dtype_code(k.dtype, "the cache")
     code_out = dtypes.dtype_code(out_dtype, "out_dtype") if k.dtype != out_dtype else code_in
     return block_t, GATHER_ARGS.constexprs(HEADS=heads, DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-                                            PAGE=page, BLOCK_T=block_t, IN=code_in, OUT=code_out, SCALED=scaled,
-                                            HW_CVT=not triton_interpreting())  # fmt: skip
+                                            BLOCK_H=block_h, PAGE=page, BLOCK_T=block_t, IN=code_in, OUT=code_out,
+                                            SCALED=scaled, HW_CVT=not triton_interpreting())  # fmt: skip
 
 
 def _outputs(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: torch.dtype):
@@ -238,10 +242,10 @@ class HeadGather(KeepsAddresses):
         self._device_index = k0.get_device()
         self._plans: dict[tuple, Plan] = {}
         # store_and_gather: the layers' conversion codes and the output's, and what a store adds to them
-        *_, block_dk, block_dv, page, _, code_in, code_out, scaled, hw_cvt = self._constexprs
+        *_, block_dk, block_dv, block_h, page, _, code_in, code_out, scaled, hw_cvt = self._constexprs
         self._store_constexprs = STORE_GATHER_ARGS.constexprs(
-            HEADS=self.heads, DK=self.dk, DV=self.dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, PAGE=page,
-            BLOCK_T=self._block_t, IN=code_in, OUT=code_out, STORE=dtypes.conversion_code(out_dtype, k0.dtype, "the cache"),
+            HEADS=self.heads, DK=self.dk, DV=self.dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_H=block_h,
+            PAGE=page, BLOCK_T=self._block_t, IN=code_in, OUT=code_out, STORE=dtypes.conversion_code(out_dtype, k0.dtype, "the cache"),
             SATURATE=torch_e4m3fn_saturates(), SCALED=scaled, HW_CVT=hw_cvt,
         )  # fmt: skip
         self._store_launch = launcher_for(STORE_GATHER_ARGS, k0.device)

@@ -51,31 +51,43 @@ def _narrow(xf, OUT: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
+def _of_heads(mask, h, HEADS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A tile's ``mask`` (``[BLOCK_T, 1, BLOCK_D]``) at heads ``h`` (``[1, BLOCK_H, 1]``): limited to the heads that
+    exist, or left to broadcast when ``BLOCK_H`` divides ``HEADS``."""
+    if HEADS % BLOCK_H != 0:
+        mask = mask & (h < HEADS)
+    return mask
+
+
+@triton.jit
 def _gather_tile(src, out, loc, mask_t, b, t, out_len, page_stride, row_stride, head_stride, scale,
-                 HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                 IN: tl.constexpr, OUT: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
-    """Head after head, row ``b``'s tokens ``t`` (``mask_t``: those that exist) read from the cache at ``loc`` and
-    handed on to ``out`` (rows of ``out_len`` tokens, :func:`_hand_on`)."""
-    d = tl.arange(0, BLOCK_D)
-    mask = mask_t[:, None] & (d < D)[None, :]
-    row = (loc // PAGE) * page_stride + (loc % PAGE) * row_stride
-    for h in range(HEADS):
-        x = tl.load(src + row[:, None] + h * head_stride + d[None, :], mask=mask, other=0)
-        _hand_on(x, out, b, h, t, d, out_len, mask, scale, HEADS, D, IN, OUT, SCALED, HW_CVT)
+                 HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                 PAGE: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, SCALED: tl.constexpr,
+                 HW_CVT: tl.constexpr):  # fmt: skip
+    """``BLOCK_H`` heads at a time, row ``b``'s tokens ``t`` (``mask_t``: those that exist) read from the cache at
+    ``loc`` and handed on to ``out`` (rows of ``out_len`` tokens, :func:`_hand_on`); tiles ``[tokens, heads, dim]``."""
+    d = tl.arange(0, BLOCK_D)[None, None, :]
+    in_tile = mask_t[:, None, None] & (d < D)
+    row = ((loc // PAGE) * page_stride + (loc % PAGE) * row_stride)[:, None, None]
+    for h0 in range(0, HEADS, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)[None, :, None]
+        mask = _of_heads(in_tile, h, HEADS, BLOCK_H)
+        x = tl.load(src + row + h * head_stride + d, mask=mask, other=0)
+        _hand_on(x, out, b, h, t[:, None, None], d, out_len, mask, scale, HEADS, D, IN, OUT, SCALED, HW_CVT)
 
 
 @triton.jit
 def _hand_on(x, out, b, h, t, d, out_len, mask, scale, HEADS: tl.constexpr, D: tl.constexpr, IN: tl.constexpr,
              OUT: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
-    """Head ``h``'s cache values ``x`` (code ``IN``) of row ``b``'s tokens ``t``, converted to the output dtype
+    """Heads ``h``'s cache values ``x`` (code ``IN``) of row ``b``'s tokens ``t``, converted to the output dtype
     (times ``scale`` when ``SCALED``) and written to ``out[b, h, t]`` (``out``: ``[batch, HEADS, out_len, D]``,
-    contiguous)."""
+    contiguous; ``h``, ``t`` and the dims ``d`` broadcast against ``x``)."""
     if IN != OUT:
         xf = _widen(x, IN, HW_CVT)
         if SCALED:
             xf = xf * scale
         x = _narrow(xf, OUT, HW_CVT)
-    tl.store(out + ((b * HEADS + h) * out_len + t)[:, None] * D + d[None, :], x, mask=mask)
+    tl.store(out + ((b * HEADS + h) * out_len + t) * D + d, x, mask=mask)
 
 
 @triton.jit
@@ -96,17 +108,17 @@ def _gather_heads_kernel(
     k_ptr, v_ptr, k_out, v_out, loc_ptr, seq, loc_stride,
     k_page_stride, k_row_stride, k_head_stride, v_page_stride, v_row_stride, v_head_stride, k_scale, v_scale,
     HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_T: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, SCALED: tl.constexpr,
-    HW_CVT: tl.constexpr,
+    BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr,
+    SCALED: tl.constexpr, HW_CVT: tl.constexpr,
 ):  # fmt: skip
     # grid: (token blocks, batch rows, 2: keys then values)
     _, b, t, mask_t, loc = _token_block(loc_ptr, loc_stride, seq, 0, BLOCK_T)
     if tl.program_id(2) == 0:
         _gather_tile(k_ptr, k_out, loc, mask_t, b, t, seq, k_page_stride, k_row_stride, k_head_stride, k_scale,
-                     HEADS, DK, BLOCK_DK, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
+                     HEADS, DK, BLOCK_DK, BLOCK_H, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
     else:
         _gather_tile(v_ptr, v_out, loc, mask_t, b, t, seq, v_page_stride, v_row_stride, v_head_stride, v_scale,
-                     HEADS, DV, BLOCK_DV, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
+                     HEADS, DV, BLOCK_DV, BLOCK_H, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
 
 
 @triton.jit
@@ -129,47 +141,51 @@ def _encode(xf, CODE: tl.constexpr, SATURATE: tl.constexpr, HW_CVT: tl.constexpr
 @triton.jit
 def _store_gather_tile(src, out, new, loc, mask_t, b, t, out_len, prefix, page_stride, row_stride, head_stride, new_sb,
                        new_sh, new_sq, scale, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       PAGE: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, STORE: tl.constexpr,
-                       SATURATE: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr):  # fmt: skip
+                       BLOCK_H: tl.constexpr, PAGE: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr,
+                       STORE: tl.constexpr, SATURATE: tl.constexpr, SCALED: tl.constexpr,
+                       HW_CVT: tl.constexpr):  # fmt: skip
     """:func:`_gather_tile` of a tile holding new tokens (positions ``prefix ..``): those are read from ``new``
     (``[batch, heads, q, D]``), written to the cache at their locations (converted as a store converts) and handed
     on from there, exactly what a store then a gather would read back."""
-    d = tl.arange(0, BLOCK_D)
-    in_row = (d < D)[None, :]
-    fresh = mask_t & (t >= prefix)
-    old = (mask_t & (t < prefix))[:, None] & in_row
-    stored = fresh[:, None] & in_row
-    row = (loc // PAGE) * page_stride + (loc % PAGE) * row_stride
-    new_row = b * new_sb + tl.where(fresh, t - prefix, 0) * new_sq
-    for h in range(HEADS):
-        at = src + row[:, None] + h * head_stride + d[None, :]
-        x = tl.load(at, mask=old, other=0)
-        y = tl.load(new + new_row[:, None] + h * new_sh + d[None, :], mask=stored, other=0)
+    d = tl.arange(0, BLOCK_D)[None, None, :]
+    in_row = d < D
+    fresh_t = mask_t & (t >= prefix)
+    fresh = fresh_t[:, None, None]
+    old = (mask_t & (t < prefix))[:, None, None] & in_row
+    stored = fresh & in_row
+    in_tile = mask_t[:, None, None] & in_row
+    row = ((loc // PAGE) * page_stride + (loc % PAGE) * row_stride)[:, None, None]
+    new_row = (b * new_sb + tl.where(fresh_t, t - prefix, 0) * new_sq)[:, None, None]
+    for h0 in range(0, HEADS, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)[None, :, None]
+        at = src + row + h * head_stride + d
+        x = tl.load(at, mask=_of_heads(old, h, HEADS, BLOCK_H), other=0)
+        y = tl.load(new + new_row + h * new_sh + d, mask=_of_heads(stored, h, HEADS, BLOCK_H), other=0)
         if STORE != _SAME:  # the store's conversion: float32, divided by the scale, rounded once
             yf = _widen(y, OUT, HW_CVT)  # the inputs have the output's dtype
             if SCALED:
                 yf = tl.math.div_rn(yf, tl.zeros_like(yf) + scale)
             y = _encode(yf, STORE, SATURATE, HW_CVT)
-        tl.store(at, y, mask=stored)
-        _hand_on(tl.where(fresh[:, None], y, x), out, b, h, t, d, out_len, mask_t[:, None] & in_row, scale, HEADS,
-                 D, IN, OUT, SCALED, HW_CVT)  # fmt: skip
+        tl.store(at, y, mask=_of_heads(stored, h, HEADS, BLOCK_H))
+        _hand_on(tl.where(fresh, y, x), out, b, h, t[:, None, None], d, out_len, _of_heads(in_tile, h, HEADS, BLOCK_H),
+                 scale, HEADS, D, IN, OUT, SCALED, HW_CVT)  # fmt: skip
 
 
 @triton.jit
 def _store_gather_half(src, out, new, loc, mask_t, b, t, out_len, prefix, only_old, page_stride, row_stride,
                        head_stride, new_sb, new_sh, new_sq, scale, HEADS: tl.constexpr, D: tl.constexpr,
-                       BLOCK_D: tl.constexpr, PAGE: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr,
-                       STORE: tl.constexpr, SATURATE: tl.constexpr, SCALED: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, IN: tl.constexpr,
+                       OUT: tl.constexpr, STORE: tl.constexpr, SATURATE: tl.constexpr, SCALED: tl.constexpr,
                        HW_CVT: tl.constexpr):  # fmt: skip
     """One side (keys or values) of a store-and-gather tile: :func:`_gather_tile` when the block holds only older
     tokens (``only_old``), else :func:`_store_gather_tile`."""
     if only_old:
         _gather_tile(src, out, loc, mask_t, b, t, out_len, page_stride, row_stride, head_stride, scale, HEADS, D,
-                     BLOCK_D, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
+                     BLOCK_D, BLOCK_H, PAGE, IN, OUT, SCALED, HW_CVT)  # fmt: skip
     else:
         _store_gather_tile(src, out, new, loc, mask_t, b, t, out_len, prefix, page_stride, row_stride, head_stride,
-                           new_sb, new_sh, new_sq, scale, HEADS, D, BLOCK_D, PAGE, IN, OUT, STORE, SATURATE, SCALED,
-                           HW_CVT)  # fmt: skip
+                           new_sb, new_sh, new_sq, scale, HEADS, D, BLOCK_D, BLOCK_H, PAGE, IN, OUT, STORE, SATURATE,
+                           SCALED, HW_CVT)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seq", "prefix", "loc_stride", "out_len", "first_block", "k_scale", "v_scale"])
@@ -178,8 +194,8 @@ def _store_gather_heads_kernel(
     k_new_sb, k_new_sh, k_new_sq, v_new_sb, v_new_sh, v_new_sq,
     k_page_stride, k_row_stride, k_head_stride, v_page_stride, v_row_stride, v_head_stride, k_scale, v_scale,
     HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_T: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, STORE: tl.constexpr,
-    SATURATE: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr,
+    BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr,
+    STORE: tl.constexpr, SATURATE: tl.constexpr, SCALED: tl.constexpr, HW_CVT: tl.constexpr,
 ):  # fmt: skip
     # grid: (token blocks from ``first_block`` on, batch rows, 2: keys then values); blocks wholly before ``prefix``
     # only gather.  The outputs are ``[batch, HEADS, out_len, D]``: ``out_len`` is ``seq``, or more for outputs kept
@@ -189,11 +205,11 @@ def _store_gather_heads_kernel(
     if tl.program_id(2) == 0:
         _store_gather_half(k_ptr, k_out, k_new, loc, mask_t, b, t, out_len, prefix, only_old, k_page_stride,
                            k_row_stride, k_head_stride, k_new_sb, k_new_sh, k_new_sq, k_scale, HEADS, DK,
-                           BLOCK_DK, PAGE, IN, OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
+                           BLOCK_DK, BLOCK_H, PAGE, IN, OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
     else:
         _store_gather_half(v_ptr, v_out, v_new, loc, mask_t, b, t, out_len, prefix, only_old, v_page_stride,
                            v_row_stride, v_head_stride, v_new_sb, v_new_sh, v_new_sq, v_scale, HEADS, DV,
-                           BLOCK_DV, PAGE, IN, OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
+                           BLOCK_DV, BLOCK_H, PAGE, IN, OUT, STORE, SATURATE, SCALED, HW_CVT)  # fmt: skip
 
 
 #: the gather kernel's argument list (:class:`kvcore.kernels.launch.KernelArgs`):
@@ -203,7 +219,7 @@ GATHER_ARGS = KernelArgs(
     _gather_heads_kernel,
     "k_ptr v_ptr k_out v_out loc_ptr seq loc_stride k_page_stride k_row_stride k_head_stride v_page_stride "
     "v_row_stride v_head_stride k_scale v_scale",
-    "HEADS DK DV BLOCK_DK BLOCK_DV PAGE BLOCK_T IN OUT SCALED HW_CVT",
+    "HEADS DK DV BLOCK_DK BLOCK_DV BLOCK_H PAGE BLOCK_T IN OUT SCALED HW_CVT",
     pointers="k_ptr v_ptr k_out v_out loc_ptr",
 )
 
@@ -215,6 +231,6 @@ STORE_GATHER_ARGS = KernelArgs(
     ("k_ptr v_ptr k_out v_out loc_ptr k_new v_new seq prefix loc_stride out_len first_block",
      "k_new_sb k_new_sh k_new_sq v_new_sb v_new_sh v_new_sq k_page_stride k_row_stride k_head_stride v_page_stride "
      "v_row_stride v_head_stride k_scale v_scale"),
-    "HEADS DK DV BLOCK_DK BLOCK_DV PAGE BLOCK_T IN OUT STORE SATURATE SCALED HW_CVT",
+    "HEADS DK DV BLOCK_DK BLOCK_DV BLOCK_H PAGE BLOCK_T IN OUT STORE SATURATE SCALED HW_CVT",
     pointers="k_ptr v_ptr k_out v_out loc_ptr k_new v_new",
 )  # fmt: skip
