@@ -227,8 +227,8 @@ def matches_a_store_then_a_gather(k, v, table, steps, model_dtype, scale, call):
 @pytest.mark.parametrize("cache_dtype, model_dtype, scale", CASES)
 def test_store_and_gather_matches_a_store_then_a_gather(cache_dtype, model_dtype, scale):
     """Every conversion: the cache and the returned keys/values equal, bit for bit, the torch reference's; prefill
-    (every token new), decode (one new token) and chunks whose new tokens start inside a token block (of 128 tokens
-    here), after blocks of old tokens only."""
+    (every token new), decode (one new token) and chunks whose new tokens start inside a token block (of 32 tokens
+    here: 4 heads a step, 3 of them real), after blocks of old tokens only."""
     layers, rows, heads, dk, dv, batch = 2, 1000, 3, 24, 8, 3
     k = random_rows((layers, rows, heads, dk), cache_dtype, 20)
     v = random_rows((layers, rows, heads, dv), cache_dtype, 21)
@@ -245,12 +245,12 @@ def test_store_and_gather_matches_a_store_then_a_gather(cache_dtype, model_dtype
                                   scale, call)  # fmt: skip
 
 
-@pytest.mark.parametrize("heads_a_step", [2, 4])
+@pytest.mark.parametrize("heads_a_step", [1, 2, 4])
 @pytest.mark.parametrize("heads", [3, 4])
 @pytest.mark.parametrize("cache_dtype, model_dtype, scale", [CASES[0], CASES[6]])
-def test_kernels_moving_several_heads_a_step(monkeypatch, heads_a_step, heads, cache_dtype, model_dtype, scale):
-    """Programs that move several heads per step of their head loop (``_HEADS_PER_TILE``), a count that divides the
-    layers' heads or not (the last step's missing heads masked): the gather and the store-and-gather still match the
+def test_kernels_moving_heads_a_few_at_a_time(monkeypatch, heads_a_step, heads, cache_dtype, model_dtype, scale):
+    """Programs that move one head or several per step of their head loop (``_HEADS_PER_TILE``), a count that divides
+    the layers' heads or not (the last step's missing heads masked): the gather and the store-and-gather match the
     torch reference bit for bit, prefill, decode and a chunk."""
     monkeypatch.setattr(head_gather, "_HEADS_PER_TILE", heads_a_step)
     monkeypatch.setattr(head_gather, "_TILE_ELEMS", 256)  # token blocks of 8 or 4 tokens: several a row

@@ -42,8 +42,11 @@ __all__ = ["HeadGather", "gather_heads", "gather_heads_native", "gather_heads_tr
 #: head width times the heads a step moves
 _TILE_ELEMS = 4096
 _NUM_WARPS = 4
-#: heads a program moves per step of its head loop (a power of two; fewer when the layers have fewer)
-_HEADS_PER_TILE = 1
+#: heads a program moves per step of its head loop (a power of two; fewer when the layers have fewer): all eight KV
+#: heads of a Llama-3-8B-wide layer in one step, so a program's loads of every head are in flight at once
+#: (benchmarks/probe_store_gather_device.py --heads: 3-15% less device time than a head a step where the copies bound
+#: a step, up to 3.8x less at short rows of an fp8 cache)
+_HEADS_PER_TILE = 8
 
 #: how many holders (tensors, views included, and storage objects) a storage has, given its address:
 #: ``torch._C._storage_Use_Count`` (None: outputs are never reused)
