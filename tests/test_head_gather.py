@@ -253,7 +253,7 @@ def test_kernels_moving_heads_a_few_at_a_time(monkeypatch, heads_a_step, heads, 
     the layers' heads or not (the last step's missing heads masked): the gather and the store-and-gather match the
     torch reference bit for bit, prefill, decode and a chunk."""
     monkeypatch.setattr(head_gather, "_HEADS_PER_TILE", heads_a_step)
-    monkeypatch.setattr(head_gather, "_TILE_ELEMS", 256)  # token blocks of 8 or 4 tokens: several a row
+    monkeypatch.setattr(head_gather, "_TILE_ELEMS", 256)  # token blocks of 8, 4 or 2 tokens: several a row
     layers, rows, dk, dv, batch = 2, 200, 24, 8, 2
     k = random_rows((layers, rows, heads, dk), cache_dtype, 30)
     v = random_rows((layers, rows, heads, dv), cache_dtype, 31)
@@ -263,9 +263,11 @@ def test_kernels_moving_heads_a_few_at_a_time(monkeypatch, heads_a_step, heads, 
     assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
     gather = HeadGather(k.unbind(0), v.unbind(0), model_dtype, scale, scale, use_triton=True)
     assert gather._constexprs[5] == heads_a_step and gather._block_t == 256 // (32 * heads_a_step)
-    matches_a_store_then_a_gather(k, v, table, ((13, 13), (14, 1), (33, 19)), model_dtype, scale,
-                                  lambda step, layer, end, k_new, v_new: gather.store_and_gather(layer, table, k_new,
-                                                                                                 v_new, end))  # fmt: skip
+
+    def call(step, layer, end, k_new, v_new):
+        return gather.store_and_gather(layer, table, k_new, v_new, end)
+
+    matches_a_store_then_a_gather(k, v, table, ((13, 13), (14, 1), (33, 19)), model_dtype, scale, call)
 
 
 @pytest.mark.parametrize("page", [4, 16])

@@ -248,8 +248,9 @@ class HeadGather(KeepsAddresses):
         *_, block_dk, block_dv, block_h, page, _, code_in, code_out, scaled, hw_cvt = self._constexprs
         self._store_constexprs = STORE_GATHER_ARGS.constexprs(
             HEADS=self.heads, DK=self.dk, DV=self.dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_H=block_h,
-            PAGE=page, BLOCK_T=self._block_t, IN=code_in, OUT=code_out, STORE=dtypes.conversion_code(out_dtype, k0.dtype, "the cache"),
-            SATURATE=torch_e4m3fn_saturates(), SCALED=scaled, HW_CVT=hw_cvt,
+            PAGE=page, BLOCK_T=self._block_t, IN=code_in, OUT=code_out,
+            STORE=dtypes.conversion_code(out_dtype, k0.dtype, "the cache"), SATURATE=torch_e4m3fn_saturates(),
+            SCALED=scaled, HW_CVT=hw_cvt,
         )  # fmt: skip
         self._store_launch = launcher_for(STORE_GATHER_ARGS, k0.device)
         self._store_plans: dict[tuple, Plan] = {}
