@@ -19,7 +19,7 @@ of its head loop), warp counts and heads a step than the library's (:data:`~kvco
 ``_NUM_WARPS``, ``_HEADS_PER_TILE``), each checked too.
 
     python benchmarks/probe_store_gather_device.py [--tokens 100,4000,16000] [--batches 1,8] [--json PATH]
-        [--tiles 2048,4096,8192] [--warps 4,8] [--heads 2,8]
+        [--tiles 2048,4096,8192] [--warps 4,8] [--heads 1,2]
     TRITON_INTERPRET=1 python benchmarks/probe_store_gather_device.py --check-only --tokens 5,37 --batches 1,3
 """
 
