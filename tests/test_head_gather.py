@@ -10,6 +10,7 @@ import torch
 
 from kvcore.kernels import head_gather, launch
 from kvcore.kernels.head_gather import HeadGather, gather_heads_native, gather_heads_triton, store_and_gather_native
+from kvcore.kernels.head_gather_kernels import GATHER_ARGS, STORE_GATHER_ARGS
 from kvcore.testing.tensors import test_device
 
 DEVICE = test_device()
@@ -262,7 +263,9 @@ def test_kernels_moving_heads_a_few_at_a_time(monkeypatch, heads_a_step, heads, 
     want = gather_heads_native(k[1], v[1], table[:, :29], model_dtype, scale, scale)
     assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
     gather = HeadGather(k.unbind(0), v.unbind(0), model_dtype, scale, scale, use_triton=True)
-    assert gather._constexprs[5] == heads_a_step and gather._block_t == 256 // (32 * heads_a_step)
+    for args, constexprs in ((GATHER_ARGS, gather._constexprs), (STORE_GATHER_ARGS, gather._store_constexprs)):
+        assert dict(zip(args.constexpr_names, constexprs))["BLOCK_H"] == heads_a_step
+    assert gather._block_t == 256 // (32 * heads_a_step)
 
     def call(step, layer, end, k_new, v_new):
         return gather.store_and_gather(layer, table, k_new, v_new, end)

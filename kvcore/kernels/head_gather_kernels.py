@@ -67,13 +67,14 @@ def _gather_tile(src, out, loc, mask_t, b, t, out_len, page_stride, row_stride, 
     """``BLOCK_H`` heads at a time, row ``b``'s tokens ``t`` (``mask_t``: those that exist) read from the cache at
     ``loc`` and handed on to ``out`` (rows of ``out_len`` tokens, :func:`_hand_on`); tiles ``[tokens, heads, dim]``."""
     d = tl.arange(0, BLOCK_D)[None, None, :]
+    t3 = t[:, None, None]
     in_tile = mask_t[:, None, None] & (d < D)
     row = ((loc // PAGE) * page_stride + (loc % PAGE) * row_stride)[:, None, None]
     for h0 in range(0, HEADS, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)[None, :, None]
         mask = _of_heads(in_tile, h, HEADS, BLOCK_H)
         x = tl.load(src + row + h * head_stride + d, mask=mask, other=0)
-        _hand_on(x, out, b, h, t[:, None, None], d, out_len, mask, scale, HEADS, D, IN, OUT, SCALED, HW_CVT)
+        _hand_on(x, out, b, h, t3, d, out_len, mask, scale, HEADS, D, IN, OUT, SCALED, HW_CVT)
 
 
 @triton.jit
@@ -148,6 +149,7 @@ def _store_gather_tile(src, out, new, loc, mask_t, b, t, out_len, prefix, page_s
     (``[batch, heads, q, D]``), written to the cache at their locations (converted as a store converts) and handed
     on from there, exactly what a store then a gather would read back."""
     d = tl.arange(0, BLOCK_D)[None, None, :]
+    t3 = t[:, None, None]
     in_row = d < D
     fresh_t = mask_t & (t >= prefix)
     fresh = fresh_t[:, None, None]
@@ -158,17 +160,18 @@ def _store_gather_tile(src, out, new, loc, mask_t, b, t, out_len, prefix, page_s
     new_row = (b * new_sb + tl.where(fresh_t, t - prefix, 0) * new_sq)[:, None, None]
     for h0 in range(0, HEADS, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)[None, :, None]
+        stored_h = _of_heads(stored, h, HEADS, BLOCK_H)
         at = src + row + h * head_stride + d
         x = tl.load(at, mask=_of_heads(old, h, HEADS, BLOCK_H), other=0)
-        y = tl.load(new + new_row + h * new_sh + d, mask=_of_heads(stored, h, HEADS, BLOCK_H), other=0)
+        y = tl.load(new + new_row + h * new_sh + d, mask=stored_h, other=0)
         if STORE != _SAME:  # the store's conversion: float32, divided by the scale, rounded once
             yf = _widen(y, OUT, HW_CVT)  # the inputs have the output's dtype
             if SCALED:
                 yf = tl.math.div_rn(yf, tl.zeros_like(yf) + scale)
             y = _encode(yf, STORE, SATURATE, HW_CVT)
-        tl.store(at, y, mask=_of_heads(stored, h, HEADS, BLOCK_H))
-        _hand_on(tl.where(fresh, y, x), out, b, h, t[:, None, None], d, out_len, _of_heads(in_tile, h, HEADS, BLOCK_H),
-                 scale, HEADS, D, IN, OUT, SCALED, HW_CVT)  # fmt: skip
+        tl.store(at, y, mask=stored_h)
+        _hand_on(tl.where(fresh, y, x), out, b, h, t3, d, out_len, _of_heads(in_tile, h, HEADS, BLOCK_H), scale,
+                 HEADS, D, IN, OUT, SCALED, HW_CVT)  # fmt: skip
 
 
 @triton.jit
