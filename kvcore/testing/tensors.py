@@ -63,18 +63,25 @@ _LEAVES = (str, bytes, float, complex, bool, type(None), torch.dtype, torch.devi
            types.BuiltinFunctionType)  # fmt: skip
 
 
+def _shared_by_copies(x: Any) -> bool:
+    """Whether ``copy.deepcopy`` returns ``x`` itself (its class declares it shared by copies)."""
+    from kvcore.kernels.addresses import shared_by_copies
+
+    return getattr(type(x), "__deepcopy__", None) is shared_by_copies
+
+
 def _object_graph(root: Any):
     """``(path, value)`` of every object reachable from ``root`` through attributes (``__dict__`` and slots), items of
-    dicts, lists, tuples and sets, and the cells of closures and bound methods, each object once; launchers are not
-    entered (they keep compiled kernels, which copies share)."""
-    from kvcore.kernels.launch import Launcher
-
+    dicts, lists, tuples and sets, and the cells of closures and bound methods, each object once.  Objects that
+    copies share by design (their ``__deepcopy__`` is :func:`~kvcore.kernels.addresses.shared_by_copies`: launchers,
+    kernels' argument lists, plans and the frozen planning records) are yielded but not entered: they hold no
+    buffer, and what they hold is the original's and the copy's alike."""
     seen: set[int] = set()
     stack = [("copy", root)]
     while stack:
         path, x = stack.pop()
         yield path, x
-        if isinstance(x, _LEAVES + (int, torch.Tensor, Launcher)) or id(x) in seen:
+        if isinstance(x, _LEAVES + (int, torch.Tensor)) or _shared_by_copies(x) or id(x) in seen:
             continue
         seen.add(id(x))
         if isinstance(x, dict):
@@ -100,7 +107,8 @@ def _object_graph(root: Any):
 def addresses_kept(copy: Any, original: Any) -> list[str]:
     """Where ``copy`` (a ``copy.deepcopy`` of ``original``) keeps an int that points into the memory of a tensor of
     ``original`` (a raw address its kernels would launch with: they would write the original's buffers), as paths
-    (``copy._store._cache_ptrs[0]``).  Both objects are walked whole (see :func:`_object_graph`)."""
+    (``copy._store._cache_ptrs[0]``).  Both objects are walked whole, less what copies share by design (see
+    :func:`_object_graph`): a byte count in a shared plan may equal some address of the original's, by chance."""
     spans = set()
     for _, x in _object_graph(original):
         if isinstance(x, torch.Tensor):
