@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvcore.kernels.addresses import shared_by_copies
 from kvcore.sample import random_nonzero
 
 
@@ -65,8 +66,6 @@ _LEAVES = (str, bytes, float, complex, bool, type(None), torch.dtype, torch.devi
 
 def _shared_by_copies(x: Any) -> bool:
     """Whether ``copy.deepcopy`` returns ``x`` itself (its class declares it shared by copies)."""
-    from kvcore.kernels.addresses import shared_by_copies
-
     return getattr(type(x), "__deepcopy__", None) is shared_by_copies
 
 
