@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvcore.kernels import head_gather, launch
-from kvcore.kernels.head_gather import HeadGather, gather_heads_native, gather_heads_triton, store_and_gather_native
+from kvcore.kernels.head_gather import (HeadGather, gather_heads_native, gather_heads_triton, room_for,
+                                       store_and_gather_native)
 from kvcore.kernels.head_gather_kernels import GATHER_ARGS, STORE_GATHER_ARGS
 from kvcore.testing.tensors import test_device
 
@@ -506,23 +507,35 @@ def test_a_repeat_that_follows_the_layers_serves_as_a_cache_s_update(resident):
     assert repeat(*new, 2) != "otherwise" and lengths == [22, 22, 22] and len(launched) == 2
 
 
-@pytest.mark.parametrize("bound", ["reach", "width", "room"])
+@pytest.mark.parametrize("bound", ["reach", "width", "room", "pages"])
 def test_a_repeat_with_a_reach_takes_the_next_forwards_first_layer(bound):
     """``follow_layers(lengths, otherwise, reach)``: a repeat of a launch read to a length also takes the next
     forward's first layer (layer 0, once every layer holds the launch's length), with the arguments the full path
     passes at one token more, into the same outputs resized, and from then on repeats the launch at that length; it
     declines layer 0 while the last layer has not stored the length, while the outputs are held, and past the first
-    of ``reach()``, the locations' width and the outputs' room.  The direct launch replaced by a recorder; a gather
-    that follows nothing, over the same rows, gives the full path's arguments."""
+    of the reach, the locations' width and the outputs' room.  A first layer past the reach asks ``reach(want)`` to
+    extend it first (``pages``: a reach that takes pages of 8 tokens as the rows pass their last; the others' reach
+    stays where it is).  The direct launch replaced by a recorder; a gather that follows nothing, over the same rows,
+    gives the full path's arguments."""
     layers, rows, heads, dk, dv, batch = 3, 400, 2, 16, 8, 2
     k = random_rows((layers, rows, heads, dk), torch.bfloat16, 90)
     v = random_rows((layers, rows, heads, dv), torch.bfloat16, 91)
-    # (the prompt's outputs, 20 tokens a row, are made with room for 36: a sixteenth more, at least 16)
-    width, reach, limit = {"reach": (60, 27, 27), "width": (30, 100, 30), "room": (60, 100, 36)}[bound]
+    room = room_for(20)  # (the prompt's outputs, 20 tokens a row, are made with room for more)
+    width, held, limit = {"reach": (room + 10, 27, 27), "width": (30, 200, 30), "room": (room + 10, 200, room),
+                          "pages": (room + 10, 24, room)}[bound]  # fmt: skip
+    asked = []
+
+    def reach(want=0):
+        nonlocal held
+        asked.append(want)
+        if bound == "pages" and want > held:
+            held = -(-want // 8) * 8
+        return held
+
     table = distinct_locations(batch, width, rows, 92)
     lengths, declined = [0] * layers, []
     followed = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
-    followed.follow_layers(lengths, lambda k_new, v_new, layer: declined.append((layer, lengths[layer])), lambda: reach)
+    followed.follow_layers(lengths, lambda k_new, v_new, layer: declined.append((layer, lengths[layer])), reach)
     plain = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
 
     def new_of(end, layer, q=1):
@@ -538,6 +551,7 @@ def test_a_repeat_with_a_reach_takes_the_next_forwards_first_layer(bound):
         for plan in gather._store_plans.values():
             plan.entry, plan.raw_stream = (lambda *a: launched.append(a), ("HEAD",)), lambda index: 0
         gather._last_launch = gather.repeat = None  # (compiled, the plans' direct launches: the next from the plan)
+    asked.clear()  # (compiled, the repeats the plans' first launches made)
     at = 3 + 1 + 1 + 2  # the grid, the stream, the head, the layer's K and V addresses: then the outputs'
 
     def args_of(out):
@@ -576,6 +590,9 @@ def test_a_repeat_with_a_reach_takes_the_next_forwards_first_layer(bound):
             del kept
     assert repeat(*new_of(limit + 1, 0), 0) is None, f"past the {bound}"
     assert declined == [(0, limit)] and lengths == [limit] * layers and not launched
+    # read when the repeat was made, then asked to extend at each first layer past it (within the width and room)
+    extended = {"reach": [28], "width": [], "room": [], "pages": list(range(25, limit + 1, 8))}[bound]
+    assert asked == [0, *extended], "reach(want) asked once a first layer passes the reach"
 
 
 def test_decode_steps_through_the_repeat_match_a_store_then_a_gather(monkeypatch):
@@ -583,27 +600,33 @@ def test_decode_steps_through_the_repeat_match_a_store_then_a_gather(monkeypatch
     the full way; the keys and values returned and the rows stored equal the torch reference's, bit for bit, step
     after step.  The repeat takes every later layer and every first layer but those past what a repeat may take (the
     reach, the outputs' room: the first decode step, and then the full way's), once every launch signature has been
-    launched (an engine past its first steps).  Compiled for real; on the CPU with the launches made direct
-    (:func:`direct_store_launches`)."""
-    layers, rows, heads, dk, dv, batch, reach = 2, 500, 2, 16, 8, 2, 48
+    launched (an engine past its first steps).  The reach is extended a page of 8 at a time as the rows pass it, up to
+    ``pages`` tokens.  Compiled for real; on the CPU with the launches made direct (:func:`direct_store_launches`)."""
+    layers, rows, heads, dk, dv, batch, pages = 2, 500, 2, 16, 8, 2, 88
     k = random_rows((layers, rows, heads, dk), torch.bfloat16, 93)
     v = random_rows((layers, rows, heads, dv), torch.bfloat16, 94)
     k_ref, v_ref = k.clone(), v.clone()
     direct_store_launches(monkeypatch, lambda: gather, lambda: table.dtype)
     gather = HeadGather(k.unbind(0), v.unbind(0), torch.bfloat16, use_triton=True, reuse_outputs=True)
-    table = distinct_locations(batch, 80, rows, 95)
-    lengths, own_way = [0] * layers, []
+    table = distinct_locations(batch, 100, rows, 95)
+    lengths, own_way, held = [0] * layers, [], 0
 
     def otherwise(k_new, v_new, layer):
         end = lengths[layer] = lengths[layer] + k_new.shape[2]
         own_way.append((layer, end))
         return gather.store_and_gather(layer, table, k_new, v_new, end)
 
-    gather.follow_layers(lengths, otherwise, lambda: reach)
-    ends = range(20, 60)
+    def reach(want=0):
+        nonlocal held
+        if held < want <= pages:
+            held = -(-want // 8) * 8
+        return held
+
+    gather.follow_layers(lengths, otherwise, reach)
+    ends = range(20, 100)
     for _ in range(2):  # (the first time, each launch signature's first launch goes through Triton's dispatcher)
         gather.release()
-        lengths[:], own_way[:] = [0] * layers, []
+        lengths[:], own_way[:], held = [0] * layers, [], 24
         for end in ends:  # a prompt of 20 tokens, then a token a step
             q = 20 if end == 20 else 1
             for layer in range(layers):
@@ -616,8 +639,10 @@ def test_decode_steps_through_the_repeat_match_a_store_then_a_gather(monkeypatch
                 assert same_bits(k, k_ref) and same_bits(v, v_ref), (end, layer)
                 assert lengths[layer] == end
                 del got  # (what attention does before the next layer: the outputs may be written again)
-    # the prompt's first layer, the first decode step's, the outputs outgrown, past the reach
-    assert own_way == [(0, end) for end in (20, 21, 37, *range(reach + 1, ends[-1] + 1))]
+    # the prompt's first layer, the first decode step's, the outputs outgrown, past the pages
+    outgrown = room_for(20) + 1
+    assert outgrown < pages
+    assert own_way == [(0, end) for end in (20, 21, outgrown, *range(pages + 1, ends[-1] + 1))]
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
@@ -695,9 +720,9 @@ def test_reused_outputs_are_only_those_nothing_holds(mode, store):
         kept = ids(pair)
         del pair
         assert ids(call(0, end)) == kept
-        assert ids(call(1, end + 1)) == kept, "a decode's next step: the pair resized in place (room for 16 more)"
+        assert ids(call(1, end + 1)) == kept, "a decode's next step: the pair resized in place (room_for)"
         assert ids(call(0, end - 9)) == kept, "fewer tokens: resized too"
-        assert ids(call(1, 100)) != kept, "more tokens than the pair's memory holds: a new pair"
+        assert ids(call(1, room_for(end) + 1)) != kept, "more tokens than the pair's memory holds: a new pair"
 
 
 def test_reused_outputs_made_in_inference_mode_are_not_resized_outside_it():

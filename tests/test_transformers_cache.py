@@ -39,6 +39,7 @@ from transformers.models.llama.modeling_llama import LlamaModel
 import kvcore
 from kvcore.errors import ConfigError
 from kvcore.integrations.transformers import KVCacheFullError, PagedKVCache, config_overrides
+from kvcore.kernels.head_gather import room_for
 from kvcore.testing.tensors import addresses_kept
 
 from test_head_gather import direct_store_launches
@@ -823,12 +824,13 @@ def test_a_forwards_later_layers_go_straight_to_the_first_layers_repeat(monkeypa
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_steps_within_held_pages_go_to_the_repeat_from_their_first_layer(monkeypatch, page_size):
-    """A decode step whose rows stay within the pages they hold and within the outputs kept for reuse goes to the head
-    gather's repeat from its first layer on.  The cache's own way takes the prompt's layers, the first decode step's
-    first layer, and the first layer of a step that takes a page (every step at ``page_size=1``) or outgrows the
-    outputs (made with room for a sixteenth more tokens a row, at least 16); the logits are DynamicCache's.  Measured
-    on a cache's second generation, once every launch signature has been launched (an engine past its first steps).
-    Compiled for real; on the CPU with the launches made direct (:func:`direct_store_launches`)."""
+    """A decode step whose rows stay within the outputs kept for reuse goes to the head gather's repeat from its first
+    layer on, a step that takes a page (every step at ``page_size=1``) included: the repeat takes it through the
+    cache's reach, which takes the rows' next pages, whole pages as before.  The cache's own way takes the prompt's
+    layers, the first decode step's first layer, and the first layer of a step that outgrows the outputs (made with
+    room for more tokens a row, :func:`room_for`); the logits are DynamicCache's.  Measured on a cache's second
+    generation, once every launch signature has been launched (an engine past its first steps).  Compiled for real;
+    on the CPU with the launches made direct (:func:`direct_store_launches`)."""
     model, ids, mask, device = on_test_device(torch.bfloat16)
     new = 60
     ref = generate(model, DynamicCache(config=model.config), new, ids, mask)
@@ -844,13 +846,43 @@ def test_decode_steps_within_held_pages_go_to_the_repeat_from_their_first_layer(
     out = generate(model, cache, new, ids, mask)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
     layers, width = model.config.num_hidden_layers, ids.shape[1]
-    expected, room = [], width + max(16, width // 16)
+    expected, room = [], room_for(width)
     for end in range(width + 1, width + new):  # each decode step's length
-        if end == width + 1 or (end - 1) % page_size == 0 or end > room:
+        if end == width + 1 or end > room:
             expected.append(end)
-            room = room if end <= room else end + max(16, end // 16)
+            room = room if end <= room else room_for(end)
     assert own_way == [(layer, width) for layer in range(layers)] + [(0, end) for end in expected]
-    assert len(expected) < new - 1 if page_size > 1 else len(expected) == new - 1
+    assert 0 < len(expected) < (new - 1) // 4, "most decode steps went to the repeat from their first layer"
+    taken = cache.capacity_tokens - cache.available_tokens
+    assert taken == stored_tokens(cache.get_seq_length(), page_size), "whole pages, as the rows grew"
+
+
+@pytest.mark.parametrize("limit", ["slots", "max_context_len"])
+def test_decode_steps_through_the_repeat_end_where_the_pool_or_the_table_does(monkeypatch, limit):
+    """The repeat takes a decode step's next page (through the cache's reach) only while the allocator has one and the
+    rows fit the request table: a pool out of slots, or rows reaching ``max_context_len`` inside a page, hand the step
+    to the cache's own way, which raises :class:`KVCacheFullError` saying what to raise; every slot goes back after.
+    Pages of 16, rows of 17 prompt tokens: the third page (position 33) is taken by the repeat, and the step that needs
+    a fourth (49, with slots for three pages a row) or passes ``max_context_len`` (48, with 47) is refused.  Compiled
+    for real; on the CPU with the launches made direct."""
+    model, ids, mask, device = on_test_device(torch.bfloat16)
+    direct_store_launches(monkeypatch, lambda: cache._gathers[torch.bfloat16],
+                          lambda: cache.req_to_token_pool.req_to_token.dtype)
+    rows, width = ids.shape
+    assert width == 17
+    sizes = {"slots": {"max_total_tokens": rows * 48}, "max_context_len": {"max_context_len": 47}}[limit]
+    cache = paged(model, page_size=16, kernels="triton", device=device, **sizes)
+    own_way = []
+    update = cache._update
+    monkeypatch.setattr(cache, "_update", lambda layer, k, v: own_way.append(
+        (layer.layer_id, layer.seq_len + k.shape[-2])) or update(layer, k, v))  # fmt: skip
+    with pytest.raises(KVCacheFullError, match="free finished rows" if limit == "slots" else "max_context_len"):
+        generate(model, cache, 40, ids, mask)
+    refused = 49 if limit == "slots" else 48
+    assert own_way[-1] == (0, refused) and (0, 33) not in own_way, "the third page taken by the repeat"
+    assert cache._allocated == 48, "the fourth page never taken"
+    cache.free_all()
+    assert cache.available_tokens == cache.capacity_tokens and cache.req_to_token_pool.available_size() >= rows
 
 
 def test_the_repeat_under_beam_search_and_after_a_crop(monkeypatch):

@@ -331,9 +331,10 @@ class PagedKVCache(Cache):
         for the later layers, as this cache's ``update`` (an instance attribute over this method, unless a subclass
         overrides it or an ``update`` was set on the cache, a wrapper, which then reaches it through this method):
         one Python call a layer, which launches for a layer not stored yet at this length and hands anything else to
-        this method's work (:meth:`_update_layer`).  It also takes the next decode steps' first layer while every
-        row's new tokens fall in pages it holds (:meth:`_reach`) and the kept outputs have room for them: such a step
-        is one call a layer, the first included.  A first layer it declines, and every edit of the rows, drop it."""
+        this method's work (:meth:`_update_layer`).  It also takes the next decode steps' first layer while the kept
+        outputs have room for their tokens, taking the rows' next pages when the new tokens pass their last
+        (:meth:`_reach`): such a step is one call a layer, the first included.  A first layer it declines, and every
+        edit of the rows, drop it."""
         repeat = self._repeat
         if repeat is not None:  # (this method still runs it when a subclass's update calls it)
             return repeat(key_states, value_states, layer_idx)
@@ -468,16 +469,24 @@ class PagedKVCache(Cache):
             raise KVCacheFullError(
                 f"rows of {end} tokens exceed the request table's max_context_len={max_len} (raise max_context_len)"
             )
-        start, page = self._allocated, self.page_size
+        if not self._take_pages(end):
+            start, page, n = self._allocated, self.page_size, len(self._live_slots)
+            more = n * (-(-end // page) * page - start)
+            raise KVCacheFullError(
+                f"{n} row(s) growing from {start} to {end} tokens need {more} more token slots (in pages of {page}); "
+                f"{self.available_tokens} are free of {self.capacity_tokens}: raise max_total_tokens, or free "
+                "finished rows"
+            )
+
+    def _take_pages(self, end: int) -> bool:
+        """:meth:`_grow`'s allocation and table writes, for rows of at most ``max_context_len`` tokens on pages the
+        allocator hands out as they grow; False (nothing changed) when the allocator has not the slots."""
+        start, page, max_len = self._allocated, self.page_size, self.req_to_token_pool.max_context_len
         stop = -(-end // page) * page
         n = len(self._live_slots)
         out = self.allocator.alloc(n * (stop - start))
         if out is None:
-            raise KVCacheFullError(
-                f"{n} row(s) growing from {start} to {end} tokens need {n * (stop - start)} more token slots "
-                f"(in pages of {page}); {self.available_tokens} are free of {self.capacity_tokens}: "
-                "raise max_total_tokens, or free finished rows"
-            )
+            return False
         cols = min(stop, max_len) - start  # a last page past max_context_len is held, its tail not recorded
         new = out.view(n, stop - start)[:, :cols]
         if self._rows is not None:
@@ -486,6 +495,7 @@ class PagedKVCache(Cache):
             table = self.req_to_token_pool.req_to_token
             table[self._live_slots, start : start + cols] = new.to(table.dtype)
         self._allocated = stop
+        return True
 
     def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> ForwardStep:
         """The first layer of a forward bringing ``key_states`` / ``value_states`` (``[batch, heads, q, dim]``) for
@@ -566,9 +576,14 @@ class PagedKVCache(Cache):
             self._gathers[dtype] = gather
         return gather
 
-    def _reach(self) -> int:
+    def _reach(self, want: int = 0) -> int:
         """Tokens every row may hold with no allocation first: the positions its pages cover, at most the request
-        table's width (what a repeat reads when it is made; every change of these drops the repeat first)."""
+        table's width (what a repeat reads when it is made; every other change of these drops the repeat first).
+        ``want``: first take the pages that rows of ``want`` tokens need, when they run on pages taken as they grow,
+        fit the table and the allocator has the slots (a repeat taking a decode step's first layer past the rows'
+        last page; otherwise the full path says what is wrong)."""
+        if self._allocated < want <= self.req_to_token_pool.max_context_len and self._row_base is None:
+            self._take_pages(want)
         return min(self._allocated, self.req_to_token_pool.max_context_len)
 
     def _forget_resident_rows(self) -> None:

@@ -35,8 +35,8 @@ from kvcore.kernels.launch import _RAW_STREAM, UNPLANNED, Plan, cdiv, launch_hoo
 from kvcore.kernels.row_move import next_pow2
 from kvcore.kernels.tensor_guard import layout_guard
 
-__all__ = ["HeadGather", "gather_heads", "gather_heads_native", "gather_heads_triton", "put_rows", "store_and_gather_native",
-           "take_rows"]
+__all__ = ["HeadGather", "gather_heads", "gather_heads_native", "gather_heads_triton", "put_rows", "room_for",
+           "store_and_gather_native", "take_rows"]
 
 #: elements a program moves per step of its head loop (tokens x heads x dim); the token block is this over the padded
 #: head width times the heads a step moves
@@ -134,11 +134,11 @@ def _declined(k_new: torch.Tensor, v_new: torch.Tensor, layer: int) -> None:
     return None
 
 
-def _room(seq: int) -> int:
-    """Tokens a row of :class:`HeadGather`'s reused outputs has room for when they are allocated for ``seq``: a
-    sixteenth more (at least 16 tokens), so that a decode's next steps, one token longer each, resize them in
-    place."""
-    return seq + max(16, seq // 16)
+def room_for(seq: int) -> int:
+    """Tokens a row of kept outputs has room for when they are allocated for ``seq`` (:class:`HeadGather`'s reused
+    outputs, resident rows): an eighth more, at least 64, so that a decode's next steps, one token longer each, use
+    the same memory, and a decode allocates them again once every ``seq / 8`` steps at most."""
+    return seq + max(64, seq // 8)
 
 
 def gather_heads_triton(k: torch.Tensor, v: torch.Tensor, locs: torch.Tensor, out_dtype: torch.dtype,
@@ -182,7 +182,7 @@ class HeadGather(KeepsAddresses):
     :param use_triton: the kernel (True) or :func:`gather_heads_native`.
     :param reuse_outputs: the kernel writes into the two tensors a call before returned, when nothing holds them any
         more (no Python reference but this object's, no view of their memory), their memory holds the call's shapes
-        (they are resized in place to them: a pair is allocated with room for a sixteenth more tokens a row) and the
+        (they are resized in place to them: a pair is allocated with room for more tokens a row, :func:`room_for`) and the
         device's current stream is the one they were last written on; otherwise it allocates two.  A caller that
         reads them on another stream must keep a reference until that stream is done.  What a transformers cache
         wants: a layer's keys and values are dropped before the next layer's update, which then allocates nothing,
@@ -420,10 +420,11 @@ class HeadGather(KeepsAddresses):
 
         Followed layers (:meth:`follow_layers`) with a ``reach``, and a launch of whole rows of locations read to a
         length: the repeat also takes the next forward's first layer (layer 0, with every layer at the length
-        ``last`` stored and the same new rows' layout) while the rows stay within the reach read here, the launch's
-        locations and the spare pair's room.  It resizes the pair in place to the new length and from then on repeats
-        the launch at that length: a decode's steps within the rows' reach are one Python call a layer, the first
-        included (:meth:`store_and_gather` of that length gives the same launch).
+        ``last`` stored and the same new rows' layout) while the rows stay within the launch's locations, the spare
+        pair's room and the rows' reach (read here; a first layer past it asks ``reach`` to extend it first).  It
+        resizes the pair in place to the new length and from then on repeats the launch at that length: a decode's
+        steps are one Python call a layer, the first included (:meth:`store_and_gather` of that length gives the same
+        launch), until the rows outgrow the outputs' room or the locations.
 
         Everything the checks compare is bound once here, in a closure, and the new rows' layout is compared in one
         call (the launch's guard): a call touches little that a decode step's other work may have pushed out of the
@@ -442,16 +443,18 @@ class HeadGather(KeepsAddresses):
         batch, end = out_shape
         q = k_shape[2]
         before = end - q
-        # how far a forward's first layer may take the rows (0: no further than this launch)
-        limit = min(reach(), lshape[1], room // batch) if reach is not None and length is not None else 0
+        # how far a forward's first layer may take the rows: never past the locations' width and the outputs' room
+        # (0: no further than this launch), and within them as far as the caller's reach, which it may extend
+        bound = min(lshape[1], room // batch) if reach is not None and length is not None else 0
+        limit = min(reach(), bound) if bound else 0
         last_layer = len(self._addresses) - 1
 
         def repeat(k_new: torch.Tensor, v_new: torch.Tensor, layer: int, *extra, **options):
-            nonlocal spare, end, before, gx, tail
+            nonlocal spare, end, before, gx, tail, limit
             if lengths is None or lengths[layer] == before:  # a later layer of this forward
                 grows = False
-            elif not layer and end + q <= limit and lengths[0] == end and lengths[last_layer] == end:
-                grows = True  # the next forward's first layer
+            elif not layer and end + q <= bound and lengths[0] == end and lengths[last_layer] == end:
+                grows = True  # the next forward's first layer (within the rows' reach: below)
             else:
                 return otherwise(k_new, v_new, layer)
             at = addresses[layer]
@@ -463,8 +466,11 @@ class HeadGather(KeepsAddresses):
                 knp, vnp = k_new.data_ptr(), v_new.data_ptr()
                 if on == stream and (knp & 15) | (vnp & 15) << 4 == new_align:
                     if grows:  # the outputs resized in place, the launch at the new length from now on
-                        resized = gather._resize_spare(batch, end + q)
+                        if end + q > limit:  # past the rows' reach: the caller extends it first (takes pages)
+                            limit = min(reach(end + q), bound)
+                        resized = gather._resize_spare(batch, end + q) if end + q <= limit else None
                         if resized is None:
+                            k_out = v_out = None  # (the full path counts the outputs' references)
                             return otherwise(k_new, v_new, layer)
                         spare, before, end = resized, end, end + q
                         (gx, _, _), tail = _store_geometry(plan, batch, end, q, lstride[0])
@@ -472,6 +478,7 @@ class HeadGather(KeepsAddresses):
                     if lengths is not None:
                         lengths[layer] = end
                     return k_out, v_out
+            k_out = v_out = None
             return otherwise(k_new, v_new, layer)
 
         return repeat
@@ -485,12 +492,14 @@ class HeadGather(KeepsAddresses):
         (instead of None).  ``lengths`` is the caller's list (one entry a layer), read and written in place.  A cache
         can then serve a forward's later layers with the repeat itself, in one Python call a layer.
 
-        :param reach: None, or ``reach()``: how many tokens a row of the locations may hold with nothing for the caller
-            to do first (their locations written, the rows not edited), read once when a repeat is made.  A repeat of a
-            launch read to a length (``store_and_gather``'s ``length``) then also takes the next forward's first layer
-            (layer 0, ``q`` more new tokens, every layer holding ``seq``), as long as the rows stay within it (see
-            :meth:`_repeater`): the caller must drop the repeat before anything that moves the reach (a new batch,
-            a crop, rows taking more locations)."""
+        :param reach: None, or ``reach(want=0)``: how many tokens a row of the locations may hold with nothing for the
+            caller to do first (their locations written, the rows not edited), read once when a repeat is made; given
+            ``want``, the caller first gives every row locations for ``want`` tokens if it can (writing them into the
+            rows of locations the launch reads, on the device's current stream) and returns the reach then.  A repeat
+            of a launch read to a length (``store_and_gather``'s ``length``) then also takes the next forward's first
+            layer (layer 0, ``q`` more new tokens, every layer holding ``seq``) as long as the rows stay within the
+            reach, asking for more when they would pass it (see :meth:`_repeater`): the caller must drop the repeat
+            before anything else that moves the reach (a new batch, a crop, rows taking locations otherwise)."""
         self._follow = (lengths, otherwise, reach)
 
     def repeat_for(self, locs: torch.Tensor, length: int | None):
@@ -528,7 +537,7 @@ class HeadGather(KeepsAddresses):
                     return k_out, v_out, ko, vo
             del k_out, v_out
         new = self._template.new_empty
-        room = batch * _room(seq)
+        room = batch * room_for(seq)
         k_out, v_out = new((room, self.heads, 1, self.dk)), new((room, self.heads, 1, self.dv))
         self._resized(k_out, v_out, batch, seq)  # (tensors of this mode: it does not refuse)
         k_mem, v_mem = k_out.untyped_storage(), v_out.untyped_storage()  # kept: their addresses stay valid

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.kernels.head_gather import HeadGather, _checked_length, _repeat_if, _store_geometry
+from kvcore.kernels.head_gather import HeadGather, _checked_length, _repeat_if, _store_geometry, room_for
 from kvcore.kernels.head_rows import store_and_gather_native
 from kvcore.kernels.launch import UNPLANNED, launch_hooks_installed, remember
 from kvcore.kernels.tensor_guard import layout_guard
@@ -23,10 +23,9 @@ from kvcore.kernels.tensor_guard import layout_guard
 __all__ = ["ResidentHeadGather", "resident_room"]
 
 
-def resident_room(seq: int) -> int:
-    """Tokens a row of resident rows has room for when they are allocated for ``seq``: an eighth more, at least 64,
-    so that a decode grows them (and gathers every token again) once every ``seq / 8`` steps."""
-    return seq + max(64, seq // 8)
+#: tokens a row of resident rows has room for when they are allocated for ``seq``: an eighth more, at least 64, so that
+#: a decode grows them (and gathers every token again) once every ``seq / 8`` steps (:func:`room_for`)
+resident_room = room_for
 
 
 class _Rows:
