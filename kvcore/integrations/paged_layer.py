@@ -1,14 +1,15 @@
 """One decoder layer's view of a :class:`~kvcore.integrations.transformers.PagedKVCache`: the
 ``transformers.cache_utils.CacheLayerMixin`` each attention layer of a model talks to (its ``update``, lengths and
-edits go to the shared cache), and what a forward's first layer works out for the others (:class:`ForwardStep`).
-Needs ``transformers``, as that module does."""
+edits go to the shared cache), what a forward's first layer works out for the others (:class:`ForwardStep`), and
+the geometry of the strided views of reserved runs (:func:`run_geometry`).  Needs ``transformers``, as that module
+does."""
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["PagedKVLayer"]
+__all__ = ["ForwardStep", "PagedKVLayer", "run_geometry"]
 
 
 class PagedKVLayer(CacheLayerMixin):
@@ -127,3 +128,11 @@ class ForwardStep:
         self.end, self.q = end, q
         self.live = self.write_locs = self.read_locs = self.length = self.gather = self.view_shape = None
         self.fused = False
+
+
+def run_geometry(buffer: torch.Tensor, base: int, cap: int) -> tuple:
+    """``(buffer, head dim, strides, storage offset)`` of the view ``[batch, heads, length, dim]`` of a layer's token
+    rows ``[rows, heads, dim]`` over runs of ``cap`` slots reserved from slot ``base`` on (row ``b``'s token ``t`` is
+    slot ``base + b * cap + t``)."""
+    row, head, elem = buffer.stride()
+    return buffer, buffer.shape[2], (cap * row, head, row, elem), buffer.storage_offset() + base * row

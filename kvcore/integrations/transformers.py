@@ -56,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from kvcore.errors import ConfigError, KVCoreError
 from kvcore.integrations.hf_model import (BACKEND, SUPPORTED_DTYPES, build_pools_at, config_overrides, model_dimensions,
                                           resolve_dtype)  # fmt: skip
-from kvcore.integrations.paged_layer import ForwardStep, PagedKVLayer
+from kvcore.integrations.paged_layer import ForwardStep, PagedKVLayer, run_geometry
 from kvcore.kernels.head_gather import HeadGather, take_rows
 from kvcore.kernels.kernel_mode import use_triton
 from kvcore.kernels.resident_gather import ResidentHeadGather
@@ -469,24 +469,23 @@ class PagedKVCache(Cache):
             raise KVCacheFullError(
                 f"rows of {end} tokens exceed the request table's max_context_len={max_len} (raise max_context_len)"
             )
-        if not self._take_pages(end):
-            start, page, n = self._allocated, self.page_size, len(self._live_slots)
-            more = n * (-(-end // page) * page - start)
+        start, missing = self._allocated, self._take_pages(end)
+        if missing:
             raise KVCacheFullError(
-                f"{n} row(s) growing from {start} to {end} tokens need {more} more token slots (in pages of {page}); "
-                f"{self.available_tokens} are free of {self.capacity_tokens}: raise max_total_tokens, or free "
-                "finished rows"
+                f"{len(self._live_slots)} row(s) growing from {start} to {end} tokens need {missing} more token slots "
+                f"(in pages of {self.page_size}); {self.available_tokens} are free of {self.capacity_tokens}: "
+                "raise max_total_tokens, or free finished rows"
             )
 
-    def _take_pages(self, end: int) -> bool:
+    def _take_pages(self, end: int) -> int:
         """:meth:`_grow`'s allocation and table writes, for rows of at most ``max_context_len`` tokens on pages the
-        allocator hands out as they grow; False (nothing changed) when the allocator has not the slots."""
+        allocator hands out as they grow: 0, or the slots the allocator did not have (nothing changed then)."""
         start, page, max_len = self._allocated, self.page_size, self.req_to_token_pool.max_context_len
         stop = -(-end // page) * page
         n = len(self._live_slots)
         out = self.allocator.alloc(n * (stop - start))
         if out is None:
-            return False
+            return n * (stop - start)
         cols = min(stop, max_len) - start  # a last page past max_context_len is held, its tail not recorded
         new = out.view(n, stop - start)[:, :cols]
         if self._rows is not None:
@@ -495,7 +494,7 @@ class PagedKVCache(Cache):
             table = self.req_to_token_pool.req_to_token
             table[self._live_slots, start : start + cols] = new.to(table.dtype)
         self._allocated = stop
-        return True
+        return 0
 
     def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> ForwardStep:
         """The first layer of a forward bringing ``key_states`` / ``value_states`` (``[batch, heads, q, dim]``) for
@@ -525,7 +524,8 @@ class PagedKVCache(Cache):
         k_buf = self._layer_buffers[0][0]
         if self._row_base is not None and k_buf.dtype == key_states.dtype and k_buf.dim() == 3:
             if self._row_views is None:
-                self._row_views = [self._row_geometry(k) + self._row_geometry(v) for k, v in self._layer_buffers]
+                base, cap = self._row_base, self._row_cap
+                self._row_views = [run_geometry(k, base, cap) + run_geometry(v, base, cap) for k, v in self._layer_buffers]
             step.view_shape = (batch, k_buf.shape[1], end)
         else:
             step.gather = self._gather_for(key_states.dtype)
@@ -551,14 +551,6 @@ class PagedKVCache(Cache):
                 step.read_locs = step.read_locs.to(torch.int64)
         self._step = step
         return step
-
-    def _row_geometry(self, buffer: torch.Tensor) -> tuple:
-        """``(buffer, head dim, strides, storage offset)`` of the view ``[batch, heads, length, dim]`` of a layer's
-        token rows ``[rows, heads, dim]`` over the reserved runs (row ``b``'s token ``t`` is slot ``base + b * cap +
-        t``)."""
-        row, head, elem = buffer.stride()
-        offset = buffer.storage_offset() + self._row_base * row
-        return buffer, buffer.shape[2], (self._row_cap * row, head, row, elem), offset
 
     def _gather_for(self, dtype: torch.dtype) -> HeadGather:
         gather = self._gathers.get(dtype)

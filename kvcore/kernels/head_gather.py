@@ -182,8 +182,8 @@ class HeadGather(KeepsAddresses):
     :param use_triton: the kernel (True) or :func:`gather_heads_native`.
     :param reuse_outputs: the kernel writes into the two tensors a call before returned, when nothing holds them any
         more (no Python reference but this object's, no view of their memory), their memory holds the call's shapes
-        (they are resized in place to them: a pair is allocated with room for more tokens a row, :func:`room_for`) and the
-        device's current stream is the one they were last written on; otherwise it allocates two.  A caller that
+        (they are resized in place to them: a pair is allocated with room for more tokens a row, :func:`room_for`)
+        and the device's current stream is the one they were last written on; otherwise it allocates two.  A caller that
         reads them on another stream must keep a reference until that stream is done.  What a transformers cache
         wants: a layer's keys and values are dropped before the next layer's update, which then allocates nothing,
         and a decode step's first layer resizes the pair the step before left.
