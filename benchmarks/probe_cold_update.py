@@ -9,8 +9,10 @@ store-and-gather launch replaced by a recorder once planned (so that it runs on 
 is not in these numbers, its arguments are), and DynamicCache, for scale (its ``torch.cat`` copies a few KB here).
 A Llama of 8 layers, hidden 512, batch 1, prompt 100, bf16.  Median µs over ``--calls`` whole decode steps (the rows
 a token longer each, pages of 16 taken as they fill), best of 3 rounds, of a later layer's update (layers 1-7) and of
-a decode step's first layer's, each after: nothing (``none``), one decoder layer's forward (``layer``), a sum over
-2^18 Python ints (``evict``).
+a decode step's first layer's, and the first layer's mean (which holds the steps that take a page or outgrow the
+outputs), each after: nothing (``none``), one decoder layer's forward (``layer``), a sum over 2^18 Python ints
+(``evict``).  kvcore's caches take their pages from a torch stand-in for the allocator (:func:`torch_pages`: the
+allocator's kernel, interpreted here, would take milliseconds).
 
     python benchmarks/probe_cold_update.py [--calls 400] [--before none,layer,evict]
 """
@@ -52,6 +54,22 @@ def recorded(cache, step_kv) -> None:
         raise RuntimeError("no repeat of the first layer's launch was made")
 
 
+def torch_pages(cache) -> None:
+    """Replace the cache's allocator's ``alloc`` / ``free`` by a torch stand-in that hands out consecutive slots from
+    slot 1 on, from the start again when it reaches the end, and takes nothing back: what a page take costs the
+    cache's Python (and one small torch op), not the allocator's kernel.  The slots' contents are never read (the
+    launches are recorded)."""
+    capacity, cursor = cache.capacity_tokens, [1]
+
+    def alloc(n: int) -> torch.Tensor:
+        if cursor[0] + n > capacity:
+            cursor[0] = 1
+        start, cursor[0] = cursor[0], cursor[0] + n
+        return torch.arange(start, start + n, dtype=torch.int64)
+
+    cache.allocator.alloc, cache.allocator.free = alloc, lambda slots: None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=400)
@@ -69,6 +87,7 @@ def main() -> None:
     def paged(cls, resident_rows=False):
         cache = cls.from_model(model, max_total_tokens=1024, page_size=16, max_batch_size=1, kernels="triton",
                                device="cpu", resident_rows=resident_rows)  # fmt: skip
+        torch_pages(cache)
         with torch.no_grad():
             for layer in range(LAYERS):
                 cache.update(*prompt_kv, layer)
@@ -91,8 +110,9 @@ def main() -> None:
               "evict": lambda: sum(objects)}  # fmt: skip
     clock = time.perf_counter_ns
 
-    def timed(cache, pred) -> tuple[float, float]:
-        """Median µs of a later layer's update and of a first layer's, over ``--calls`` whole decode steps."""
+    def timed(cache, pred) -> tuple[float, float, float]:
+        """Median µs of a later layer's update and of a first layer's, and the first layer's mean, over ``--calls``
+        whole decode steps."""
         extra = cache.get_seq_length() - PROMPT
         if extra:  # (the rows back to the prompt: a kvcore cache then starts its next step the full way)
             cache.crop(-extra)
@@ -103,16 +123,17 @@ def main() -> None:
                 start = clock()
                 cache.update(*step_kv, layer)
                 (later if layer else first).append((clock() - start) / 1e3)
-        return statistics.median(later), statistics.median(first)
+        return statistics.median(later), statistics.median(first), statistics.fmean(first)
 
     print(f"CPU host µs of one update right after its predecessor (median over {args.calls} decode steps, best of 3 "
           f"rounds); Llama {LAYERS} x 512, batch 1, prompt {PROMPT}, launches recorded")  # fmt: skip
-    print(f"{'before':<8}" + "".join(f"{name + ' ' + which:>18}" for name in caches for which in ("later", "first")))
+    columns = ("later", "first", "first mean")
+    print(f"{'before':<8}" + "".join(f"{name + ' ' + which:>22}" for name in caches for which in columns))
     with torch.no_grad():
         for name in args.before.split(","):
             rounds = [[timed(cache, before[name]) for _ in range(3)] for cache in caches.values()]
-            row = [min(times[which] for times in cache_rounds) for cache_rounds in rounds for which in (0, 1)]
-            print(f"{name:<8}" + "".join(f"{us:18.2f}" for us in row), flush=True)
+            row = [min(times[which] for times in cache_rounds) for cache_rounds in rounds for which in (0, 1, 2)]
+            print(f"{name:<8}" + "".join(f"{us:22.2f}" for us in row), flush=True)
 
 
 if __name__ == "__main__":

@@ -709,8 +709,9 @@ def test_reused_outputs_are_only_those_nothing_holds(mode, store):
         pair = call(0, end)
         assert id(pair[0]) != id(held) and same_bits(held, was), "a pair held by a reference is left alone"
         del held
-        for alias in (lambda x: x.transpose(2, 3), lambda x: x[:, :1], lambda x: x.detach()):
-            other, kept = alias(pair[1]), ids(pair)
+        for which, alias in ((1, lambda x: x.transpose(2, 3)), (1, lambda x: x[:, :1]), (1, lambda x: x.detach()),
+                             (0, lambda x: x[:, :1])):  # fmt: skip
+            other, kept = alias(pair[which]), ids(pair)
             was = other.clone()
             del pair
             pair = call(1, end)

@@ -515,7 +515,7 @@ class HeadGather(KeepsAddresses):
     def _outputs(self, batch: int, seq: int, stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The two outputs of a call and their addresses: the spare pair when ``reuse_outputs`` allows it (see the
         class), resized in place when the call's shapes differ and its memory holds them, else two new tensors
-        (then kept as the spare, with room for :func:`_room` tokens a row).  ``stream``: the device's current raw
+        (then kept as the spare, with room for :func:`room_for` tokens a row).  ``stream``: the device's current raw
         stream, when the caller has read it already."""
         if not self._reuse:
             new = self._template.new_empty
