@@ -1,7 +1,8 @@
 """What :class:`kvcore.integrations.transformers.PagedKVCache` reads of a transformers model and builds for it:
 its KV dimensions (:func:`model_dimensions`), the ``load_config`` overrides that describe it
 (:func:`config_overrides`), the cache dtype it accepts, and the pools built through kvcore's hooks at the sizes
-given (no memory planning).  Imports no transformers: it reads configs by attribute.
+given (no memory planning: :func:`pools_for_model`, :func:`build_pools_at`).  Imports no transformers: it reads
+configs by attribute.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 from kvcore.config import parse_dtype
 from kvcore.errors import ConfigError, KVCoreError
 
-__all__ = ["BACKEND", "SUPPORTED_DTYPES", "build_pools_at", "config_overrides", "model_dimensions", "resolve_dtype"]
+__all__ = ["BACKEND", "SUPPORTED_DTYPES", "build_pools_at", "config_overrides", "model_dimensions", "pools_for_model",
+           "resolve_dtype"]
 
 #: cache dtypes :class:`PagedKVCache` accepts (fp8 is stored as uint8 by the pool).
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -144,3 +146,33 @@ def build_pools_at(request: Any, *, size: int, requests: int, max_context_len: i
         if value is None:
             raise PluginError(f"no plugin created the {what} for backend {backend.name!r}")
     return pool, allocator, req_to_token_pool
+
+
+def pools_for_model(model: Any, *, max_total_tokens: int, page_size: int, dtype: Any, max_batch_size: int,
+                    max_context_len: int | None, device: Any, kernels: str, need_sort: bool, registry: Any):
+    """``(pool, allocator, request table)`` of the ``mha`` backend for every layer of ``model`` (anything with
+    ``.config``), at the sizes ``PagedKVCache.from_model`` documents for the same arguments: whole pages of
+    ``max_total_tokens``, ``max_batch_size`` request slots, rows of ``max_context_len`` tokens (default: the model's
+    context, at most the pool's size)."""
+    import kvcore
+
+    dims = model_dimensions(model.config)
+    model_dtype = getattr(model, "dtype", None) or torch.float32
+    cache_dtype = resolve_dtype(dtype, model_dtype)
+    device = torch.device(device if device is not None else getattr(model, "device", "cpu"))
+    page_size = int(page_size)
+    if page_size <= 0:
+        raise ConfigError(f"page_size must be positive, got {page_size}")
+    size = int(max_total_tokens) // page_size * page_size
+    if size <= 0:
+        raise ConfigError(f"max_total_tokens={max_total_tokens} holds no whole page of page_size={page_size}")
+    if max_context_len is None:
+        max_context_len = min(dims["context_length"] or size, size)
+    request = kvcore.PoolRequest(
+        attention="mha", kv_dtype=cache_dtype, model_dtype=model_dtype, device=str(device), vendor="generic",
+        page_size=page_size, layer_num=dims["layers"], start_layer=0, end_layer=dims["layers"] - 1,
+        head_num=dims["kv_heads"], head_dim=dims["head_dim"], v_head_dim=dims["head_dim"], kernels=kernels,
+        backend=BACKEND, model_name=getattr(model.config, "name_or_path", "") or type(model).__name__,
+    )  # fmt: skip
+    return build_pools_at(request, size=size, requests=int(max_batch_size), max_context_len=int(max_context_len),
+                          need_sort=need_sort, registry=registry)  # fmt: skip

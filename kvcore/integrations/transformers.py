@@ -54,8 +54,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     ) from exc
 
 from kvcore.errors import ConfigError, KVCoreError
-from kvcore.integrations.hf_model import (BACKEND, SUPPORTED_DTYPES, build_pools_at, config_overrides, model_dimensions,
-                                          resolve_dtype)  # fmt: skip
+from kvcore.integrations.hf_model import SUPPORTED_DTYPES, config_overrides, model_dimensions, pools_for_model
 from kvcore.integrations.paged_layer import ForwardStep, PagedKVLayer, run_geometry
 from kvcore.kernels.head_gather import HeadGather, take_rows
 from kvcore.kernels.kernel_mode import use_triton
@@ -207,29 +206,9 @@ class PagedKVCache(Cache):
             class docstring).
         :param resident_rows: keep every layer's gathered rows between steps (see the class docstring).
         """
-        import kvcore
-
-        dims = model_dimensions(model.config)
-        model_dtype = getattr(model, "dtype", None) or torch.float32
-        cache_dtype = resolve_dtype(dtype, model_dtype)
-        device = torch.device(device if device is not None else getattr(model, "device", "cpu"))
-        page_size = int(page_size)
-        if page_size <= 0:
-            raise ConfigError(f"page_size must be positive, got {page_size}")
-        size = int(max_total_tokens) // page_size * page_size
-        if size <= 0:
-            raise ConfigError(f"max_total_tokens={max_total_tokens} holds no whole page of page_size={page_size}")
-        if max_context_len is None:
-            max_context_len = min(dims["context_length"] or size, size)
-        request = kvcore.PoolRequest(
-            attention="mha", kv_dtype=cache_dtype, model_dtype=model_dtype, device=str(device), vendor="generic",
-            page_size=page_size, layer_num=dims["layers"], start_layer=0, end_layer=dims["layers"] - 1,
-            head_num=dims["kv_heads"], head_dim=dims["head_dim"], v_head_dim=dims["head_dim"], kernels=kernels,
-            backend=BACKEND, model_name=getattr(model.config, "name_or_path", "") or type(model).__name__,
-        )  # fmt: skip
-        pool, allocator, req_to_token_pool = build_pools_at(
-            request, size=size, requests=int(max_batch_size), max_context_len=int(max_context_len),
-            need_sort=need_sort, registry=registry,
+        pool, allocator, req_to_token_pool = pools_for_model(
+            model, max_total_tokens=max_total_tokens, page_size=page_size, dtype=dtype, max_batch_size=max_batch_size,
+            max_context_len=max_context_len, device=device, kernels=kernels, need_sort=need_sort, registry=registry,
         )  # fmt: skip
         return cls(pool, allocator, req_to_token_pool, k_scale=k_scale, v_scale=v_scale, contiguous_rows=contiguous_rows,
                    resident_rows=resident_rows)  # fmt: skip
