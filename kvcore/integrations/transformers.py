@@ -504,7 +504,8 @@ class PagedKVCache(Cache):
         if self._row_base is not None and k_buf.dtype == key_states.dtype and k_buf.dim() == 3:
             if self._row_views is None:
                 base, cap = self._row_base, self._row_cap
-                self._row_views = [run_geometry(k, base, cap) + run_geometry(v, base, cap) for k, v in self._layer_buffers]
+                self._row_views = [run_geometry(k, base, cap) + run_geometry(v, base, cap)
+                                   for k, v in self._layer_buffers]  # fmt: skip
             step.view_shape = (batch, k_buf.shape[1], end)
         else:
             step.gather = self._gather_for(key_states.dtype)
