@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.kernels.head_gather import gather_heads_native
-from kvcore.kernels.resident_gather import ResidentHeadGather, resident_room
+from kvcore.kernels.head_gather import gather_heads_native, room_for
+from kvcore.kernels.resident_gather import ResidentHeadGather
 from kvcore.testing.tensors import test_device
 from test_head_gather import (CASES, CountingPlans, distinct_locations, matches_a_store_then_a_gather, new_rows,
                               random_rows, same_bits)  # fmt: skip
@@ -36,7 +36,7 @@ def test_every_call_returns_what_a_store_then_a_full_gather_returns(cache_dtype,
         return got
 
     matches_a_store_then_a_gather(k, v, table, STEPS, model_dtype, scale, call)
-    assert gather._rows.room == resident_room(420), "rows past their room are gathered into new ones"
+    assert gather._rows.room == room_for(420), "rows past their room are gathered into new ones"
 
 
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])

@@ -16,7 +16,8 @@ from transformers.cache_utils import Cache
 
 import kvcore
 from kvcore.integrations.transformers import PagedKVCache, config_overrides
-from kvcore.kernels.resident_gather import ResidentHeadGather, resident_room
+from kvcore.kernels.head_gather import room_for
+from kvcore.kernels.resident_gather import ResidentHeadGather
 
 
 def resident_gather(cache: PagedKVCache) -> ResidentHeadGather:
@@ -57,8 +58,8 @@ def test_resident_rows_keep_every_logit(cache_dtype, scales, layout, new):
     gather, length = resident_gather(cache), cache.get_seq_length()
     assert cache._step.fused and all(gather.rows_held(layer) == length for layer in range(len(cache.layers)))
     width = ids.shape[1]
-    grown = length > resident_room(width)
-    assert grown == (new == 70) and (gather._rows.room > resident_room(width)) == grown
+    grown = length > room_for(width)
+    assert grown == (new == 70) and (gather._rows.room > room_for(width)) == grown
 
 
 def test_resident_rows_after_a_crop_match_a_cache_without_them():

@@ -20,12 +20,7 @@ from kvcore.kernels.head_rows import store_and_gather_native
 from kvcore.kernels.launch import UNPLANNED, launch_hooks_installed, remember
 from kvcore.kernels.tensor_guard import layout_guard
 
-__all__ = ["ResidentHeadGather", "resident_room"]
-
-
-#: tokens a row of resident rows has room for when they are allocated for ``seq``: an eighth more, at least 64, so that
-#: a decode grows them (and gathers every token again) once every ``seq / 8`` steps (:func:`room_for`)
-resident_room = room_for
+__all__ = ["ResidentHeadGather"]
 
 
 class _Rows:
@@ -128,7 +123,7 @@ class ResidentHeadGather(HeadGather):
     the pool held at the last call of that layer: a call stores its ``q`` new tokens and writes tokens
     ``min(held, length - q) .. length - 1`` (from the start of that token block) into the rows.  Locations at
     another address, another batch, or rows longer than their room gather every token again (into new rows, room
-    for :func:`resident_room` tokens).  The views stay valid until the layer's next call writes its rows.  Calls at
+    for :func:`~kvcore.kernels.head_gather.room_for` tokens).  The views stay valid until the layer's next call writes its rows.  Calls at
     one length return the same view objects (every layer's are made together): read them, do not change their
     shape or strides in place.
 
@@ -245,7 +240,7 @@ class ResidentHeadGather(HeadGather):
         if rows is None or rows.batch != batch or rows.room < seq:
             self._rows = self.repeat = self._repeats = self._bound = rows = None
             rows = self._rows = _Rows(self._template, len(self.k_layers), batch, self.heads, self.dk, self.dv,
-                                      resident_room(seq), source)  # fmt: skip
+                                      room_for(seq), source)  # fmt: skip
         elif rows.source != source:
             rows.valid[:] = [0] * len(rows.valid)  # (in place: a repeat bound to these rows sees it)
             rows.source = source
