@@ -123,9 +123,9 @@ class ResidentHeadGather(HeadGather):
     the pool held at the last call of that layer: a call stores its ``q`` new tokens and writes tokens
     ``min(held, length - q) .. length - 1`` (from the start of that token block) into the rows.  Locations at
     another address, another batch, or rows longer than their room gather every token again (into new rows, room
-    for :func:`~kvcore.kernels.head_gather.room_for` tokens).  The views stay valid until the layer's next call writes its rows.  Calls at
-    one length return the same view objects (every layer's are made together): read them, do not change their
-    shape or strides in place.
+    for :func:`~kvcore.kernels.head_gather.room_for` tokens).  The views stay valid until the layer's next call
+    writes its rows.  Calls at one length return the same view objects (every layer's are made together): read
+    them, do not change their shape or strides in place.
 
     The caller keeps the rows true: after changing the pool's rows of the held tokens by any other means (a store of
     its own, rows copied or moved, the request table's rows rewritten), it calls :meth:`release`.  Dropping tokens
